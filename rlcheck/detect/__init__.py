@@ -1,0 +1,42 @@
+"""Detectors: pure functions of the per-step metric stream (plus their own bounded history)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlcheck.detect.base import KINDS, SEVERITIES, Alarm, Detector, severity_rank
+from rlcheck.detect.periodic import PeriodicConfig, PeriodicDetector
+from rlcheck.detect.robust import DriftConfig, DriftDetector, RobustZConfig, RobustZDetector
+from rlcheck.detect.signature import SignatureConfig, SignatureDetector
+from rlcheck.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
+
+
+@dataclass(frozen=True)
+class DetectorsConfig:
+    """One config per detector; set one to None to switch that detector off."""
+
+    threshold: ThresholdConfig | None = field(default_factory=ThresholdConfig)
+    robust_z: RobustZConfig | None = field(default_factory=RobustZConfig)
+    drift: DriftConfig | None = field(default_factory=DriftConfig)
+    periodic: PeriodicConfig | None = field(default_factory=PeriodicConfig)
+    signature: SignatureConfig | None = field(default_factory=SignatureConfig)
+
+
+def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
+    """The enabled detectors, keyed by kind."""
+    makers = {
+        "threshold": (cfg.threshold, ThresholdDetector),
+        "robust_z": (cfg.robust_z, RobustZDetector),
+        "drift": (cfg.drift, DriftDetector),
+        "periodic": (cfg.periodic, PeriodicDetector),
+        "signature": (cfg.signature, SignatureDetector),
+    }
+    return {kind: cls(c) for kind, (c, cls) in makers.items() if c is not None}
+
+
+__all__ = [
+    "KINDS", "SEVERITIES", "Alarm", "Detector", "severity_rank", "DetectorsConfig", "build_detectors",
+    "ThresholdConfig", "ThresholdRule", "ThresholdDetector", "DEFAULT_RULES",
+    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector",
+    "PeriodicConfig", "PeriodicDetector", "SignatureConfig", "SignatureDetector",
+]

@@ -1,0 +1,125 @@
+"""Signature detector: per-step token-level shapes that name a cause (design.md, failure shapes).
+
+It reads the `sig/` and `seq/` statistics that `rlcheck.stats` computes from the tokens:
+
+| signature            | shape                                                              | default   |
+|----------------------|--------------------------------------------------------------------|-----------|
+| token_id_mismatch    | the trainer scored other token ids than the engine sampled         | critical  |
+| shift_by_one         | logp_train[t] fits logp_rollout[t +- 1] far better than [t]        | critical  |
+| systematic_slope     | d correlates with logp_rollout (temperature / logit processing)    | warn      |
+| early_divergence     | a few sequences diverge from their first tokens (stale state)      | warn      |
+| sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlcheck import metrics as K
+from rlcheck.detect.base import SEVERITIES, Alarm, Detector
+
+
+@dataclass(frozen=True)
+class SignatureConfig:
+    shift_min_gain: float = 3.0
+    """Shifted alignment must fit this many times better than the straight one."""
+    shift_min_abs_diff: float = 0.05
+    """...and the straight |d| must be above this (not noise)."""
+    slope_min_corr: float = 0.5
+    slope_min_abs: float = 0.02
+    slope_min_abs_diff: float = 0.005
+    """A slope counts only when mean |d| is above this noise floor."""
+    sparse_max_frac: float = 0.05
+    """Catastrophic sequences are 'sparse' when at most this fraction of the step."""
+    min_tokens: int = 64
+    """Steps with fewer valid tokens give no slope or shift signature."""
+    severity: dict[str, str] | None = None
+    """Override the default severity of a signature by name."""
+
+    def __post_init__(self) -> None:
+        for name, sev in (self.severity or {}).items():
+            if name not in DEFAULT_SEVERITY:
+                raise ValueError(f"unknown signature {name!r}; known: {sorted(DEFAULT_SEVERITY)}")
+            if sev not in SEVERITIES:
+                raise ValueError(f"severity must be one of {SEVERITIES}, got {sev!r}")
+        if not 0 < self.sparse_max_frac <= 1:
+            raise ValueError("sparse_max_frac must be in (0, 1]")
+
+
+DEFAULT_SEVERITY = {
+    "token_id_mismatch": "critical",
+    "shift_by_one": "critical",
+    "systematic_slope": "warn",
+    "early_divergence": "warn",
+    "sparse_catastrophic": "warn",
+}
+
+
+class SignatureDetector(Detector):
+    kind = "signature"
+
+    def __init__(self, cfg: SignatureConfig | None = None):
+        self.cfg = cfg or SignatureConfig()
+        self.severity = {**DEFAULT_SEVERITY, **(self.cfg.severity or {})}
+
+    def _alarm(self, name: str, metric: str, step: int, message: str, **details: Any) -> Alarm:
+        return Alarm(self.kind, metric, step, self.severity[name], message, {"signature": name, **details})
+
+    def update(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
+        cfg, m, out = self.cfg, metrics, []
+        get = m.get
+        if get(K.SIG_TOKEN_MISMATCH_COUNT, 0.0) > 0:
+            out.append(self._alarm(
+                "token_id_mismatch", K.SIG_TOKEN_MISMATCH_COUNT, step,
+                f"{int(m[K.SIG_TOKEN_MISMATCH_COUNT])} tokens scored by the trainer are not the tokens the "
+                "engine sampled (tokenizer drift or chat-template mismatch)",
+                count=m[K.SIG_TOKEN_MISMATCH_COUNT], frac=m[K.SIG_TOKEN_MISMATCH_FRAC],
+            ))
+        enough = get(K.TOKEN_COUNT, 0.0) >= cfg.min_tokens
+        if enough and get(K.SIG_SHIFT_GAIN, 0.0) >= cfg.shift_min_gain and get(K.SIG_SHIFT_BASE, 0.0) >= cfg.shift_min_abs_diff:
+            direction = int(m[K.SIG_SHIFT_DIRECTION])
+            fit = "logp_rollout[t+1]" if direction > 0 else "logp_rollout[t-1]"
+            out.append(self._alarm(
+                "shift_by_one", K.SIG_SHIFT_GAIN, step,
+                f"logp_train[t] matches {fit} {m[K.SIG_SHIFT_GAIN]:.1f}x better than logp_rollout[t]: "
+                "the two sides are misaligned by one token",
+                gain=m[K.SIG_SHIFT_GAIN], direction=direction,
+            ))
+        corr, slope = get(K.SIG_SLOPE_CORR, 0.0), get(K.SIG_SLOPE, 0.0)
+        if (enough and abs(corr) >= cfg.slope_min_corr and abs(slope) >= cfg.slope_min_abs
+                and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff):
+            out.append(self._alarm(
+                "systematic_slope", K.SIG_SLOPE, step,
+                f"d = logp_train - logp_rollout follows logp_rollout (slope {slope:.3f}, corr {corr:.2f}): "
+                "temperature or logit processing differs between engine and trainer",
+                slope=slope, corr=corr,
+            ))
+        out += self._catastrophic(step, m)
+        return out
+
+    def _catastrophic(self, step: int, m: dict[str, float]) -> list[Alarm]:
+        count = m.get(K.SEQ_CATASTROPHIC_COUNT, 0.0)
+        if count <= 0 or m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) > self.cfg.sparse_max_frac:
+            return []
+        early = m.get(K.SIG_EARLY_DIV_COUNT, 0.0)
+        details = {"count": count, "early": early, "frac": m[K.SEQ_CATASTROPHIC_FRAC]}
+        if early * 2 >= count:
+            return [self._alarm(
+                "early_divergence", K.SIG_EARLY_DIV_COUNT, step,
+                f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
+                "rest match: the shape of a stale recurrent state (a reused Mamba slot read before prefill)",
+                **details,
+            )]
+        return [self._alarm(
+            "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
+            f"{int(count)} sequences are far off (max |d| at or above the catastrophic level) while the rest "
+            "match: a per-request fault (state corruption, index aliasing); see the offenders",
+            **details,
+        )]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

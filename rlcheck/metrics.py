@@ -1,0 +1,84 @@
+"""Metric key names: defined once, here. Every key the monitor logs starts with `rlcheck/`.
+
+Groups: `token/` (per-token d = logp_train - logp_rollout), `ratio/` (importance ratio r = exp(d),
+raw, before any clipping), `seq/` (per-sequence reductions), `sig/` (statistics the signature
+detectors read).
+"""
+
+from __future__ import annotations
+
+PREFIX = "rlcheck/"
+
+# token level
+TOKEN_COUNT = "rlcheck/token/count"
+TOKEN_MASKED_COUNT = "rlcheck/token/masked_count"
+NONFINITE_COUNT = "rlcheck/token/nonfinite_count"
+ABS_DIFF_MEAN = "rlcheck/token/abs_diff_mean"
+ABS_DIFF_P50 = "rlcheck/token/abs_diff_p50"
+ABS_DIFF_P90 = "rlcheck/token/abs_diff_p90"
+ABS_DIFF_P99 = "rlcheck/token/abs_diff_p99"
+ABS_DIFF_MAX = "rlcheck/token/abs_diff_max"
+DIFF_MEAN = "rlcheck/token/diff_mean"
+KL_K1 = "rlcheck/token/kl_k1"
+KL_K2 = "rlcheck/token/kl_k2"
+KL_K3 = "rlcheck/token/kl_k3"
+CHI2 = "rlcheck/token/chi2"
+PROB_ABS_DIFF_MEAN = "rlcheck/token/prob_abs_diff_mean"
+PROB_ABS_DIFF_MAX = "rlcheck/token/prob_abs_diff_max"
+MULT_PROB_ERROR = "rlcheck/token/mult_prob_error"
+
+# importance ratio
+RATIO_MEAN = "rlcheck/ratio/mean"
+RATIO_STD = "rlcheck/ratio/std"
+RATIO_MIN = "rlcheck/ratio/min"
+RATIO_MAX = "rlcheck/ratio/max"
+RATIO_ESS = "rlcheck/ratio/ess"
+RATIO_FRAC_ABOVE_C = "rlcheck/ratio/frac_above_c"
+RATIO_CLIPPED_COUNT = "rlcheck/ratio/clipped_count"
+
+# sequence level
+SEQ_COUNT = "rlcheck/seq/count"
+SEQ_EMPTY_COUNT = "rlcheck/seq/empty_count"
+SEQ_MAX_ABS_DIFF_MEAN = "rlcheck/seq/max_abs_diff_mean"
+SEQ_MAX_ABS_DIFF_MAX = "rlcheck/seq/max_abs_diff_max"
+SEQ_LOG_RATIO_MEAN = "rlcheck/seq/log_ratio_mean"
+SEQ_LOG_RATIO_ABS_MAX = "rlcheck/seq/log_ratio_abs_max"
+SEQ_LOG_PPL_DIFF_MEAN = "rlcheck/seq/log_ppl_diff_mean"
+SEQ_LOG_PPL_DIFF_ABS_MAX = "rlcheck/seq/log_ppl_diff_abs_max"
+SEQ_FLAGGED_FRAC = "rlcheck/seq/flagged_frac"
+SEQ_CATASTROPHIC_COUNT = "rlcheck/seq/catastrophic_count"
+SEQ_CATASTROPHIC_FRAC = "rlcheck/seq/catastrophic_frac"
+FIRST_DIV_MIN = "rlcheck/seq/first_div_min"
+FIRST_DIV_P50 = "rlcheck/seq/first_div_p50"
+
+# signature statistics
+SIG_SLOPE = "rlcheck/sig/slope"
+SIG_SLOPE_CORR = "rlcheck/sig/slope_corr"
+SIG_SHIFT_BASE = "rlcheck/sig/shift_abs_diff"
+SIG_SHIFT_GAIN = "rlcheck/sig/shift_gain"
+SIG_SHIFT_DIRECTION = "rlcheck/sig/shift_direction"
+SIG_EARLY_DIV_COUNT = "rlcheck/sig/early_div_count"
+SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
+SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
+
+# monitor bookkeeping
+ALARM_COUNT = "rlcheck/alarm/count"
+MONITOR_SECONDS = "rlcheck/monitor/seconds"
+
+
+def frac_abs_diff_above(threshold: float) -> str:
+    """Key of the fraction of tokens with |d| > `threshold`."""
+    return f"rlcheck/token/frac_abs_diff_gt_{threshold:g}"
+
+
+# Keys the standard statistics always produce (the threshold fractions and first-divergence keys are
+# added per configuration / when a sequence diverged).
+ALWAYS = (
+    TOKEN_COUNT, TOKEN_MASKED_COUNT, NONFINITE_COUNT, ABS_DIFF_MEAN, ABS_DIFF_P50, ABS_DIFF_P90,
+    ABS_DIFF_P99, ABS_DIFF_MAX, DIFF_MEAN, KL_K1, KL_K2, KL_K3, CHI2, PROB_ABS_DIFF_MEAN,
+    PROB_ABS_DIFF_MAX, MULT_PROB_ERROR, RATIO_MEAN, RATIO_STD, RATIO_MIN, RATIO_MAX, RATIO_ESS,
+    RATIO_FRAC_ABOVE_C, RATIO_CLIPPED_COUNT, SEQ_COUNT, SEQ_EMPTY_COUNT, SEQ_MAX_ABS_DIFF_MEAN,
+    SEQ_MAX_ABS_DIFF_MAX, SEQ_LOG_RATIO_MEAN, SEQ_LOG_RATIO_ABS_MAX, SEQ_LOG_PPL_DIFF_MEAN,
+    SEQ_LOG_PPL_DIFF_ABS_MAX, SEQ_FLAGGED_FRAC, SEQ_CATASTROPHIC_COUNT, SEQ_CATASTROPHIC_FRAC,
+    SIG_SLOPE, SIG_SLOPE_CORR, SIG_SHIFT_BASE, SIG_SHIFT_GAIN, SIG_SHIFT_DIRECTION, SIG_EARLY_DIV_COUNT,
+)

@@ -1,0 +1,89 @@
+"""Where each step's record goes: `metrics.jsonl` (always, essential), the console, W&B.
+
+Every sink gets `log(step, record)` with one record per step:
+
+    {
+      "step": int,
+      "time": float,                       # unix seconds
+      "metrics": {key: float},             # keys from rlcheck.metrics
+      "alarms": [Alarm.to_dict()],         # kind, metric, step, severity, message, details
+      "offenders": [Offender.to_dict()],   # request_id, index, max_abs_diff, first_divergence
+                                           #   (int or None), length, mean_diff, nonfinite
+      "abs_diff_hist": {"bins": [int], "counts": [int]},  # nonzero bins of histogram.ABS_EDGES
+      "events": [dict],                    # optional
+    }
+
+    sinks = make_sinks(["jsonl", "console", "wandb"], run_dir, WandbConfig(mode="offline"))
+    sinks.log(step, record); ...; sinks.close()
+
+`wandb` and `rich` are imported only when their sink is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlcheck.errors import ConfigError
+from rlcheck.sinks.base import FanOut, Sink, SinkInitError, SinkWarning
+from rlcheck.sinks.console import ConsoleSink
+from rlcheck.sinks.jsonl import JsonlSink, read_jsonl
+from rlcheck.sinks.wandb import WandbConfig, WandbSink
+
+SINK_NAMES = ("jsonl", "console", "wandb")
+
+__all__ = [
+    "SINK_NAMES",
+    "ConsoleSink",
+    "FanOut",
+    "JsonlSink",
+    "Sink",
+    "SinkInitError",
+    "SinkWarning",
+    "WandbConfig",
+    "WandbSink",
+    "make_sinks",
+    "read_jsonl",
+]
+
+
+def make_sinks(
+    names: Sequence[str],
+    run_dir: Path,
+    wandb_config: WandbConfig | None = None,
+    wandb_run: Any = None,
+) -> FanOut:
+    """A FanOut of the named sinks, in the order given. A W&B sink that cannot start is skipped with
+    one SinkWarning (training goes on); an unknown or repeated name is a ConfigError."""
+    if isinstance(names, str):
+        raise ConfigError(f"sink names must be a list such as ['jsonl', 'console'], got the string {names!r}")
+    for name in names:
+        if name not in SINK_NAMES:
+            raise ConfigError(f"unknown sink {name!r}; valid sinks are {', '.join(SINK_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"each sink may be named once, got {list(names)}")
+
+    sinks: list[Sink] = []
+    try:
+        for name in names:
+            sink = _make_one(name, Path(run_dir), wandb_config, wandb_run)
+            if sink is not None:
+                sinks.append(sink)
+    except BaseException:
+        FanOut(sinks).close()
+        raise
+    return FanOut(sinks)
+
+
+def _make_one(name: str, run_dir: Path, wandb_config: WandbConfig | None, wandb_run: Any) -> Sink | None:
+    if name == "jsonl":
+        return JsonlSink(run_dir)
+    if name == "console":
+        return ConsoleSink()
+    try:
+        return WandbSink(run_dir, wandb_config, run=wandb_run)
+    except SinkInitError as e:
+        warnings.warn(f"rlcheck: continuing without W&B: {e}", SinkWarning, stacklevel=3)
+        return None

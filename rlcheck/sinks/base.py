@@ -1,0 +1,86 @@
+"""The sink interface every output shares, and `FanOut`, the container the monitor logs through.
+
+A sink receives one record per step (schema in `rlcheck/sinks/__init__.py`) through
+`log(step, record)`; `flush()` makes what it has seen durable, `close()` releases it. The base class
+does nothing, so a sink implements only what it needs. `FanOut` forwards every call to its sinks and
+keeps a broken optional sink (W&B down, terminal gone) from stopping training: the sink is warned
+about once and dropped. A sink with `essential = True` (the JSONL log) is the run's record of truth:
+its errors propagate.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rlcheck.errors import RLCheckError
+
+
+class SinkWarning(UserWarning):
+    """An optional sink failed or could not start; rlcheck carries on without it."""
+
+
+class SinkInitError(RLCheckError):
+    """A sink could not be constructed (e.g. `wandb.init` failed); the original error is the cause."""
+
+
+class Sink:
+    """Do-nothing base: subclasses override what they need."""
+
+    essential: bool = False
+    """If True, errors of this sink propagate out of `FanOut` instead of disabling the sink."""
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """Record one step."""
+
+    def flush(self) -> None:
+        """Make everything logged so far durable / visible."""
+
+    def close(self) -> None:
+        """Release the sink; it receives no further calls."""
+
+
+class FanOut(Sink):
+    """Forwards each call to every sink, in order; a failing non-essential sink is warned about once
+    and dropped, the others keep receiving. Errors of essential sinks are raised after every sink
+    has had the call (the first one wins)."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()):
+        self._sinks: list[Sink] = list(sinks)
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        return tuple(self._sinks)
+
+    @property
+    def essential(self) -> bool:  # type: ignore[override]
+        return any(s.essential for s in self._sinks)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self._each(lambda s: s.log(step, record), "log")
+
+    def flush(self) -> None:
+        self._each(lambda s: s.flush(), "flush")
+
+    def close(self) -> None:
+        self._each(lambda s: s.close(), "close")
+
+    def _each(self, call: Callable[[Sink], None], what: str) -> None:
+        first_error: BaseException | None = None
+        for sink in list(self._sinks):
+            try:
+                call(sink)
+            except Exception as e:
+                if sink.essential:
+                    first_error = first_error or e
+                    continue
+                self._sinks.remove(sink)
+                warnings.warn(
+                    f"rlcheck: sink {type(sink).__name__} failed in {what}() with {type(e).__name__}: {e}; "
+                    "it is disabled for the rest of the run",
+                    SinkWarning,
+                    stacklevel=3,
+                )
+        if first_error is not None:
+            raise first_error

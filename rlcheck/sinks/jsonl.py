@@ -1,0 +1,146 @@
+"""`run_dir/metrics.jsonl`: one JSON object per step, the run's durable record.
+
+Each line is written with a single `os.write` on an `O_APPEND` descriptor and fsynced before `log`
+returns, so a crash leaves only whole lines (at worst a truncated last one, which `read_jsonl`
+skips). If the file was left ending mid-line, opening it again starts a fresh line first, so a
+resumed run never glues its records onto a broken one.
+
+Non-finite floats (anywhere in the record) are written as the JSON strings "NaN", "Infinity" and
+"-Infinity", so every line is strict JSON and NaN stays distinguishable from inf. `read_jsonl` turns
+them back into floats where the schema says float: the values of `metrics` and the `max_abs_diff` /
+`mean_diff` of each offender; elsewhere (e.g. alarm `details`) they stay strings.
+
+    from rlcheck.sinks import read_jsonl
+    records = read_jsonl("runs/exp1/metrics.jsonl"); print(records.num_skipped)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rlcheck.errors import RunDirError
+from rlcheck.sinks.base import Sink
+
+FILENAME = "metrics.jsonl"
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_OFFENDER_FLOATS = ("max_abs_diff", "mean_diff")
+
+
+def _encode_float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def to_jsonable(x: Any) -> Any:
+    """`x` with non-finite floats replaced by their string names and numpy values made plain."""
+    if isinstance(x, float):
+        return _encode_float(x)
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):  # numpy scalar or array
+        return to_jsonable(x.tolist())
+    return x
+
+
+def encode_line(record: dict[str, Any]) -> bytes:
+    """One strict-JSON line (newline included); objects JSON cannot hold are written as str()."""
+    text = json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False, default=str)
+    return (text + "\n").encode("utf-8")
+
+
+class JsonlSink(Sink):
+    """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl`."""
+
+    essential = True
+
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        self.path = Path(run_dir) / FILENAME
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if not _ends_with_newline(self.path):
+                self._write(b"\n")  # isolate a line a crash cut short
+        except OSError as e:
+            raise RunDirError(f"cannot open {self.path} for appending: {e}; check the run directory") from e
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            raise RunDirError(f"JsonlSink for {self.path} is closed; step {step} was not written")
+        line = encode_line(record)
+        try:
+            self._write(line)
+        except OSError as e:
+            raise RunDirError(f"cannot append step {step} to {self.path}: {e}") from e
+
+    def flush(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)  # every log already fsynced; cheap when nothing is pending
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _write(self, data: bytes) -> None:
+        written = os.write(self._fd, data)  # one write: O_APPEND puts the whole line at the end
+        if written != len(data):
+            raise OSError(f"short write ({written} of {len(data)} bytes; disk full?)")
+        os.fsync(self._fd)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    """True if the file is empty or its last byte is a newline."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+class Records(list):
+    """The records of a metrics.jsonl file; `num_skipped` counts lines that were not valid JSON
+    (a truncated last line after a crash, or one left in the middle by a resumed run)."""
+
+    num_skipped: int = 0
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Records:
+    """Every whole record of `path`, in file order; non-finite markers decoded (see module doc)."""
+    out = Records()
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                out.num_skipped += 1
+                continue
+            if isinstance(record, dict):
+                out.append(_decode(record))
+            else:
+                out.num_skipped += 1
+    return out
+
+
+def _decode_float(x: Any) -> Any:
+    return _NONFINITE.get(x, x) if isinstance(x, str) else x
+
+
+def _decode(record: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(record.get("metrics"), dict):
+        record["metrics"] = {k: _decode_float(v) for k, v in record["metrics"].items()}
+    for off in record.get("offenders") or ():
+        if isinstance(off, dict):
+            for key in _OFFENDER_FLOATS:
+                if key in off:
+                    off[key] = _decode_float(off[key])
+    return record

@@ -1,0 +1,69 @@
+"""Helpers to test code that consumes or produces sink records: a sink that keeps what it gets,
+and a well-formed example record.
+
+    from rlcheck.sinks.testing import RecordingSink, example_record
+    sink = RecordingSink(); monitor = Monitor(..., sinks=[sink]); ...; assert sink.records[-1]["alarms"]
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rlcheck import metrics as K
+from rlcheck.detect.base import Alarm
+from rlcheck.sinks.base import Sink
+from rlcheck.stats import Offender
+
+
+class RecordingSink(Sink):
+    """Keeps every (step, record) it is given; counts flushes; remembers whether it was closed."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.records: list[dict[str, Any]] = []
+        self.num_flushes = 0
+        self.closed = False
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self.steps.append(step)
+        self.records.append(record)
+
+    def flush(self) -> None:
+        self.num_flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def example_record(step: int, abs_diff_mean: float = 0.01, alarms: int = 0) -> dict[str, Any]:
+    """A record as the monitor logs it: a few metrics, two offenders, a |d| histogram, and
+    `alarms` alarms (threshold, then robust_z, alternating; critical, then warn)."""
+    return {
+        "step": step,
+        "time": time.time(),
+        "metrics": {
+            K.ABS_DIFF_MEAN: abs_diff_mean,
+            K.ABS_DIFF_P99: 8 * abs_diff_mean,
+            K.ABS_DIFF_MAX: 40 * abs_diff_mean,
+            K.KL_K3: abs_diff_mean**2 / 2,
+            K.MULT_PROB_ERROR: 1.0 + abs_diff_mean,
+            K.TOKEN_COUNT: 1000.0,
+        },
+        "alarms": [
+            Alarm(
+                kind=("threshold", "robust_z")[i % 2],
+                metric=K.ABS_DIFF_MAX,
+                step=step,
+                severity=("critical", "warn")[i % 2],
+                message=f"abs_diff_max {40 * abs_diff_mean:.3g} above limit at step {step} [#{i}]",
+                details={"limit": 0.1},
+            ).to_dict()
+            for i in range(alarms)
+        ],
+        "offenders": [
+            Offender(f"req-{step}-0", 3, 40 * abs_diff_mean, 0, 128, -abs_diff_mean).to_dict(),
+            Offender(f"req-{step}-1", 7, 2 * abs_diff_mean, None, 64, abs_diff_mean).to_dict(),
+        ],
+        "abs_diff_hist": {"bins": [300, 420, 421], "counts": [900, 90, 10]},
+    }

@@ -1,0 +1,114 @@
+"""Tests of rlcheck.sinks.jsonl: the durable metrics.jsonl log."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from rlcheck.errors import RunDirError
+from rlcheck.sinks import JsonlSink, read_jsonl
+from rlcheck.sinks.jsonl import FILENAME
+from rlcheck.sinks.testing import example_record
+
+
+def _log_steps(run_dir, records):
+    sink = JsonlSink(run_dir)
+    for r in records:
+        sink.log(r["step"], r)
+    sink.close()
+    return run_dir / FILENAME
+
+
+class TestJsonlSink:
+    def test_round_trip(self, tmp_path):
+        """Records read back equal the records logged, one line each."""
+        records = [example_record(s, abs_diff_mean=0.01 * (s + 1), alarms=s) for s in range(3)]
+        path = _log_steps(tmp_path, records)
+        assert len(path.read_bytes().splitlines()) == 3
+        back = read_jsonl(path)
+        assert back == records
+        assert back.num_skipped == 0
+
+    def test_one_write_and_fsync_per_step(self, tmp_path, monkeypatch):
+        """Each step is one os.write of a whole newline-terminated line, fsynced before log returns."""
+        sink = JsonlSink(tmp_path)
+        calls = []
+        real_write, real_fsync = os.write, os.fsync
+        monkeypatch.setattr(os, "write", lambda fd, b: calls.append(("write", fd, bytes(b))) or real_write(fd, b))
+        monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", fd, None)) or real_fsync(fd))
+        for step in range(2):
+            sink.log(step, example_record(step, alarms=1))
+        monkeypatch.undo()
+        sink.close()
+        assert [c[0] for c in calls] == ["write", "fsync", "write", "fsync"]
+        lines = [c[2] for c in calls if c[0] == "write"]
+        assert all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in lines)
+        assert [json.loads(line)["step"] for line in lines] == [0, 1]
+
+    def test_appends_across_reopen(self, tmp_path):
+        """A second sink on the same run directory appends after the first one's lines."""
+        _log_steps(tmp_path, [example_record(0)])
+        path = _log_steps(tmp_path, [example_record(1)])
+        assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+
+    def test_nonfinite_is_strict_json(self, tmp_path):
+        """NaN and +-inf become "NaN"/"Infinity"/"-Infinity" on disk and floats again in metrics."""
+        record = example_record(0, alarms=1)
+        record["metrics"].update(a=math.nan, b=math.inf, c=-math.inf, d=np.float32(0.5))
+        record["alarms"][0]["details"]["z"] = math.inf
+        path = _log_steps(tmp_path, [record])
+        line = path.read_text()
+        parsed = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c}"))
+        assert parsed["metrics"]["a"] == "NaN" and parsed["metrics"]["c"] == "-Infinity"
+        back = read_jsonl(path)[0]
+        assert math.isnan(back["metrics"]["a"])
+        assert back["metrics"]["b"] == math.inf and back["metrics"]["c"] == -math.inf
+        assert back["metrics"]["d"] == 0.5
+        assert back["alarms"][0]["details"]["z"] == "Infinity"
+
+    def test_closed_sink_raises(self, tmp_path):
+        """Logging after close is a RunDirError, never a write to a recycled descriptor."""
+        sink = JsonlSink(tmp_path)
+        sink.close()
+        sink.close()
+        with pytest.raises(RunDirError, match="closed"):
+            sink.log(0, example_record(0))
+
+    def test_unwritable_run_dir(self, tmp_path):
+        """A run directory that is a file gives a RunDirError naming the path."""
+        blocker = tmp_path / "run"
+        blocker.write_text("")
+        with pytest.raises(RunDirError, match="run"):
+            JsonlSink(blocker)
+
+    def test_reopen_after_torn_line(self, tmp_path):
+        """Reopening a file that ends mid-line starts a new line, so only the torn one is lost."""
+        path = _log_steps(tmp_path, [example_record(0), example_record(1)])
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 20])
+        _log_steps(tmp_path, [example_record(2)])
+        back = read_jsonl(path)
+        assert [r["step"] for r in back] == [0, 2]
+        assert back.num_skipped == 1
+
+
+class TestReadJsonl:
+    def test_skips_truncated_last_line(self, tmp_path):
+        """A last line cut short by a crash is skipped and counted; the whole lines survive."""
+        path = _log_steps(tmp_path, [example_record(s) for s in range(3)])
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 7])
+        back = read_jsonl(path)
+        assert [r["step"] for r in back] == [0, 1]
+        assert back.num_skipped == 1
+
+    def test_empty_file(self, tmp_path):
+        """An empty file reads as no records and nothing skipped."""
+        path = tmp_path / FILENAME
+        path.write_bytes(b"")
+        back = read_jsonl(path)
+        assert back == [] and back.num_skipped == 0
