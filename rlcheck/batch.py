@@ -191,7 +191,7 @@ class StepBatch:
         rollout = [_float_array(x, f"logp_rollout[{i}]").reshape(-1) for i, x in enumerate(logp_rollout)]
         train = [_float_array(x, f"logp_train[{i}]").reshape(-1) for i, x in enumerate(logp_train)]
         lens = np.fromiter((x.shape[0] for x in rollout), dtype=np.int64, count=n)
-        for i, (a, b) in enumerate(zip(rollout, train)):
+        for i, (a, b) in enumerate(zip(rollout, train, strict=True)):
             if a.shape != b.shape:
                 raise InputError(
                     f"sequence {i}: logp_rollout has {a.shape[0]} tokens, logp_train has {b.shape[0]}"

@@ -50,7 +50,7 @@ def _per_sequence(batch: StepBatch, tau: float) -> tuple[np.ndarray, list[int | 
     seq_of = np.searchsorted(batch.cu_seqlens, pos, side="right") - 1
     first: list[int | None] = [None] * batch.num_sequences
     seqs, idx = np.unique(seq_of, return_index=True)
-    for s, i in zip(seqs.tolist(), idx.tolist()):
+    for s, i in zip(seqs.tolist(), idx.tolist(), strict=True):
         first[s] = int(pos[i] - batch.cu_seqlens[s])
     return seq_max, first
 
