@@ -57,6 +57,8 @@ def _float_array(x: Any, name: str) -> np.ndarray:
 
 def _int_array(x: Any, name: str) -> np.ndarray:
     a = to_numpy(x, name)
+    if a.size == 0:  # [] reads as float64
+        return a.astype(np.int64)
     if a.dtype.kind not in "iu":
         raise InputError(f"{name}: expected integer values, got dtype {a.dtype}")
     return a.astype(np.int64, copy=False)
@@ -64,8 +66,8 @@ def _int_array(x: Any, name: str) -> np.ndarray:
 
 def _bool_array(x: Any, name: str) -> np.ndarray:
     a = to_numpy(x, name)
-    if a.dtype.kind == "b":
-        return a
+    if a.dtype.kind == "b" or a.size == 0:
+        return a.astype(bool, copy=False)
     if a.dtype.kind in "iu":
         if a.size and (a.min() < 0 or a.max() > 1):
             raise InputError(f"{name}: a mask holds 0/1 or booleans, found values outside [0, 1]")
@@ -210,7 +212,7 @@ class StepBatch:
                     raise InputError(f"sequence {i}: {name} has {a.shape[0]} entries for {lens[i]} tokens")
             return np.concatenate(arrs) if arrs else np.zeros(0)
 
-        dtype = np.result_type(*(x.dtype for x in rollout + train))
+        dtype = np.result_type(*(x.dtype for x in rollout + train if x.size)) if lens.any() else np.float32
         return cls.from_packed(
             np.concatenate(rollout).astype(dtype, copy=False),
             np.concatenate(train).astype(dtype, copy=False),

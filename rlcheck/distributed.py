@@ -14,17 +14,22 @@ start of the global batch in rank order (rank 0's sequences first). torch is imp
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 
+from rlcheck.errors import ConfigError
 from rlcheck.stats import PartialStats, merge
+
+_PER_RANK = ("sums", "maxima", "minima", "hists", "offenders", "num_sequences")
 
 
 def _layout(p: PartialStats) -> tuple:
-    """What must agree across ranks for the reduced tensors to line up key by key."""
+    """What must agree across ranks: the keys and bins of the reduced tensors (so they line up key
+    by key) and every other field (thresholds, top_k: the configuration)."""
     hist_shapes = tuple((k, p.hists[k].shape) for k in sorted(p.hists))
-    return sorted(p.sums), sorted(p.maxima), sorted(p.minima), hist_shapes, p.thresholds
+    shared = tuple((f.name, getattr(p, f.name)) for f in fields(p) if f.name not in _PER_RANK)
+    return sorted(p.sums), sorted(p.maxima), sorted(p.minima), hist_shapes, shared
 
 
 def _reduce(values: dict[str, float], op, group, device) -> dict[str, float]:
@@ -66,15 +71,14 @@ def all_reduce_partial(partial: PartialStats, group=None, top_k: int | None = No
     dist.all_gather_object(gathered, small, group=group)
     layouts = [g[0] for g in gathered]
     if any(lay != layouts[0] for lay in layouts):
-        raise ValueError(
-            "all_reduce_partial: ranks hold statistics of different layouts (keys, thresholds or "
-            "histogram bins differ); every rank must use the same StatsConfig"
+        raise ConfigError(
+            "all_reduce_partial: ranks hold statistics of different layouts (keys, thresholds, top_k "
+            "or histogram bins differ); every rank must use the same StatsConfig"
         )
 
     # Offenders and sequence counts through `merge` (rank order, index offsets); heavy fields empty.
-    light = [
-        PartialStats({}, {}, {}, {}, offenders, num, partial.thresholds) for _, offenders, num in gathered
-    ]
+    empty = {"sums": {}, "maxima": {}, "minima": {}, "hists": {}}
+    light = [replace(partial, **empty, offenders=offs, num_sequences=num) for _, offs, num in gathered]
     merged = merge(light, top_k=top_k)
     return replace(
         merged,

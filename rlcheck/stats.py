@@ -13,8 +13,9 @@ r = exp(d) and n valid tokens, the token metrics are
 
 computed as expm1(d) so that nothing cancels for tiny d; d is capped at RATIO_LOG_CAP before any
 exponential (so nothing overflows) and the capped tokens are counted in `ratio/clipped_count`.
-Non-finite tokens are left out of every statistic, counted in `token/nonfinite_count`, and mark
-their sequence as flagged and catastrophic.
+Non-finite tokens (NaN, -inf, or a sentinel below MIN_LOGPROB such as -1e9, on either side, and not
+masked out) are left out of every statistic, counted in `token/nonfinite_count`, and mark their
+sequence as flagged and catastrophic.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlcheck import metrics as K
 from rlcheck.batch import StepBatch
 
 RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
+MIN_LOGPROB = -1e4  # below this a "logprob" is a stand-in for -inf (-1e9, finfo.min): counted as non-finite
 _F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
 
 
@@ -60,6 +62,11 @@ class StatsConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.ratio_c > 1:
             raise ValueError(f"ratio_c must be > 1, got {self.ratio_c}")
+        if self.catastrophic_tau < self.divergence_tau:
+            raise ValueError("catastrophic_tau must be >= divergence_tau (a catastrophic sequence has diverged)")
+        keys = [f"{t:g}" for t in self.thresholds]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"thresholds must differ in their first 6 significant digits, got {self.thresholds}")
         for name in ("early_window", "top_k", "shift_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -108,6 +115,7 @@ class PartialStats:
     offenders: tuple[Offender, ...]
     num_sequences: int
     thresholds: tuple[float, ...] = field(default=())
+    top_k: int = 10
 
 
 def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialStats:
@@ -121,7 +129,7 @@ def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialSta
     for p in parts:
         offenders += [replace(o, index=o.index + offset) for o in p.offenders]
         offset += p.num_sequences
-    k = top_k if top_k is not None else max(len(p.offenders) for p in parts)
+    k = top_k if top_k is not None else first.top_k
     return PartialStats(
         sums={key: sum(p.sums[key] for p in parts) for key in first.sums},
         maxima={key: max(p.maxima[key] for p in parts) for key in first.maxima},
@@ -130,6 +138,7 @@ def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialSta
         offenders=_rank(offenders, k),
         num_sequences=offset,
         thresholds=first.thresholds,
+        top_k=k,
     )
 
 
@@ -151,10 +160,14 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
         lr, lt = lr.astype(np.float64), lt.astype(np.float64)
     d = lt - lr  # (M,)
     m_total = d.shape[0]
+    with np.errstate(invalid="ignore"):
+        lowest = min(lr.min(), lt.min())  # NaN when a NaN is present
+        sum_d = _f64sum(d)
     nonfinite = None
-    sum_d = _f64sum(d)
-    if not math.isfinite(sum_d):  # a NaN or inf on either side (or a sum past float64: also checked)
-        nonfinite = ~np.isfinite(d)
+    if not lowest >= MIN_LOGPROB or not math.isfinite(sum_d):  # NaN, -inf or a -1e9-style sentinel
+        nonfinite = ~((lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB))
+        if batch.mask is not None:
+            nonfinite &= batch.mask  # a masked-out token was never meant to be compared
         if not nonfinite.any():
             nonfinite = None
     valid = batch.mask
@@ -183,9 +196,9 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
         dc = np.minimum(d, RATIO_LOG_CAP)
     e = np.expm1(dc)  # r - 1, (M,)
     mpe = np.expm1(np.minimum(ad, RATIO_LOG_CAP) if ad_max > RATIO_LOG_CAP else ad)  # exp|d| - 1
-    pdiff = np.exp(lt)
-    pdiff -= np.exp(lr)
-    np.abs(pdiff, out=pdiff)
+    # |exp(lt) - exp(lr)| = exp(max(lt, lr)) * (1 - exp(-|d|)): no cancellation, no overflow
+    pdiff = np.exp(np.maximum(lt, lr))
+    pdiff *= -np.expm1(-ad)
 
     hist = H.abs_histogram(ad)
     hist[0] -= n_zeroed
@@ -211,7 +224,7 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
 
     offenders = _sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
     _signature_stats(batch, cfg, lr, lt, d, valid, sums)
-    return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds))
+    return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k)
 
 
 def _sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:

@@ -24,8 +24,10 @@ def skewed_batch(
     lens = np.minimum(rng.lognormal(4.5, 1.2, num_sequences), 4000).astype(np.int64)  # (N,)
     lens[rng.choice(num_sequences, 8, replace=False)] = 0
     half = num_sequences // 2
-    early, negative, clipped, nan_seq, masked_seq = 17, int(np.argmax(lens[:half])), half + 60, half + 100, half + 7
-    lens[[early, clipped, nan_seq, masked_seq]] = np.maximum(lens[[early, clipped, nan_seq, masked_seq]], 40)
+    early, clipped, nan_seq, masked_seq = 17, half + 60, half + 100, half + 7
+    negative = int(np.argmax(lens[:half]))
+    special = [early, clipped, nan_seq, masked_seq]
+    lens[special] = np.maximum(lens[special], 40)
     cu = np.zeros(num_sequences + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     num_tokens = int(cu[-1])

@@ -1,0 +1,81 @@
+"""Helpers for testing rlcheck and integrations with it: heavy-tailed metric streams with injected
+periodic spikes, the shape the detectors must tell apart from noise.
+
+    from rlcheck.testing import metric_stream
+    stream = metric_stream(2000, seed=0, noise="t5", spike_every=12, spike_start=500, spike_mad=5)
+    for step, metrics in enumerate(stream.metrics): ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlcheck import metrics as K
+
+NOISES = ("gaussian", "t5", "contaminated")
+
+
+def heavy_tailed_noise(rng: np.random.Generator, size: int | tuple[int, ...], kind: str = "t5") -> np.ndarray:
+    """Zero-centred noise: "gaussian", "t5" (Student-t, 5 dof) or "contaminated" (Gaussian with 2%
+    of the draws 8x wider)."""
+    if kind == "gaussian":
+        return rng.standard_normal(size)
+    if kind == "t5":
+        return rng.standard_t(5, size)
+    if kind == "contaminated":
+        x = rng.standard_normal(size)
+        return np.where(rng.random(size) < 0.02, 8.0 * x, x)
+    raise ValueError(f"noise kind must be one of {NOISES}, got {kind!r}")
+
+
+@dataclass
+class MetricStream:
+    metrics: list[dict[str, float]]
+    spike_steps: list[int]
+    mad: float  # MAD of the clean noise of the primary metric
+
+
+def metric_stream(
+    num_steps: int,
+    seed: int = 0,
+    noise: str = "t5",
+    spike_every: int | None = None,
+    spike_phase: int = 0,
+    spike_start: int = 0,
+    spike_mad: float = 5.0,
+    level: float = 3e-3,
+    rel_noise: float = 0.1,
+) -> MetricStream:
+    """Per-step metrics around `level` with `rel_noise` relative noise of the given kind. Spikes add
+    `spike_mad` MADs of that noise to every metric at steps = spike_phase mod spike_every (from
+    spike_start on). Other keys the detectors read are filled with healthy constant-ish values."""
+    rng = np.random.default_rng(seed)
+    x = heavy_tailed_noise(rng, (num_steps, 3), noise)  # (S, 3)
+    mad = float(np.median(np.abs(x[:, 0] - np.median(x[:, 0]))))
+    spikes = []
+    if spike_every is not None:
+        spikes = [s for s in range(spike_start, num_steps) if s % spike_every == spike_phase % spike_every]
+        x[spikes] += spike_mad * mad
+    out = []
+    for s in range(num_steps):
+        mean = level * (1.0 + rel_noise * x[s, 0])
+        out.append({
+            K.ABS_DIFF_MEAN: mean,
+            K.ABS_DIFF_P99: 8.0 * level * (1.0 + rel_noise * x[s, 1]),
+            K.KL_K3: 0.5 * level * level * (1.0 + rel_noise * x[s, 2]),
+            K.MULT_PROB_ERROR: 1.0 + mean,
+            K.PROB_ABS_DIFF_MEAN: 0.5 * mean,
+            K.TOKEN_COUNT: 50_000.0,
+            K.NONFINITE_COUNT: 0.0,
+            K.SEQ_CATASTROPHIC_COUNT: 0.0,
+            K.SEQ_CATASTROPHIC_FRAC: 0.0,
+            K.SIG_SLOPE: 0.0,
+            K.SIG_SLOPE_CORR: float(0.05 * rng.standard_normal()),
+            K.SIG_SHIFT_BASE: mean,
+            K.SIG_SHIFT_GAIN: 0.002,
+            K.SIG_SHIFT_DIRECTION: 1.0,
+            K.SIG_EARLY_DIV_COUNT: 0.0,
+        })
+    return MetricStream(out, spikes, mad)

@@ -1,0 +1,176 @@
+"""Threshold, robust z, drift and signature detectors; the clean 10,000-step run across all of them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlcheck import metrics as K
+from rlcheck.detect import (
+    Alarm,
+    DetectorsConfig,
+    DriftConfig,
+    DriftDetector,
+    RobustZConfig,
+    RobustZDetector,
+    SignatureConfig,
+    SignatureDetector,
+    ThresholdConfig,
+    ThresholdDetector,
+    ThresholdRule,
+    build_detectors,
+)
+from rlcheck.testing import metric_stream
+
+
+def run(detector, metrics_list, start=0):
+    return [a for s, m in enumerate(metrics_list, start) for a in detector.update(s, m)]
+
+
+class TestAlarm:
+    def test_round_trip(self):
+        """to_dict / from_dict round-trip through JSON."""
+        a = Alarm("periodic", K.ABS_DIFF_MEAN, 7, "critical", "msg", {"period": 3, "phase": 1})
+        assert Alarm.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+
+    def test_rejects_unknown_kind_and_severity(self):
+        """Only the documented kinds and severities are accepted."""
+        with pytest.raises(ValueError):
+            Alarm("weird", "m", 0, "warn", "")
+        with pytest.raises(ValueError):
+            Alarm("drift", "m", 0, "panic", "")
+
+
+class TestThresholdDetector:
+    def test_fires_above_limit_only(self):
+        """A metric above its limit raises the rule's severity; at or below, nothing."""
+        det = ThresholdDetector(ThresholdConfig(rules=(ThresholdRule(K.ABS_DIFF_MEAN, 0.1, "critical"),)))
+        assert det.update(0, {K.ABS_DIFF_MEAN: 0.1}) == []
+        (a,) = det.update(1, {K.ABS_DIFF_MEAN: 0.2})
+        assert (a.kind, a.severity, a.details["limit"]) == ("threshold", "critical", 0.1)
+
+    def test_default_gates_are_the_published_ones(self):
+        """Defaults carry NeMo-RL's mean exp|d| <= 1.05 and verl's probs_diff_mean 0.01 gates."""
+        limits = {r.metric: r.limit for r in ThresholdConfig().rules}
+        assert limits[K.MULT_PROB_ERROR] == 1.05 and limits[K.PROB_ABS_DIFF_MEAN] == 0.01
+
+    def test_missing_metric_skipped(self):
+        """A rule whose metric is absent this step does nothing."""
+        assert ThresholdDetector().update(0, {}) == []
+
+
+class TestRobustZDetector:
+    def test_fires_on_sudden_spike_after_warmup(self):
+        """A 3x jump in mean |d| after a steady history is a robust-z alarm; during warm-up nothing fires."""
+        stream = metric_stream(200, seed=1, noise="gaussian").metrics
+        det = RobustZDetector()
+        spike = dict(stream[10], **{K.ABS_DIFF_MEAN: 0.5})
+        assert det.update(0, spike) == []
+        assert run(det, stream[1:150], start=1) == []
+        alarms = det.update(150, dict(stream[150], **{K.ABS_DIFF_MEAN: 3e-3 * 3}))
+        assert [a.metric for a in alarms] == [K.ABS_DIFF_MEAN]
+        assert alarms[0].details["z"] > RobustZConfig().z_threshold
+
+    def test_downward_move_is_not_an_alarm(self):
+        """Mismatch falling to zero is good news, not a spike."""
+        stream = metric_stream(100, seed=1).metrics
+        det = RobustZDetector()
+        run(det, stream)
+        assert det.update(100, {K.ABS_DIFF_MEAN: 0.0}) == []
+
+    def test_constant_series_does_not_explode(self):
+        """An exact-match history (all zeros) scores a tiny wobble as finite, via the scale floor."""
+        det = RobustZDetector()
+        run(det, [{K.ABS_DIFF_MEAN: 0.0}] * 64)
+        (a,) = det.update(64, {K.ABS_DIFF_MEAN: 1e-3})
+        assert a.details["z"] < float("inf")
+
+    def test_state_round_trip(self):
+        """A restored detector continues with the same baseline."""
+        det = RobustZDetector()
+        run(det, metric_stream(100, seed=2).metrics)
+        clone = RobustZDetector()
+        clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
+        m = {K.ABS_DIFF_MEAN: 0.02}
+        assert [a.details["z"] for a in clone.update(100, m)] == [a.details["z"] for a in det.update(100, m)]
+
+
+class TestDriftDetector:
+    def test_slow_growth_is_caught(self):
+        """Mean |d| growing 1% per step (no single step a spike) raises a drift alarm with its start."""
+        base = metric_stream(400, seed=4, noise="gaussian").metrics
+        ramp = [dict(m, **{K.ABS_DIFF_MEAN: m[K.ABS_DIFF_MEAN] * (1.01 ** max(0, s - 200))}) for s, m in enumerate(base)]
+        alarms = [a for a in run(DriftDetector(), ramp) if a.metric == K.ABS_DIFF_MEAN]
+        assert alarms and 200 < alarms[0].step < 300
+        assert alarms[0].details["since_step"] >= 195
+        assert not [a for a in run(RobustZDetector(), ramp[:300]) if a.metric == K.ABS_DIFF_MEAN]
+
+    def test_state_round_trip(self):
+        """CUSUM and baseline survive a JSON round trip."""
+        det = DriftDetector()
+        run(det, metric_stream(120, seed=2).metrics)
+        det.cusum[K.ABS_DIFF_MEAN] = 3.5
+        clone = DriftDetector()
+        clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
+        assert clone.cusum == det.cusum and clone.state_dict() == det.state_dict()
+
+    def test_config_validation(self):
+        """clip must exceed slack."""
+        with pytest.raises(ValueError):
+            DriftConfig(slack=5.0, clip=4.0)
+
+
+def clean_sig(**over):
+    m = {K.TOKEN_COUNT: 10_000.0, K.ABS_DIFF_MEAN: 1e-3, K.SIG_SHIFT_GAIN: 0.001, K.SIG_SHIFT_BASE: 1e-3,
+         K.SIG_SHIFT_DIRECTION: 1.0, K.SIG_SLOPE: 0.0, K.SIG_SLOPE_CORR: 0.01, K.SEQ_CATASTROPHIC_COUNT: 0.0,
+         K.SEQ_CATASTROPHIC_FRAC: 0.0, K.SIG_EARLY_DIV_COUNT: 0.0}
+    m.update(over)
+    return m
+
+
+class TestSignatureDetector:
+    def test_clean_step_is_silent(self):
+        """Healthy statistics raise no signature."""
+        assert SignatureDetector().update(0, clean_sig()) == []
+
+    @pytest.mark.parametrize(
+        "over, name, severity",
+        [
+            ({K.SIG_TOKEN_MISMATCH_COUNT: 3.0, K.SIG_TOKEN_MISMATCH_FRAC: 3e-4}, "token_id_mismatch", "critical"),
+            ({K.SIG_SHIFT_GAIN: 8.0, K.SIG_SHIFT_BASE: 1.2, K.SIG_SHIFT_DIRECTION: -1.0}, "shift_by_one", "critical"),
+            ({K.SIG_SLOPE: -0.3, K.SIG_SLOPE_CORR: -0.9, K.ABS_DIFF_MEAN: 0.2}, "systematic_slope", "warn"),
+            ({K.SEQ_CATASTROPHIC_COUNT: 2.0, K.SEQ_CATASTROPHIC_FRAC: 0.002, K.SIG_EARLY_DIV_COUNT: 2.0}, "early_divergence", "warn"),
+            ({K.SEQ_CATASTROPHIC_COUNT: 2.0, K.SEQ_CATASTROPHIC_FRAC: 0.002}, "sparse_catastrophic", "warn"),
+        ],
+    )
+    def test_each_signature(self, over, name, severity):
+        """Each shape raises exactly its own signature with its default severity."""
+        (a,) = SignatureDetector().update(3, clean_sig(**over))
+        assert (a.kind, a.details["signature"], a.severity, a.step) == ("signature", name, severity, 3)
+
+    def test_shift_needs_real_mismatch(self):
+        """A shift gain on noise-level |d| (below shift_min_abs_diff) is not an alarm."""
+        assert SignatureDetector().update(0, clean_sig(**{K.SIG_SHIFT_GAIN: 9.0, K.SIG_SHIFT_BASE: 0.01})) == []
+
+    def test_widespread_catastrophe_is_not_sparse(self):
+        """When most sequences are far off it is not the sparse signature (hard limits handle it)."""
+        assert SignatureDetector().update(0, clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 500.0, K.SEQ_CATASTROPHIC_FRAC: 0.5})) == []
+
+    def test_severity_override(self):
+        """A signature's severity can be raised by name; unknown names are rejected."""
+        det = SignatureDetector(SignatureConfig(severity={"sparse_catastrophic": "critical"}))
+        (a,) = det.update(0, clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 1.0, K.SEQ_CATASTROPHIC_FRAC: 0.001}))
+        assert a.severity == "critical"
+        with pytest.raises(ValueError):
+            SignatureConfig(severity={"nope": "warn"})
+
+
+class TestCleanStream:
+    @pytest.mark.parametrize("noise", ["t5", "gaussian"])
+    def test_10000_clean_steps_zero_alarms(self, noise):
+        """Every detector at its defaults stays silent over 10,000 clean heavy-tailed steps."""
+        detectors = build_detectors(DetectorsConfig())
+        stream = metric_stream(10_000, seed=21, noise=noise).metrics
+        alarms = [a for s, m in enumerate(stream) for det in detectors.values() for a in det.update(s, m)]
+        assert alarms == []
