@@ -1,0 +1,30 @@
+"""The README states the defaults the code has: halt limits and threshold gates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlcheck.detect import ThresholdConfig
+from rlcheck.monitor import DEFAULT_HARD_LIMITS, HaltConfig
+
+README = (Path(__file__).parents[2] / "README.md").read_text()
+
+
+class TestReadme:
+    def test_hard_limits_match(self):
+        """Every default hard limit appears in the README table with its value."""
+        for key, limit in DEFAULT_HARD_LIMITS.items():
+            assert f"| `{key}` | {limit:g} |" in README, key
+        assert dict(HaltConfig().hard_limits) == DEFAULT_HARD_LIMITS
+
+    def test_threshold_gates_match(self):
+        """Every default threshold gate appears in the README with its value."""
+        for rule in ThresholdConfig().rules:
+            short = rule.metric.removeprefix("rlcheck/token/")
+            assert f"`{short}` > {rule.limit:g}" in README, rule.metric
+
+    def test_patience_and_severity_match(self):
+        """The README's HaltConfig table matches the dataclass defaults."""
+        h = HaltConfig()
+        assert f"| `patience` | `{h.patience}` |" in README
+        assert f"| `min_severity` | `{h.min_severity}` |" in README
