@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rlcheck import StepBatch
+from rlcheck import metrics as K
 from rlcheck.stats import StatsConfig, compute, compute_partial, finalize, merge
 
 
@@ -34,3 +36,27 @@ class TestMerge:
         assert metrics["rlcheck/token/nonfinite_count"] == 1
         assert metrics["rlcheck/sig/early_div_count"] >= 1
         assert offenders[0].nonfinite and offenders[0].request_id == "req-0250"
+
+
+class TestMergeEdgeCases:
+    def test_offender_ties_break_by_index(self):
+        """Equal max |d| at the top-K edge goes to the lower index, in one process and merged alike."""
+        lr = np.full(4, -1.0)
+        b = StepBatch.from_packed(lr, lr + [0, 0, 0.5, 0.5], np.arange(5), list("abcd"))
+        cfg = StatsConfig(top_k=1)
+        whole = compute(b, cfg)[1]
+        halves = finalize(merge([compute_partial(b.select([0, 1]), cfg), compute_partial(b.select([2, 3]), cfg)]), cfg)[1]
+        assert [o.request_id for o in whole] == [o.request_id for o in halves] == ["c"]
+
+    def test_float32_squares_keep_small_terms(self):
+        """One large |d| among millions of small ones does not swamp the float32 sums of squares."""
+        n = 4_000_000
+        lr = np.full(n, -2.0)
+        lt = lr + 0.01
+        lt[7] = lr[7] - 8.0
+        ids = [f"s{i}" for i in range(4)]
+        cu = np.array([0, n // 4, n // 2, 3 * n // 4, n], dtype=np.int64)
+        got, _ = compute(StepBatch.from_packed(lr.astype(np.float32), lt.astype(np.float32), cu, ids))
+        ref, _ = compute(StepBatch.from_packed(lr, lt, cu, ids))
+        for key in (K.RATIO_STD, K.KL_K2, K.CHI2):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4), key

@@ -1,0 +1,95 @@
+"""finalize: metric dict (every value finite) and offenders from merged partial statistics."""
+
+from __future__ import annotations
+
+import math
+
+from rlcheck import histogram as H
+from rlcheck import metrics as K
+from rlcheck.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
+
+
+def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str, float], tuple[Offender, ...]]:
+    """Metric dict (every value finite) and offenders from merged partial statistics."""
+    cfg = cfg or StatsConfig()
+    s, mx, mn = p.sums, p.maxima, p.minima
+    n = s["n"]
+    out: dict[str, float] = {
+        K.TOKEN_COUNT: n,
+        K.TOKEN_MASKED_COUNT: s["n_masked"],
+        K.NONFINITE_COUNT: s["n_nonfinite"],
+        K.RATIO_CLIPPED_COUNT: s["clipped"],
+        K.SEQ_COUNT: s["seq_total"],
+        K.SEQ_EMPTY_COUNT: s["seq_empty"],
+        K.SEQ_FLAGGED_FRAC: s["seq_flagged"] / max(s["seq_total"], 1.0),
+        K.SEQ_CATASTROPHIC_COUNT: s["seq_cat"],
+        K.SEQ_CATASTROPHIC_FRAC: s["seq_cat"] / max(s["seq_total"], 1.0),
+        K.SIG_EARLY_DIV_COUNT: s["early_div"],
+    }
+    if n > 0:
+        out.update(_token_metrics(p, cfg))
+    if s["seq_n"] > 0:
+        ns = s["seq_n"]
+        out.update({
+            K.SEQ_MAX_ABS_DIFF_MEAN: s["seq_max"] / ns,
+            K.SEQ_MAX_ABS_DIFF_MAX: mx["ad"],
+            K.SEQ_LOG_RATIO_MEAN: s["seq_logratio"] / ns,
+            K.SEQ_LOG_RATIO_ABS_MAX: mx["seq_logratio"],
+            K.SEQ_LOG_PPL_DIFF_MEAN: s["seq_lppl"] / ns,
+            K.SEQ_LOG_PPL_DIFF_ABS_MAX: mx["seq_lppl"],
+        })
+    if math.isfinite(mn["first_div"]):
+        out[K.FIRST_DIV_MIN] = mn["first_div"]
+        out[K.FIRST_DIV_P50] = float(H.position_quantile(p.hists["first_div"], 0.5))
+    if s["tok_n"] > 0:
+        out[K.SIG_TOKEN_MISMATCH_COUNT] = s["tok_mismatch"]
+        out[K.SIG_TOKEN_MISMATCH_FRAC] = s["tok_mismatch"] / s["tok_n"]
+    return out, p.offenders
+
+
+def _token_metrics(p: PartialStats, cfg: StatsConfig) -> dict[str, float]:
+    s, mx, mn = p.sums, p.maxima, p.minima
+    n = s["n"]
+    mean_e, mean_e2 = s["e"] / n, s["e2"] / n
+    sum_r, sum_r2 = s["e"] + n, s["e2"] + 2.0 * s["e"] + n
+    ad_max = mx["ad"]
+    out = {
+        K.ABS_DIFF_MEAN: s["ad"] / n,
+        K.ABS_DIFF_P50: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.50, ad_max),
+        K.ABS_DIFF_P90: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.90, ad_max),
+        K.ABS_DIFF_P99: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.99, ad_max),
+        K.ABS_DIFF_MAX: ad_max,
+        K.DIFF_MEAN: s["d"] / n,
+        K.KL_K1: -s["d"] / n,
+        K.KL_K2: s["d2"] / (2.0 * n),
+        K.KL_K3: max(s["k3"] / n, 0.0),
+        K.CHI2: mean_e2 + 2.0 * mean_e,
+        K.PROB_ABS_DIFF_MEAN: s["pdiff"] / n,
+        K.PROB_ABS_DIFF_MAX: mx["pdiff"],
+        K.MULT_PROB_ERROR: 1.0 + s["mpe"] / n,
+        K.RATIO_MEAN: 1.0 + mean_e,
+        K.RATIO_STD: math.sqrt(max(mean_e2 - mean_e * mean_e, 0.0)),
+        K.RATIO_MIN: math.exp(max(min(mn["d"], RATIO_LOG_CAP), -700.0)),
+        K.RATIO_MAX: math.exp(min(mx["d"], RATIO_LOG_CAP)),
+        K.RATIO_ESS: sum_r * sum_r / (n * sum_r2),
+        K.RATIO_FRAC_ABOVE_C: s["ratio_above"] / n,
+    }
+    for i, t in enumerate(p.thresholds):
+        out[K.frac_abs_diff_above(t)] = s[f"thr{i}"] / n
+
+    mean_d, mean_lr = s["d"] / n, s["lr"] / n
+    var_lr = max(s["lr2"] / n - mean_lr * mean_lr, 0.0)
+    var_d = max(s["d2"] / n - mean_d * mean_d, 0.0)
+    cov = s["dlr"] / n - mean_d * mean_lr
+    out[K.SIG_SLOPE] = cov / var_lr if var_lr > 1e-12 else 0.0
+    out[K.SIG_SLOPE_CORR] = max(min(cov / math.sqrt(var_lr * var_d), 1.0), -1.0) if var_lr * var_d > 1e-24 else 0.0
+
+    sh_n = s["sh_n"]
+    if sh_n > 0:
+        base, ep, em = s["sh_e0"] / sh_n, s["sh_ep"] / sh_n, s["sh_em"] / sh_n
+        out[K.SIG_SHIFT_BASE] = base
+        out[K.SIG_SHIFT_GAIN] = base / max(min(ep, em), 1e-12)
+        out[K.SIG_SHIFT_DIRECTION] = 1.0 if ep <= em else -1.0
+    else:
+        out.update({K.SIG_SHIFT_BASE: 0.0, K.SIG_SHIFT_GAIN: 0.0, K.SIG_SHIFT_DIRECTION: 0.0})
+    return out

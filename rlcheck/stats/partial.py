@@ -1,0 +1,100 @@
+"""compute_partial: one batch's token sums, extrema and |d| histogram (then sequences, signatures).
+
+Passes over the M tokens are few and reuse one scratch buffer; float32 sums are accumulated through
+float32 block sums added in float64, so nothing is lost to a large outlier among millions of terms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlcheck import histogram as H
+from rlcheck.batch import StepBatch
+from rlcheck.stats.sequences import sequence_stats
+from rlcheck.stats.signatures import signature_stats
+from rlcheck.stats.sums import sum64, sum_product
+from rlcheck.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
+
+_F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
+
+def _validity(batch: StepBatch, lr: np.ndarray, lt: np.ndarray, sum_d: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(valid, nonfinite) token masks, or None where every token qualifies / none is non-finite."""
+    mask = batch.mask
+    if mask is not None and mask.all():
+        mask = None  # from_padded attaches a mask even when nothing is masked
+    with np.errstate(invalid="ignore"):
+        lowest = min(lr.min(), lt.min())  # NaN when a NaN is present
+    nonfinite = None
+    if not lowest >= MIN_LOGPROB or not math.isfinite(sum_d):  # NaN, -inf or a -1e9-style sentinel
+        nonfinite = ~((lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB))
+        if mask is not None:
+            nonfinite &= mask  # a masked-out token was never meant to be compared
+        if not nonfinite.any():
+            nonfinite = None
+    if nonfinite is None:
+        return mask, None
+    return (~nonfinite if mask is None else mask & ~nonfinite), nonfinite
+
+
+def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> PartialStats:
+    """Sums, extrema, histograms and top-K offenders of `batch`."""
+    cfg = cfg or StatsConfig()
+    lr, lt = batch.logp_rollout, batch.logp_train  # (M,)
+    if lr.dtype != lt.dtype:
+        lr, lt = lr.astype(np.float64), lt.astype(np.float64)
+    d = lt - lr  # (M,)
+    m_total = d.shape[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sum_d = float(np.add.reduce(d, dtype=np.float64))  # signed: cancels, so float64 all the way
+    valid, nonfinite = _validity(batch, lr, lt, sum_d)
+    if valid is not None:  # invalid tokens become exact matches at 0 and are subtracted from counts
+        lr, lt = np.where(valid, lr, 0), np.where(valid, lt, 0)
+        d = lt - lr
+        sum_d = float(np.add.reduce(d, dtype=np.float64))
+        n = int(np.count_nonzero(valid))
+        d_max = float(np.max(d, where=valid, initial=-np.inf))
+        d_min = float(np.min(d, where=valid, initial=np.inf))
+    else:
+        n = m_total
+        d_max, d_min = float(d.max()), float(d.min())
+    ad = np.abs(d)  # (M,)
+    ad_max = max(d_max, -d_min, 0.0)
+    if ad_max > _F32_SAFE and d.dtype != np.float64:
+        d, ad, lr, lt = (x.astype(np.float64) for x in (d, ad, lr, lt))
+    scratch = np.empty_like(d)
+
+    clipped = int(np.count_nonzero(d > RATIO_LOG_CAP)) if d_max > RATIO_LOG_CAP else 0
+    e = np.expm1(np.minimum(d, RATIO_LOG_CAP) if clipped else d)  # r - 1, (M,)
+    sums = {
+        "n": float(n),
+        "n_masked": float(0 if batch.mask is None else m_total - np.count_nonzero(batch.mask)),
+        "n_nonfinite": float(0 if nonfinite is None else np.count_nonzero(nonfinite)),
+        "d": sum_d,
+        "ad": sum64(ad),
+        "d2": sum_product(d, d, scratch),
+        "e": sum64(e),
+        "e2": sum_product(e, e, scratch),
+        "k3": sum64(np.subtract(e, d, out=scratch)),  # r - 1 - d, summed per token: nothing cancels
+        "mpe": sum64(np.expm1(np.minimum(ad, RATIO_LOG_CAP) if ad_max > RATIO_LOG_CAP else ad, out=scratch)),
+        "ratio_above": float(np.count_nonzero(e > cfg.ratio_c - 1.0)),
+        "clipped": float(clipped),
+    }
+    # |exp(lt) - exp(lr)| = exp(lr) * |r - 1|, or exp(max) * (1 - exp(-|d|)) where r was capped
+    pdiff = np.abs(e, out=scratch)
+    pdiff *= np.exp(lr)
+    if clipped:
+        pdiff = np.exp(np.maximum(lt, lr)) * -np.expm1(-ad)
+    sums["pdiff"] = sum64(pdiff)
+    for i, t in enumerate(cfg.thresholds):
+        sums[f"thr{i}"] = float(np.count_nonzero(ad > t))
+    maxima = {"ad": ad_max, "d": d_max, "pdiff": float(pdiff.max()) if m_total else 0.0}
+    hist = H.abs_histogram(ad)
+    hist[0] -= m_total - n
+    hists = {"ad": hist}
+    minima = {"d": d_min}
+
+    offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
+    signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
+    return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k)

@@ -1,0 +1,82 @@
+"""Per-sequence reductions (segment reductions over cu_seqlens, no loop over sequences) and offenders."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlcheck import histogram as H
+from rlcheck.stats.types import Offender, _rank
+
+
+def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:
+    """Per-sequence reductions (into the dicts) and the top-K offenders."""
+    cu = batch.cu_seqlens  # (N+1,) int64
+    lens = np.diff(cu)  # (N,)
+    num = lens.shape[0]
+    nonempty = lens > 0
+    starts = cu[:-1][nonempty]
+    seq_max = np.zeros(num, dtype=np.float64)
+    seq_sum = np.zeros(num, dtype=np.float64)
+    seq_max[nonempty] = np.maximum.reduceat(ad, starts)
+    seq_sum[nonempty] = np.add.reduceat(d, starts, dtype=np.float64)
+    if valid is None:
+        counts = lens
+    else:
+        counts = np.zeros(num, dtype=np.int64)
+        counts[nonempty] = np.add.reduceat(valid, starts, dtype=np.int64)
+    seq_bad = np.zeros(num, dtype=bool)  # holds a non-finite token
+    if nonfinite is not None:
+        seq_bad[nonempty] = np.logical_or.reduceat(nonfinite, starts)
+    counted = counts > 0
+    seq_mean = seq_sum / np.maximum(counts, 1)
+
+    diverged = ad > cfg.divergence_tau
+    if nonfinite is not None:
+        diverged |= nonfinite
+    pos = np.flatnonzero(diverged)  # (F,) token indices, ascending
+    seq_of = np.searchsorted(cu, pos, side="right") - 1
+    div_seq, first_idx = np.unique(seq_of, return_index=True)
+    div_pos = pos[first_idx] - cu[div_seq]  # (D,) first divergence position per diverged sequence
+    first_div = np.full(num, -1, dtype=np.int64)  # internal only; Offender uses None
+    first_div[div_seq] = div_pos
+
+    catastrophic = (seq_max >= cfg.catastrophic_tau) | seq_bad
+    early = catastrophic & (first_div >= 0) & (first_div < cfg.early_window)
+    sums.update(
+        seq_total=float(num),
+        seq_n=float(np.count_nonzero(counted)),
+        seq_empty=float(num - np.count_nonzero(counted)),
+        seq_max=float(seq_max[counted].sum()),
+        seq_logratio=float(seq_sum[counted].sum()),
+        seq_lppl=float(seq_mean[counted].sum()),
+        seq_flagged=float(np.count_nonzero((seq_max > cfg.divergence_tau) | seq_bad)),
+        seq_cat=float(np.count_nonzero(catastrophic)),
+        early_div=float(np.count_nonzero(early)),
+    )
+    maxima.update(
+        seq_logratio=float(np.abs(seq_sum[counted]).max(initial=0.0)),
+        seq_lppl=float(np.abs(seq_mean[counted]).max(initial=0.0)),
+    )
+    minima["first_div"] = float(div_pos.min()) if div_pos.size else math.inf
+    hists["first_div"] = H.position_histogram(div_pos)
+
+    score = np.where(seq_bad, np.inf, seq_max)
+    k = min(cfg.top_k, num)
+    top = np.argsort(-score, kind="stable")[:k]  # ties go to the lower index, as in merge()
+    return _rank(
+        [
+            Offender(
+                request_id=batch.request_ids[i],
+                index=int(i),
+                max_abs_diff=float(seq_max[i]),
+                first_divergence=int(first_div[i]) if first_div[i] >= 0 else None,
+                length=int(lens[i]),
+                mean_diff=float(seq_mean[i]),
+                nonfinite=bool(seq_bad[i]),
+            )
+            for i in top
+        ],
+        k,
+    )

@@ -1,0 +1,119 @@
+"""The statistics' configuration and data types: StatsConfig, Offender, PartialStats and merge."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
+MIN_LOGPROB = -1e4  # below this a "logprob" is a stand-in for -inf (-1e9, finfo.min): counted as non-finite
+
+
+@dataclass(frozen=True)
+class StatsConfig:
+    """What the statistics count as divergent; defaults are written once, here."""
+
+    thresholds: tuple[float, ...] = (0.1, 0.5, 1.0)
+    """|d| levels whose token fraction is reported (`token/frac_abs_diff_gt_<t>`)."""
+    divergence_tau: float = 0.5
+    """|d| above which a token diverges: first-divergence position and flagged sequences."""
+    catastrophic_tau: float = 2.0
+    """A sequence with max |d| at or above this (probability off by e^2 ~ 7x) is catastrophic."""
+    early_window: int = 4
+    """A catastrophic sequence whose first divergence is before this position diverged early."""
+    ratio_c: float = 2.0
+    """`ratio/frac_above_c` counts tokens with r > ratio_c."""
+    top_k: int = 10
+    """Offenders kept per step (sequences with the largest max |d|)."""
+    shift_window: int = 32
+    """Leading tokens of each sequence used by the shift-by-one statistic."""
+
+    def __post_init__(self) -> None:
+        if any(not (t > 0 and math.isfinite(t)) for t in self.thresholds):
+            raise ValueError(f"thresholds must be positive and finite, got {self.thresholds}")
+        for name in ("divergence_tau", "catastrophic_tau"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.ratio_c > 1:
+            raise ValueError(f"ratio_c must be > 1, got {self.ratio_c}")
+        if self.catastrophic_tau < self.divergence_tau:
+            raise ValueError("catastrophic_tau must be >= divergence_tau (a catastrophic sequence has diverged)")
+        keys = [f"{t:g}" for t in self.thresholds]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"thresholds must differ in their first 6 significant digits, got {self.thresholds}")
+        for name in ("early_window", "top_k", "shift_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Offender:
+    """A sequence among the step's worst by max |d|."""
+
+    request_id: str
+    index: int  # position of the sequence in the observed batch
+    max_abs_diff: float  # over its finite tokens
+    first_divergence: int | None  # first token with |d| > divergence_tau (or non-finite); None if none
+    length: int
+    mean_diff: float  # mean d over its valid tokens
+    nonfinite: bool = False
+
+    @property
+    def score(self) -> float:
+        return math.inf if self.nonfinite else self.max_abs_diff
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "index": self.index,
+            "max_abs_diff": self.max_abs_diff,
+            "first_divergence": self.first_divergence,
+            "length": self.length,
+            "mean_diff": self.mean_diff,
+            "nonfinite": self.nonfinite,
+        }
+
+
+def _rank(offenders: Sequence[Offender], k: int) -> tuple[Offender, ...]:
+    return tuple(sorted(offenders, key=lambda o: (-o.score, o.index))[:k])
+
+
+@dataclass
+class PartialStats:
+    """Mergeable statistics of some sequences. Keys are internal; `finalize` names the metrics."""
+
+    sums: dict[str, float]
+    maxima: dict[str, float]
+    minima: dict[str, float]
+    hists: dict[str, np.ndarray]
+    offenders: tuple[Offender, ...]
+    num_sequences: int
+    thresholds: tuple[float, ...] = field(default=())
+    top_k: int = 10
+
+
+def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialStats:
+    """Combine partial statistics of disjoint sequence sets, given in batch order (rank 0 first):
+    offender indices are shifted so they count from the start of the combined batch."""
+    if not parts:
+        raise ValueError("merge needs at least one PartialStats")
+    first = parts[0]
+    offenders: list[Offender] = []
+    offset = 0
+    for p in parts:
+        offenders += [replace(o, index=o.index + offset) for o in p.offenders]
+        offset += p.num_sequences
+    k = top_k if top_k is not None else first.top_k
+    return PartialStats(
+        sums={key: sum(p.sums[key] for p in parts) for key in first.sums},
+        maxima={key: max(p.maxima[key] for p in parts) for key in first.maxima},
+        minima={key: min(p.minima[key] for p in parts) for key in first.minima},
+        hists={key: np.sum([p.hists[key] for p in parts], axis=0) for key in first.hists},
+        offenders=_rank(offenders, k),
+        num_sequences=offset,
+        thresholds=first.thresholds,
+        top_k=k,
+    )
