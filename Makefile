@@ -33,6 +33,7 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_stats.py
+	$(PY) benchmarks/bench_periodic.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards
