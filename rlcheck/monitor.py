@@ -74,8 +74,9 @@ class HaltConfig:
 class MonitorConfig:
     run_dir: str | os.PathLike
     """Where metrics.jsonl, state.json, dumps/ and wandb/ go; created if missing."""
-    sinks: tuple[str, ...] = ("jsonl", "console")
-    """Any of "jsonl", "console", "wandb". JSONL is what summarize, diagnose and report read."""
+    sinks: tuple[Any, ...] = ("jsonl", "console")
+    """Any of "jsonl", "console", "wandb", or your own `rlcheck.sinks.Sink` instances. JSONL is what
+    summarize, diagnose and report read."""
     stats: StatsConfig = field(default_factory=StatsConfig)
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
     halt: HaltConfig = field(default_factory=HaltConfig)

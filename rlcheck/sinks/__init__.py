@@ -50,25 +50,27 @@ __all__ = [
 
 
 def make_sinks(
-    names: Sequence[str],
+    names: Sequence[str | Sink],
     run_dir: Path,
     wandb_config: WandbConfig | None = None,
     wandb_run: Any = None,
 ) -> FanOut:
-    """A FanOut of the named sinks, in the order given. A W&B sink that cannot start is skipped with
-    one SinkWarning (training goes on); an unknown or repeated name is a ConfigError."""
+    """A FanOut of the named sinks, in the order given; a `Sink` instance in the list (your own) is
+    used as it is. A W&B sink that cannot start is skipped with one SinkWarning (training goes on);
+    an unknown or repeated name is a ConfigError."""
     if isinstance(names, str):
         raise ConfigError(f"sink names must be a list such as ['jsonl', 'console'], got the string {names!r}")
-    for name in names:
+    named = [n for n in names if not isinstance(n, Sink)]
+    for name in named:
         if name not in SINK_NAMES:
-            raise ConfigError(f"unknown sink {name!r}; valid sinks are {', '.join(SINK_NAMES)}")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"each sink may be named once, got {list(names)}")
+            raise ConfigError(f"unknown sink {name!r}; valid sinks are {', '.join(SINK_NAMES)} or a Sink instance")
+    if len(set(named)) != len(named):
+        raise ConfigError(f"each sink may be named once, got {list(named)}")
 
     sinks: list[Sink] = []
     try:
         for name in names:
-            sink = _make_one(name, Path(run_dir), wandb_config, wandb_run)
+            sink = name if isinstance(name, Sink) else _make_one(name, Path(run_dir), wandb_config, wandb_run)
             if sink is not None:
                 sinks.append(sink)
     except BaseException:

@@ -2,12 +2,18 @@
 and a well-formed example record.
 
     from rlcheck.sinks.testing import RecordingSink, example_record
-    sink = RecordingSink(); monitor = Monitor(..., sinks=[sink]); ...; assert sink.records[-1]["alarms"]
+    sink = RecordingSink()
+    mon = Monitor(MonitorConfig(run_dir=..., sinks=("jsonl", sink))); ...; assert sink.records[-1]["alarms"]
+    records = read_offline_run(run_dir)   # a W&B offline run read back, one dict per record
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rlcheck import metrics as K
@@ -67,3 +73,13 @@ def example_record(step: int, abs_diff_mean: float = 0.01, alarms: int = 0) -> d
         ],
         "abs_diff_hist": {"bins": [300, 420, 421], "counts": [900, 90, 10]},
     }
+
+
+def read_offline_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a W&B offline run directory (offline-run-*), read with `wandb leet inspect
+    --json`; raises RuntimeError if this wandb cannot read runs back."""
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)]
+    if subprocess.run([*cmd[:5], "--help"], capture_output=True).returncode != 0:
+        raise RuntimeError("this wandb has no `wandb leet inspect` to read runs back")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
