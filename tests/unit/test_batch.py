@@ -142,25 +142,11 @@ class TestConstructorsAgree:
         assert batch.mask is None and batch.tokens is None
         np.testing.assert_array_equal(batch.cu_seqlens, CU)
 
-    def test_float32_is_kept(self):
-        """float32 numpy input stays float32 (no silent copy to float64)."""
+    @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+    def test_narrow_floats_become_float32(self, dtype):
+        """float32 input stays float32 (no silent float64 copy); float16 is widened to float32."""
         batch = StepBatch.from_packed(
-            _packed(ROLLOUT).astype(np.float32),
-            _packed(TRAIN).astype(np.float32),
-            CU,
-            IDS,
-            mask=_packed(MASK),
-        )
-        _assert_reference(batch, dtype=np.float32)
-
-    def test_float16_becomes_float32(self):
-        """float16 numpy input is widened to float32."""
-        batch = StepBatch.from_packed(
-            _packed(ROLLOUT).astype(np.float16),
-            _packed(TRAIN).astype(np.float16),
-            CU,
-            IDS,
-            mask=_packed(MASK),
+            _packed(ROLLOUT).astype(dtype), _packed(TRAIN).astype(dtype), CU, IDS, mask=_packed(MASK)
         )
         _assert_reference(batch, dtype=np.float32)
 
