@@ -1,0 +1,254 @@
+"""Rollout engine over `vllm.LLM`, in-process: sampled tokens, their logprobs, and who produced them.
+
+    engine = VLLMEngine(VLLMConfig(model="models/hybrid", dtype="float32", seed=0))
+    rollouts = engine.generate(prompt_token_ids, step=3, n=4)    # list[Rollout], prompt-major
+    engine.sync_weights(model.state_dict().items(), version=4)    # reload_weights + cache reset
+
+Which logprob comes back, deliberately: `logprobs_mode="processed_logprobs"`, the log-softmax of the
+logits after temperature (and after any penalty, top-k or top-p), i.e. the distribution the token
+was actually sampled from. A trainer that computes log_softmax(logits / T) matches it exactly as
+long as no top-k, top-p, min-p or penalty is set, so `VLLMConfig` refuses those unless
+`allow_logit_processing=True` (then the mismatch they cause is real and the monitor will show it).
+With "raw_logprobs" (log_softmax of the unscaled logits) the trainer must score at T = 1.
+
+Identity: vLLM numbers requests "0", "1", ... per engine, and a request with n samples runs as child
+requests "{i}_{parent}". Every `Rollout` keeps that `vllm_request_id` unchanged and gets a
+`request_id` unique across engines and steps: "{engine_id}/s{step}/{vllm_request_id}".
+
+Memory-pressure knobs (for stress reproduction): `kv_cache_bytes` (KV and Mamba state cache budget;
+on CPU it sets VLLM_CPU_KVCACHE_SPACE when whole GiB), `gpu_memory_utilization`, `max_num_seqs`,
+`max_num_batched_tokens`, `block_size`. vllm is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlcheck.errors import ConfigError, InputError
+
+LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    model: str
+    """Path of a local model directory (HF layout)."""
+    dtype: str = "float32"
+    seed: int = 0
+    engine_id: str = "e0"
+    """Prefix of every request id this engine hands out; unique per engine in a run."""
+    temperature: float = 1.0
+    max_tokens: int = 64
+    top_logprobs: int = 0
+    """Also return the top-k logprobs of every position (k = this)."""
+    logprobs_mode: str = "processed_logprobs"
+    allow_logit_processing: bool = False
+    """Permit top_k / top_p / min_p / penalties in `sampling` (the trainer does not reproduce them)."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Extra `vllm.SamplingParams` fields (stop, top_p, ...)."""
+    max_model_len: int = 1024
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    block_size: int | None = None
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Anything else for `vllm.LLM(...)`."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROB_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {LOGPROB_MODES}, got {self.logprobs_mode!r}")
+        if not self.temperature > 0:
+            raise ConfigError(
+                f"temperature must be > 0 (got {self.temperature}); greedy decoding has no sampling "
+                "distribution to compare, use a small temperature instead"
+            )
+        if self.max_tokens < 1 or self.top_logprobs < 0:
+            raise ConfigError("max_tokens must be >= 1 and top_logprobs >= 0")
+        processing = {"top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids"}
+        used = sorted(processing & set(self.sampling))
+        if used and not self.allow_logit_processing:
+            raise ConfigError(
+                f"sampling sets {used}: the engine's logprobs then differ from what a trainer "
+                "computes from log_softmax(logits / T); pass allow_logit_processing=True to do it anyway"
+            )
+        if not self.engine_id or "/" in self.engine_id:
+            raise ConfigError(f"engine_id must be non-empty without '/', got {self.engine_id!r}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled sequence."""
+
+    request_id: str  # unique across engines and steps
+    vllm_request_id: str  # as the engine's scheduler knew it
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: np.ndarray  # (len(token_ids),) float32, logprob of each sampled token
+    top_logprobs: tuple[dict[int, float], ...] | None
+    text: str
+    finish_reason: str | None
+    weight_version: int
+    step: int
+
+
+class VLLMEngine:
+    """See the module docstring."""
+
+    def __init__(self, cfg: VLLMConfig):
+        self.cfg = cfg
+        self.weight_version = 0
+        self.llm = _build_llm(cfg)
+
+    def sampling_params(self, n: int, seed: int | None):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=self.cfg.temperature,
+            max_tokens=self.cfg.max_tokens,
+            logprobs=self.cfg.top_logprobs,
+            seed=seed,
+            **self.cfg.sampling,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        step: int,
+        n: int = 1,
+        seed: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Rollout]:
+        """n samples for each prompt (token ids), in prompt-major order. `seed` defaults to a value
+        derived from the config seed and the step, so a rerun draws the same tokens."""
+        if not prompts:
+            raise InputError("generate needs at least one prompt")
+        if n < 1:
+            raise InputError(f"n must be >= 1, got {n}")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) or len(p) == 0:
+                raise InputError(f"prompt {i}: pass a non-empty list of token ids")
+        seed = self.cfg.seed * 1_000_003 + step if seed is None else seed
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(map(int, p))} for p in prompts],
+            self.sampling_params(n, seed),
+            use_tqdm=use_tqdm,
+        )
+        return [r for i, out in enumerate(outputs) for r in self._rollouts(i, out, step)]
+
+    def _rollouts(self, prompt_index: int, out: Any, step: int) -> list[Rollout]:
+        rollouts = []
+        many = len(out.outputs) > 1
+        for c in out.outputs:
+            vllm_id = f"{c.index}_{out.request_id}" if many else str(out.request_id)
+            ids = tuple(int(t) for t in c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned no logprobs for request {vllm_id}")
+            lp = np.array([pos[t].logprob for pos, t in zip(c.logprobs, ids, strict=True)], dtype=np.float32)
+            top = None
+            if self.cfg.top_logprobs:
+                top = tuple({int(k): float(v.logprob) for k, v in pos.items()} for pos in c.logprobs)
+            rollouts.append(Rollout(
+                request_id=f"{self.cfg.engine_id}/s{step}/{vllm_id}",
+                vllm_request_id=vllm_id,
+                prompt_index=prompt_index,
+                sample_index=int(c.index),
+                prompt_token_ids=tuple(int(t) for t in out.prompt_token_ids),
+                token_ids=ids,
+                logprobs=lp,
+                top_logprobs=top,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                weight_version=self.weight_version,
+                step=step,
+            ))
+        return rollouts
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Load new weights in place (`reload_weights`) and drop every cache computed with the old
+        ones (prefix cache); rollouts generated afterwards carry `version`."""
+        if version <= self.weight_version:
+            raise InputError(f"weight version must increase: {version} after {self.weight_version}")
+        weights = [(name, t.detach().cpu() if hasattr(t, "detach") else t) for name, t in named_tensors]
+        if not weights:
+            raise InputError("sync_weights got no tensors")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Release the engine (memory and threads)."""
+        llm, self.llm = self.llm, None
+        del llm
+        gc.collect()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _build_llm(cfg: VLLMConfig):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: no __main__ guard needed
+    if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes % (1 << 30) == 0:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_bytes >> 30)
+    if not os.path.isdir(cfg.model):
+        raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "max_model_len": cfg.max_model_len,
+        "enforce_eager": cfg.enforce_eager,
+        "logprobs_mode": cfg.logprobs_mode,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "max_logprobs": max(cfg.top_logprobs, 20),
+    }
+    optional = {
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "kv_cache_memory_bytes": cfg.kv_cache_bytes,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "block_size": cfg.block_size,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(cfg.engine_kwargs)
+    return LLM(**kwargs)
+
+
+def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any]):
+    """The monitor's `StepBatch` of these rollouts against the trainer's logprobs of the same tokens
+    (one array per rollout, same order); ids, tokens and engine context travel along."""
+    from rlcheck.batch import StepBatch
+
+    if len(logp_train) != len(rollouts):
+        raise InputError(f"{len(logp_train)} trainer logprob arrays for {len(rollouts)} rollouts")
+    return StepBatch.from_ragged(
+        logp_rollout=[r.logprobs for r in rollouts],
+        logp_train=list(logp_train),
+        request_ids=[r.request_id for r in rollouts],
+        tokens=[np.asarray(r.token_ids, dtype=np.int64) for r in rollouts],
+        prompt_tokens=[np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rollouts],
+        meta={
+            "vllm_request_id": [r.vllm_request_id for r in rollouts],
+            "weight_version": [r.weight_version for r in rollouts],
+            "prompt_index": [r.prompt_index for r in rollouts],
+            "sample_index": [r.sample_index for r in rollouts],
+        },
+    )
