@@ -73,6 +73,26 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command("make-model")
+def make_model(
+    out: Path = typer.Argument(..., help="Folder to write the model into (must not exist or be empty)."),
+    arch: str = typer.Option(..., help="llama, mamba2 or hybrid (attention + Mamba2, GraniteMoeHybrid)."),
+    seed: int = typer.Option(0, help="Seed of the weight init."),
+    dtype: str = typer.Option("float32", help="Weight dtype: float32 or bfloat16."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+) -> None:
+    """Build a tiny random-weight model and its BPE tokenizer, offline and deterministically."""
+    from rlcheck.modelzoo import build_model, describe
+
+    start = time.perf_counter()
+    path = build_model(arch, out, seed=seed, dtype=dtype, force=force)
+    info = describe(path)
+    typer.echo(
+        f"built {info['arch']}: {info['num_params']:,} params, vocab {info['vocab_size']}, "
+        f"{info['dtype']}, seed {info['seed']} -> {path} ({time.perf_counter() - start:.1f} s)"
+    )
+
+
 def main() -> None:
     """Entry point: rlcheck errors print as one line and exit 2, not as a traceback."""
     try:

@@ -80,3 +80,19 @@ def assert_same_stats(got, want, rtol: float) -> None:
 def assert_stats_equal():
     """`assert_same_stats(got, want, rtol)`, as a fixture."""
     return assert_same_stats
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(arch) -> Path`: a tiny random model from `rlcheck.modelzoo` (seed 0, float32),
+    built on first use and shared by the whole test session."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            from rlcheck.modelzoo import build_model
+
+            built[arch] = build_model(arch, tmp_path_factory.mktemp(f"model-{arch}"))
+        return built[arch]
+
+    return get

