@@ -9,7 +9,7 @@ token (prompt + previous response tokens as context). Nothing of vLLM and nothin
 
 Batching without padding waste:
 - attention-only models (Llama, ...): sequences are packed back to back into rows of up to
-  `max_batch_tokens` tokens, position ids restarting at 0 for each; transformers turns that into a
+  `max_row_tokens` tokens, position ids restarting at 0 for each; transformers turns that into a
   block-diagonal causal mask, so no sequence sees another and no token is padding.
 - models with recurrent layers (Mamba2, the GraniteMoeHybrid attention+Mamba2 hybrid): HF's CPU
   Mamba path cannot reset its state inside a row, so sequences are sorted by length and batched with
@@ -38,15 +38,17 @@ class HFScorerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_batch_tokens: int = 8192
-    """Tokens per forward pass (a packed row, or batch x padded length)."""
+    """Tokens per forward pass of padded batches (batch x padded length)."""
+    max_row_tokens: int = 1024
+    """Tokens per packed row: its block-diagonal mask is dense, so its cost grows with length^2."""
     attn_implementation: str | None = None
     """None lets transformers choose (sdpa where the model supports it)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.max_batch_tokens < 1:
-            raise ConfigError("max_batch_tokens must be >= 1")
+        if self.max_batch_tokens < 1 or self.max_row_tokens < 1:
+            raise ConfigError("max_batch_tokens and max_row_tokens must be >= 1")
 
 
 def is_recurrent(config: Any) -> bool:
@@ -83,7 +85,8 @@ class HFScorer:
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
         out: list[np.ndarray | None] = [None] * len(seqs)
         real = total = 0
-        for group in _groups(order, [len(seqs[i][0]) for i in range(len(seqs))], self.cfg.max_batch_tokens, self.packed):
+        budget = self.cfg.max_row_tokens if self.packed else self.cfg.max_batch_tokens
+        for group in _groups(order, [len(seqs[i][0]) for i in range(len(seqs))], budget, self.packed):
             lens = [len(seqs[i][0]) for i in group]
             real += sum(lens)
             total += sum(lens) if self.packed else len(group) * max(lens)

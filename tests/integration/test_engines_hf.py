@@ -45,7 +45,7 @@ class TestHFScorer:
     @pytest.mark.parametrize("arch, packed", [("llama", True), ("mamba2", False), ("hybrid", False)])
     def test_batched_equals_one_at_a_time(self, arch, packed):
         """Packed (attention) or bucketed (Mamba) scoring gives each sequence's own logprobs."""
-        scorer = HFScorer(HFScorerConfig(model="in-process", max_batch_tokens=160), model=tiny(arch))
+        scorer = HFScorer(HFScorerConfig(model="in-process", max_batch_tokens=160, max_row_tokens=160), model=tiny(arch))
         assert scorer.packed is packed
         prompts, responses = data()
         got = scorer.score(prompts, responses, temperature=0.8)
