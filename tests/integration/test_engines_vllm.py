@@ -3,6 +3,7 @@ architectures in fp32 and bf16, before and after a weight sync, with request ids
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -63,11 +64,13 @@ class TestVLLMEngine:
             with torch.no_grad():
                 for p in new.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            engine.sync_weights(new.state_dict().items(), version=1)
+            buggy = arch != "llama" and dtype == "bfloat16"
+            with pytest.warns(RuntimeWarning, match="bf16 Mamba") if buggy else contextlib.nullcontext():
+                engine.sync_weights(new.state_dict().items(), version=1)
             second = engine.generate(ps, step=1, n=2)
             assert {r.weight_version for r in second} == {1}
             after = max_abs_diff(scorer, second, temperature)
-            if arch != "llama" and dtype == "bfloat16":
+            if buggy:
                 assert after > 1.0, "vLLM's bf16 Mamba reload now works: drop this branch"
                 pytest.xfail(RELOAD_BUG)
             assert after <= TOLERANCE[dtype]
@@ -80,6 +83,25 @@ class TestVLLMEngine:
         finally:
             engine.close()
             gc.collect()
+
+    def test_seeded_reruns_and_top_logprobs(self, tiny_model):
+        """The same step draws the same tokens again; top-k logprobs come with every position and
+        hold the sampled token's logprob when it is among them."""
+        model_dir = str(tiny_model("llama"))
+        cfg = VLLMConfig(model=model_dir, max_tokens=8, max_model_len=256, top_logprobs=3, kv_cache_bytes=KV)
+        with VLLMEngine(cfg) as engine:
+            a = engine.generate(prompts(model_dir), step=5, n=2)
+            b = engine.generate(prompts(model_dir), step=5, n=2)
+            c = engine.generate(prompts(model_dir), step=6, n=2)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        assert [r.token_ids for r in a] != [r.token_ids for r in c]
+        assert [r.request_id for r in a] != [r.request_id for r in b]  # ids stay unique on a rerun
+        for r in a:
+            assert len(r.top_logprobs) == len(r.token_ids)
+            for pos, (tok, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=True)):
+                assert len(r.top_logprobs[pos]) >= 3
+                if tok in r.top_logprobs[pos]:
+                    assert r.top_logprobs[pos][tok] == pytest.approx(float(lp), abs=1e-6)
 
     def test_monitor_sees_no_mismatch(self, tiny_model, tmp_path):
         """Rollouts of the hybrid model against HF's scores, through the monitor: no alarm, ids in offenders."""
