@@ -79,3 +79,32 @@ def metric_stream(
             K.SIG_EARLY_DIV_COUNT: 0.0,
         })
     return MetricStream(out, spikes, mad)
+
+
+# Small in-memory HF causal LMs for tests (no files, no tokenizer): the three families rlcheck
+# cares about. `rlcheck make-model` builds the on-disk ones vLLM can load.
+_TINY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16, num_heads=8, n_groups=1, expand=2,
+        chunk_size=16)),
+    "hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+        mamba_expand=1, mamba_chunk_size=16, shared_intermediate_size=128, num_local_experts=0)),
+}
+
+
+def tiny_causal_lm(arch: str, *, vocab_size: int = 512, seed: int = 0, **overrides):
+    """A random in-memory HF causal LM ("llama", "mamba2" or "hybrid" = GraniteMoeHybrid with one
+    Mamba2 and one attention layer), seeded; `overrides` go to its config."""
+    import torch
+    import transformers
+
+    if arch not in _TINY:
+        raise ValueError(f"arch must be one of {sorted(_TINY)}, got {arch!r}")
+    config_cls, model_cls, sizes = _TINY[arch]
+    config = getattr(transformers, config_cls)(vocab_size=vocab_size, **{**sizes, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config)

@@ -10,27 +10,14 @@ transformers = pytest.importorskip("transformers")
 
 from rlcheck.engines.hf import HFScorer, HFScorerConfig, _groups  # noqa: E402
 from rlcheck.errors import ConfigError, InputError  # noqa: E402
+from rlcheck.testing import tiny_causal_lm  # noqa: E402
 
 VOCAB = 512
 
 
 def tiny(arch: str):
     """A tiny random model of each family, built in-process."""
-    torch.manual_seed(0)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=2, head_dim=64)
-        return transformers.LlamaForCausalLM(cfg)
-    if arch == "mamba2":
-        cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, state_size=16,
-                                        head_dim=32, num_heads=8, n_groups=1, expand=2, chunk_size=16)
-        return transformers.Mamba2ForCausalLM(cfg)
-    cfg = transformers.GraniteMoeHybridConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
-        mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16, num_local_experts=0,
-        shared_intermediate_size=256)
-    return transformers.GraniteMoeHybridForCausalLM(cfg)
+    return tiny_causal_lm(arch, vocab_size=VOCAB)
 
 
 def data(n=14, seed=0):

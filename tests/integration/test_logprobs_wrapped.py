@@ -15,6 +15,8 @@ import socket
 import pytest
 import torch
 
+from rlcheck.testing import tiny_causal_lm
+
 WORLD_SIZE = 2
 V = 512
 
@@ -26,19 +28,7 @@ def _free_port() -> int:
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=V,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
+    return tiny_causal_lm("llama", vocab_size=V, tie_word_embeddings=False)
 
 
 def _batch() -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from rlcheck.errors import ConfigError, InputError
 from rlcheck.logprobs import chunked_token_logprobs, default_chunk_size, token_logprobs
+from rlcheck.testing import tiny_causal_lm
 
 N, H, V = 301, 64, 512
 
@@ -29,43 +30,11 @@ def inputs(dtype=torch.float32, seed=0):
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=V,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_causal_lm("llama", vocab_size=V).eval()
 
 
 def tiny_granite_hybrid():
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    torch.manual_seed(0)
-    cfg = GraniteMoeHybridConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=V,
-        layer_types=["mamba", "attention"],
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_d_state=16,
-        mamba_n_groups=1,
-        mamba_expand=1,
-        shared_intermediate_size=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        logits_scaling=4.0,
-    )
-    return GraniteMoeHybridForCausalLM(cfg).eval()
+    return tiny_causal_lm("hybrid", vocab_size=V, num_local_experts=4, num_experts_per_tok=2, logits_scaling=4.0).eval()
 
 
 def model_reference(model, input_ids, temperature=1.0):
