@@ -41,10 +41,13 @@ POS_EDGES = np.concatenate(
 def abs_histogram(abs_values: np.ndarray) -> np.ndarray:
     """(NUM_ABS_BINS,) int64 counts of non-negative finite values `abs_values` (M,)."""
     x = abs_values.astype(np.float32, copy=False)
-    code = x.view(np.uint32) >> _SHIFT  # (M,) uint32, a new array
-    np.clip(code, _LO_CODE - 1, _HI_CODE, out=code)
-    code -= _LO_CODE - 1
-    return np.bincount(code, minlength=NUM_ABS_BINS).astype(np.int64)
+    code = x.view(np.uint32) >> _SHIFT  # (M,) uint32: exponent and top mantissa bits, < 2**12
+    counts = np.bincount(code, minlength=1 << (32 - _SHIFT))  # count every code, fold the tails after
+    hist = np.empty(NUM_ABS_BINS, dtype=np.int64)
+    hist[0] = counts[:_LO_CODE].sum()  # below 2**-30, zeros included
+    hist[1:-1] = counts[_LO_CODE:_HI_CODE]
+    hist[-1] = counts[_HI_CODE:].sum()  # 2**12 and above
+    return hist
 
 
 def position_histogram(positions: np.ndarray) -> np.ndarray:
