@@ -22,6 +22,8 @@ import numpy as np
 
 from rlcheck.batch import StepBatch
 from rlcheck.errors import InputError
+from rlcheck.sinks.jsonl import to_jsonable
+from rlcheck.stats.sequences import first_positions, segment_max
 
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
@@ -42,38 +44,10 @@ def _per_sequence(batch: StepBatch, tau: float) -> tuple[np.ndarray, list[int | 
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout.astype(np.float64)
     bad = ~np.isfinite(d)
     ad = np.where(bad, 0.0, np.abs(d))
-    lens = batch.seq_lens
-    nonempty = lens > 0
-    seq_max = np.zeros(batch.num_sequences)
-    seq_max[nonempty] = np.maximum.reduceat(ad, batch.cu_seqlens[:-1][nonempty])
-    pos = np.flatnonzero((ad > tau) | bad)
-    seq_of = np.searchsorted(batch.cu_seqlens, pos, side="right") - 1
     first: list[int | None] = [None] * batch.num_sequences
-    seqs, idx = np.unique(seq_of, return_index=True)
-    for s, i in zip(seqs.tolist(), idx.tolist(), strict=True):
-        first[s] = int(pos[i] - batch.cu_seqlens[s])
-    return seq_max, first
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
-
-
-def _clean(x: Any) -> Any:
-    """JSON-safe: non-finite floats become strings ("nan", "inf", "-inf")."""
-    if isinstance(x, float) and not np.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
+    for s, p in zip(*first_positions((ad > tau) | bad, batch.cu_seqlens), strict=True):
+        first[int(s)] = int(p)
+    return segment_max(ad, batch.cu_seqlens), first
 
 
 def versions() -> dict[str, str]:
@@ -138,7 +112,7 @@ def write_dump(
         try:
             cols[key] = pa.array(list(values))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            cols[key] = pa.array([json.dumps(v, default=_json_default) for v in values])
+            cols[key] = pa.array([json.dumps(to_jsonable(v), default=str) for v in values])
     meta = {
         "step": step,
         "reason": reason,
@@ -154,7 +128,7 @@ def write_dump(
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         pq.write_table(pa.table(cols), tmp / SEQUENCES)
-        (tmp / META).write_text(json.dumps(_clean(meta), indent=1, default=_json_default, allow_nan=False))
+        (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=1, default=str, allow_nan=False))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)

@@ -10,6 +10,24 @@ from rlcheck import histogram as H
 from rlcheck.stats.types import Offender, _rank
 
 
+def segment_max(x: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """(N,) float64 maximum of `x` (M,) over each sequence of `cu` (N+1,); 0 for empty sequences."""
+    lens = np.diff(cu)
+    nonempty = lens > 0
+    out = np.zeros(lens.shape[0], dtype=np.float64)
+    out[nonempty] = np.maximum.reduceat(x, cu[:-1][nonempty])
+    return out
+
+
+def first_positions(flags: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sequences, positions): every sequence of `cu` holding a True in `flags` (M,), ascending, and
+    the position of its first True counted from the sequence start."""
+    pos = np.flatnonzero(flags)  # (F,) token indices, ascending
+    seq_of = np.searchsorted(cu, pos, side="right") - 1
+    seqs, first_idx = np.unique(seq_of, return_index=True)
+    return seqs, pos[first_idx] - cu[seqs]
+
+
 def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:
     """Per-sequence reductions (into the dicts) and the top-K offenders."""
     cu = batch.cu_seqlens  # (N+1,) int64
@@ -17,9 +35,8 @@ def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hi
     num = lens.shape[0]
     nonempty = lens > 0
     starts = cu[:-1][nonempty]
-    seq_max = np.zeros(num, dtype=np.float64)
+    seq_max = segment_max(ad, cu)
     seq_sum = np.zeros(num, dtype=np.float64)
-    seq_max[nonempty] = np.maximum.reduceat(ad, starts)
     seq_sum[nonempty] = np.add.reduceat(d, starts, dtype=np.float64)
     if valid is None:
         counts = lens
@@ -35,10 +52,7 @@ def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hi
     diverged = ad > cfg.divergence_tau
     if nonfinite is not None:
         diverged |= nonfinite
-    pos = np.flatnonzero(diverged)  # (F,) token indices, ascending
-    seq_of = np.searchsorted(cu, pos, side="right") - 1
-    div_seq, first_idx = np.unique(seq_of, return_index=True)
-    div_pos = pos[first_idx] - cu[div_seq]  # (D,) first divergence position per diverged sequence
+    div_seq, div_pos = first_positions(diverged, cu)  # (D,) each: diverged sequences, first positions
     first_div = np.full(num, -1, dtype=np.int64)  # internal only; Offender uses None
     first_div[div_seq] = div_pos
 
