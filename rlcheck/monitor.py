@@ -115,6 +115,20 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
+def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
+    if not extra:
+        return {}
+    out = {}
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or key.startswith(K.PREFIX):
+            raise InputError(f"extra metric name {key!r}: use a non-empty name outside {K.PREFIX!r}")
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"extra metric {key!r} must be a number, got {type(value).__name__}") from None
+    return out
+
+
 def _atomic_write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     data = json.dumps(obj, allow_nan=False).encode()
@@ -151,20 +165,23 @@ class Monitor:
 
     # ---- public API ----------------------------------------------------------------------------
 
-    def observe(self, step: int, batch: StepBatch) -> StepReport:
-        """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so."""
+    def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None) -> StepReport:
+        """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
+        `extra`: the caller's own scalars for this step (reward, timings; keys outside `rlcheck/`),
+        logged beside the metrics to every sink, never seen by the detectors."""
         if not isinstance(batch, StepBatch):
             raise InputError(
                 f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0)
+        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra)
 
-    def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None) -> StepReport:
+    def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
+                        extra: Mapping[str, float] | None = None) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given."""
-        return self._observe(_check_step(step), partial, batch, time.perf_counter())
+        return self._observe(_check_step(step), partial, batch, time.perf_counter(), extra)
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -187,7 +204,9 @@ class Monitor:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float) -> StepReport:
+    def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
+                 extra: Mapping[str, float] | None = None) -> StepReport:
+        extra = _check_extra(extra)
         if self.last_step is not None and step <= self.last_step:
             warnings.warn(
                 f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
@@ -201,6 +220,7 @@ class Monitor:
         hard = self._hard_limit_alarms(step, metrics)
         alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))
+        metrics.update(extra)
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders)
         self._decide_halt(report, hard)

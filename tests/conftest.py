@@ -96,3 +96,14 @@ def tiny_model(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray session for the whole test session (4 logical CPUs: a rollout actor, two trainer
+    ranks and room to spare), shut down at the end."""
+    ray = pytest.importorskip("ray")
+    from rlcheck.loop import ray_session
+
+    with ray_session(num_cpus=4, log_to_driver=False):
+        yield ray

@@ -1,0 +1,9 @@
+"""The real loop: vLLM rollouts and a sharded trainer as Ray actors, with the monitor between them
+(`rlcheck.loop.driver` has the step; `recipes/` holds runnable configurations)."""
+
+from rlcheck.loop.driver import PHASES, GRPOLoop, LoopConfig, LoopResult, run_grpo
+from rlcheck.loop.placement import Placement, ray_session
+from rlcheck.loop.task import AdditionTask, reward
+
+__all__ = ["PHASES", "AdditionTask", "GRPOLoop", "LoopConfig", "LoopResult", "Placement", "ray_session",
+           "reward", "run_grpo"]

@@ -1,0 +1,86 @@
+"""The two kinds of Ray actor of the loop, as plain classes (`ray.remote` is applied where they are
+started, so this module imports without Ray): a rollout worker around `VLLMEngine`, and one trainer
+worker per rank around `PolicyTrainer`, with torch.distributed inside the group."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from rlcheck.engines.vllm import Rollout, VLLMConfig, VLLMEngine
+from rlcheck.trainers import MicroBatchPlan, PolicyTrainer, Sequences, TrainerConfig
+
+
+class RolloutWorker:
+    """Generates rollouts with vLLM and takes weight syncs."""
+
+    def __init__(self, cfg: VLLMConfig):
+        self.engine = VLLMEngine(cfg)
+
+    def generate(self, prompts: list[list[int]], step: int, n: int) -> list[Rollout]:
+        return self.engine.generate(prompts, step=step, n=n)
+
+    def sync_weights(self, weights: list[tuple[str, Any]], version: int) -> int:
+        self.engine.sync_weights(weights, version)
+        return version
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class TrainerWorker:
+    """One rank of the trainer group: joins the process group, then runs `PolicyTrainer` calls."""
+
+    def __init__(self, cfg: TrainerConfig, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.trainer: PolicyTrainer | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port for the group's rendezvous (asked of rank 0)."""
+        ip = _node_ip()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> str:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          LOCAL_RANK="0", WORLD_SIZE=str(self.world_size))
+        if self.cfg.device.startswith("cuda"):
+            torch.cuda.set_device(0)  # Ray gives each trainer actor its own visible GPU
+        if self.cfg.backend != "hf":
+            dist.init_process_group("nccl" if self.cfg.device.startswith("cuda") else "gloo",
+                                    rank=self.rank, world_size=self.world_size)
+        self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size)
+        return f"rank {self.rank}/{self.world_size} on {_node_ip()} ({self.cfg.backend})"
+
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan):
+        return self.trainer.logprobs(seqs, plan)
+
+    def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
+        return self.trainer.train_step(seqs, plan)
+
+    def full_state_dict(self):
+        return self.trainer.full_state_dict()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.trainer = None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (unit tests): loopback
+        return "127.0.0.1"

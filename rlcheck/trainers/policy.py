@@ -1,0 +1,113 @@
+"""`PolicyTrainer`: response-token logprobs under the current weights, and the clipped-surrogate update.
+
+Run one per rank (all ranks call every method together: the forwards are collectives under FSDP2 and
+ZeRO-3). Attention models are scored packed (one row, `cu_seqlens`, no padding); models with Mamba
+layers, which HF cannot pack, are scored right-padded (padding comes after every real token, so it
+never reaches one: attention is causal and the state flows forward).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlcheck.logprobs import token_logprobs
+from rlcheck.trainers.backends import BACKEND_TYPES, Weights
+from rlcheck.trainers.batching import MicroBatchPlan, Sequences
+from rlcheck.trainers.config import TrainerConfig
+from rlcheck.trainers.loss import clipped_surrogate
+
+
+class PolicyTrainer:
+    """See the module docstring."""
+
+    def __init__(self, cfg: TrainerConfig, rank: int = 0, world_size: int = 1):
+        from transformers import AutoModelForCausalLM
+
+        from rlcheck.engines.hf import is_recurrent
+
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype)).to(cfg.device)
+        self.packed = not is_recurrent(model.config)
+        self.pad_id = int(model.config.pad_token_id or 0)
+        self.backend = BACKEND_TYPES[cfg.backend](cfg, model, rank, world_size)
+        self.steps_done = 0
+
+    # ---- the three calls of the loop ------------------------------------------------------------
+
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[int, np.ndarray]:
+        """This rank's share of the plan: sequence index -> float32 logprobs of its response tokens."""
+        out: dict[int, np.ndarray] = {}
+        self.backend.module.eval()
+        with torch.no_grad():
+            for mb in self._my_batches(plan):
+                for i, lp in zip(mb, self._forward(seqs, mb), strict=True):
+                    out[i] = lp.float().cpu().numpy()
+        return out
+
+    def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
+        """One optimizer step on the clipped surrogate over all ranks' tokens. The loss is the mean over
+        every response token of the step (each rank divides its sum by the global count; the backends
+        average gradients over ranks, so the sum is scaled back by the world size)."""
+        if seqs.advantages is None or seqs.old_logp is None:
+            raise ValueError("train_step needs Sequences with advantages and old_logp")
+        c, batches = self.cfg, self._my_batches(plan)
+        scale = self.world_size / max(seqs.num_response_tokens, 1)
+        loss_sum = clipped = 0.0
+        ratio_max = 0.0
+        self.backend.module.train()
+        self.backend.begin_step(len(batches))
+        for mb in batches:
+            logps = self._forward(seqs, mb)
+            if not mb:  # keep the collectives in step: a dummy forward with no weight
+                self.backend.backward(logps[0].sum() * 0.0)
+                continue
+            logp = torch.cat(logps)  # (T,) response tokens of the micro-batch
+            old = torch.from_numpy(np.concatenate([seqs.old_logp[i] for i in mb])).to(logp)
+            adv = torch.from_numpy(np.repeat(seqs.advantages[list(mb)], [len(seqs.responses[i]) for i in mb])).to(logp)
+            terms = clipped_surrogate(logp, old, adv, c.clip_low, c.clip_high)
+            self.backend.backward(terms.loss_sum * scale)
+            loss_sum += float(terms.loss_sum.detach())
+            clipped += float(terms.clipped)
+            ratio_max = max(ratio_max, float(terms.ratio_max))
+        grad_norm = self.backend.step()
+        self.steps_done += 1
+        return {"loss_sum": loss_sum, "clipped_tokens": clipped, "ratio_max": ratio_max, "grad_norm": grad_norm}
+
+    def full_state_dict(self) -> Weights | None:
+        """The unsharded weights as (HF name, CPU tensor) pairs on rank 0, None on the other ranks."""
+        return self.backend.full_state_dict()
+
+    # ---- forwards -------------------------------------------------------------------------------
+
+    def _my_batches(self, plan: MicroBatchPlan) -> tuple[tuple[int, ...], ...]:
+        if plan.world_size != self.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, this trainer group has {self.world_size}")
+        return plan.ranks[self.rank]
+
+    def _forward(self, seqs: Sequences, mb: tuple[int, ...]) -> list[torch.Tensor]:
+        """Response-token logprobs of each sequence of the micro-batch (a 2-token dummy if empty)."""
+        rows = [list(seqs.prompts[i]) + list(seqs.responses[i]) for i in mb] or [[self.pad_id, self.pad_id]]
+        resp = [len(seqs.responses[i]) for i in mb] or [1]
+        if self.packed and len(rows) > 1:
+            return self._packed(rows, resp)
+        return self._padded(rows, resp)
+
+    def _packed(self, rows: list[list[int]], resp: list[int]) -> list[torch.Tensor]:
+        device = self.cfg.device
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)[None]  # (1, T)
+        lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        flat = token_logprobs(self.backend.module, ids, cu_seqlens=cu.to(device), temperature=self.cfg.temperature).logp
+        per_seq = torch.split(flat, (lens - 1).tolist())  # each sequence's L - 1 logprobs
+        return [lp[-n:] for lp, n in zip(per_seq, resp, strict=True)]
+
+    def _padded(self, rows: list[list[int]], resp: list[int]) -> list[torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, W) right-padded
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        logp = token_logprobs(self.backend.module, ids.to(self.cfg.device), temperature=self.cfg.temperature).logp  # (B, W-1)
+        return [logp[b, len(r) - n - 1 : len(r) - 1] for b, (r, n) in enumerate(zip(rows, resp, strict=True))]
