@@ -53,23 +53,43 @@ def summarize(
 @app.command()
 def demo(
     run_dir: Path = typer.Option(None, help="Where the run's files go [default: runs/demo-<time>]."),
-    steps: int = typer.Option(200, min=1, help="Steps to run at most."),
-    period: int = typer.Option(12, min=2, help="Inject a spike every PERIOD steps."),
-    spike_start: int = typer.Option(60, min=0, help="First step that may spike."),
-    seed: int = typer.Option(0, help="Seed of the synthetic stream."),
-    wandb: bool = typer.Option(False, "--wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
+    steps: int = typer.Option(None, min=1, help="Steps to run [default: 20; with --inject, until the halt, at most 100]."),
+    trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
+    world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
+    inject: str = typer.Option(None, help="A fault to inject, as NAME=VALUE: skip-sync-every=K."),
+    model: Path = typer.Option(Path("runs/models/hybrid"), help="Tiny model folder, built there if missing."),
+    seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
+    wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
+    period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
+    spike_start: int = typer.Option(60, min=0, help="--synthetic: first step that may spike."),
 ) -> None:
-    """Run the monitor over a realistic synthetic stream with a periodic spike and show what it finds."""
-    from rlcheck.demo import run_demo
+    """GRPO on a tiny hybrid model with vLLM rollouts and an FSDP2/DeepSpeed trainer on Ray, monitored."""
     from rlcheck.summarize import render, summarize
 
     console = _console()
     if run_dir is None:
         run_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    sinks = ("jsonl", "wandb") if wandb else ("jsonl",)
-    found = run_demo(run_dir, steps, period, spike_start, seed, sinks, console)
+    if synthetic:
+        from rlcheck.demo_synthetic import run_demo as run_synthetic
+
+        found = run_synthetic(run_dir, steps or 200, period, spike_start, seed,
+                              ("jsonl", "wandb") if wandb else ("jsonl",), console)
+        render(summarize(run_dir), console)
+        if not any(a.kind == "periodic" for a in found["alarms"]):
+            raise typer.Exit(1)
+        return
+    from rlcheck.demo import DemoOptions, demo_succeeded, run_demo
+    from rlcheck.trainers import BACKENDS
+
+    if trainer not in BACKENDS:
+        raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
+    opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
+                       inject=inject, wandb=wandb, seed=seed)
+    opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
+    found = run_demo(opts, console)
     render(summarize(run_dir), console)
-    if not any(a.kind == "periodic" for a in found["alarms"]):
+    if not demo_succeeded(found):
         raise typer.Exit(1)
 
 

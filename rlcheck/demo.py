@@ -1,70 +1,160 @@
-"""`rlcheck demo`: the monitor over a realistic synthetic stream with a periodic spike injected.
+"""`rlcheck demo`: the product's main job, end to end, on this machine.
 
-The stream (`rlcheck.synthetic`) is clean for `spike_start` steps, then every `period`-th step its
-numeric noise grows by 40%: a few MAD of mean |d|, far below any absolute threshold, the shape a
-weight sync skipped every P steps leaves. The periodic detector should name the period and phase and
-halt the run with a dump; the demo then prints what was found.
+A tiny attention + Mamba2 hybrid model (built on first use) is trained with GRPO on a toy addition
+task: a vLLM rollout actor and a trainer group (FSDP2 or DeepSpeed ranks, torch.distributed over
+gloo) run as Ray actors; before every update the trainer recomputes the rollout tokens' logprobs,
+the monitor compares them (JSONL, a W&B offline run), and the new weights go back into vLLM.
+`--inject skip-sync-every=K` leaves the sync out after every K-th update: the monitor should find
+the period and halt the run with a dump. A closing summary says what it found.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlcheck import metrics as K
-from rlcheck.errors import MismatchHalt
-from rlcheck.monitor import Monitor, MonitorConfig
-from rlcheck.synthetic import SyntheticConfig, is_spike, synthetic_batch
+from rlcheck.faults import Fault, SkipSync, parse_inject
+from rlcheck.monitor import Monitor, MonitorConfig, StepReport
+
+DEFAULT_STEPS = 20
+INJECTED_MAX_STEPS = 100
+"""With a fault injected the demo runs until the monitor halts, at most this many steps (the
+detectors' rolling baselines warm up over 32 steps before the periodic test may fire)."""
 
 
-def run_demo(run_dir: Path, steps: int, period: int, spike_start: int, seed: int, sinks: tuple[str, ...],
-             console: Any) -> dict[str, Any]:
-    """Run the synthetic demo; returns what it found (also printed)."""
+@dataclass(frozen=True)
+class DemoOptions:
+    run_dir: Path
+    model: Path
+    trainer: str = "fsdp2"
+    world_size: int = 2
+    steps: int | None = None
+    inject: str | None = None
+    wandb: bool = True
+    seed: int = 0
+
+    @property
+    def fault(self) -> Fault:
+        return parse_inject(self.inject)
+
+    @property
+    def max_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return INJECTED_MAX_STEPS if self.inject else DEFAULT_STEPS
+
+
+def ensure_model(path: Path, console: Any) -> Path:
+    """The tiny hybrid model at `path`, built there first if the folder holds none."""
+    if (path / "config.json").exists():
+        return path
+    from rlcheck.modelzoo import build_model
+
+    with console.status(f"building the tiny hybrid model in {path} ..."):
+        return build_model("hybrid", path)
+
+
+def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
+    """Run the loop; returns what was found (also printed)."""
+    from rlcheck.loop import GRPOLoop, ray_session
+    from rlcheck.loop.presets import tiny_cpu
+
+    fault = opts.fault
+    os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
+    model = ensure_model(opts.model, console)
+    cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
+                   fault=fault, seed=opts.seed)
+    found: dict[str, Any] = {"halted": False, "steps_run": 0, "alarms": [], "fault": fault, "timings": [],
+                             "run_dir": opts.run_dir}
+    with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
+        with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
+                            f"{cfg.trainer.backend} trainer rank(s) ..."):
+            loop = GRPOLoop(cfg, mon)
+        try:
+            _run_with_progress(loop, opts, found, console)
+        finally:
+            loop.close()
+    _print_found(found, console)
+    return found
+
+
+def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+    from rlcheck.sinks.wandb import WandbConfig
+
+    return MonitorConfig(
+        run_dir=opts.run_dir,
+        sinks=("jsonl", "wandb") if opts.wandb else ("jsonl",),
+        resume=False,
+        wandb=WandbConfig(mode=os.environ.get("WANDB_MODE", "offline"), name=opts.run_dir.name, tags=("demo",)),
+        context={
+            "source": "rlcheck demo",
+            "model": str(cfg.rollout.model),
+            "trainer": {"backend": cfg.trainer.backend, "world_size": cfg.world_size, "lr": cfg.trainer.lr},
+            "sampling": {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens,
+                         "n": cfg.group_size, "logprobs_mode": cfg.rollout.logprobs_mode},
+            "inject": opts.inject,
+        },
+    )
+
+
+def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    data = SyntheticConfig(spike_every=period, spike_start=spike_start, seed=seed)
-    cfg = MonitorConfig(run_dir=run_dir, sinks=sinks, resume=False,
-                        context={"source": "rlcheck.synthetic", "synthetic": data.__dict__})
-    found: dict[str, Any] = {"halted": False, "steps_run": 0, "alarms": []}
     columns = (TextColumn("[bold]rlcheck demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
-    with Monitor(cfg) as mon, Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("", total=steps)
-        for step in range(steps):
-            batch = synthetic_batch(data, step)
-            try:
-                report = mon.observe(step, batch)
-            except MismatchHalt as halt:
-                report = halt.report
-                found.update(halted=True, reason=halt.reason, dump=halt.dump_dir)
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("", total=opts.max_steps)
+
+        def on_step(step: int, report: StepReport, info: dict[str, Any]) -> None:
             found["steps_run"] = step + 1
             for a in report.alarms:
                 found["alarms"].append(a)
                 progress.console.print(f"[yellow]step {step}[/] {a.kind}/{a.severity}: {a.message}")
-            mark = " (spike injected)" if is_spike(data, step) else ""
-            progress.update(task, advance=1, description=f"mean |d| {report.metrics[K.ABS_DIFF_MEAN]:.3g}{mark}")
-            if found["halted"]:
-                break
-    _print_found(found, data, console)
-    return found
+            if "seconds" in info:
+                found["timings"].append(info["seconds"])
+            skipped = " (sync skipped)" if info.get("sync_skipped") else ""
+            reward = report.metrics.get("loop/reward_mean", float("nan"))
+            progress.update(task, advance=1, description=(
+                f"mean |d| {report.metrics[K.ABS_DIFF_MEAN]:.2g}  reward {reward:.3f}{skipped}"))
+
+        result = loop.run(on_step)
+    found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir)
 
 
-def _print_found(found: dict[str, Any], data: SyntheticConfig, console: Any) -> None:
+def _print_found(found: dict[str, Any], console: Any) -> None:
     console.rule("what rlcheck found")
-    console.print(f"injected: a spike every {data.spike_every} steps from step {data.spike_start} "
-                  f"(steps = {data.spike_phase % data.spike_every} mod {data.spike_every})")
+    fault = found["fault"]
+    console.print(f"injected: {fault.describe()} ({fault.shape})")
+    if found["timings"]:
+        med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in
+               ("generate", "recompute", "monitor", "update", "sync", "total")}
+        console.print("median seconds per step: " + ", ".join(f"{p} {v:.3f}" for p, v in med.items()))
     periodic = [a for a in found["alarms"] if a.kind == "periodic"]
     if periodic:
         a = periodic[0]
-        first_spike = next(s for s in range(data.spike_start, data.spike_start + data.spike_every)
-                           if is_spike(data, s))
-        console.print(
-            f"[bold green]found[/]: period {a.details['period']}, phase {a.details['phase']} at step {a.step}, "
-            f"{(a.step - first_spike) // data.spike_every} periods after the first spike; "
-            f"next spike expected at step {a.details['next_expected']}"
-        )
-    else:
-        console.print("[bold red]no periodic alarm[/]")
+        console.print(f"[bold green]found[/]: spikes every {a.details['period']} steps, phase {a.details['phase']}, "
+                      f"at step {a.step}; next expected at step {a.details['next_expected']}")
+    elif not found["alarms"]:
+        console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
+    wandb_runs = sorted(found["run_dir"].glob("wandb/*run-*"))
+    if wandb_runs:
+        console.print(f"W&B run: {wandb_runs[-1]} (`wandb sync` it to upload)")
     if found["halted"]:
         console.print(f"halted after {found['steps_run']} steps: {found['reason']}")
         console.print(f"evidence: {found['dump']}")
+
+
+def demo_succeeded(found: dict[str, Any]) -> bool:
+    """A clean demo raises no alarm; an injected skip-sync fault ends in a halt on a periodic alarm
+    of the injected period."""
+    fault = found["fault"]
+    if isinstance(fault, SkipSync):
+        periods = [a.details.get("period") for a in found["alarms"] if a.kind == "periodic"]
+        return found["halted"] and fault.every in periods
+    if fault.name == "none":
+        return not found["alarms"]
+    return found["halted"]

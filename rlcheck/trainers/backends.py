@@ -115,8 +115,13 @@ class DeepSpeedBackend(PlainBackend):
     def begin_step(self, num_micro_batches: int) -> None:
         # one optimizer step per train_step: every micro-batch but the last is accumulation
         self.engine.set_train_batch_size(num_micro_batches * self.world_size)
+        self.micro_batches_left = num_micro_batches
 
     def backward(self, loss: torch.Tensor) -> None:
+        # Say where the boundary is: DeepSpeed's own guess, (micro_steps + 1) % gas, counts micro-steps
+        # since the start, so once the micro-batch count changes between steps it falls mid-step.
+        self.micro_batches_left -= 1
+        self.engine.set_gradient_accumulation_boundary(self.micro_batches_left == 0)
         self.engine.backward(loss, scale_wrt_gas=False)  # the caller already divides by the token count
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # only advances DeepSpeed's micro-step counter

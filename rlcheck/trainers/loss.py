@@ -21,6 +21,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6, sc
         raise InputError(f"rewards ({r.shape}) must be 1-D with a multiple of group_size={group_size} entries")
     g = r.reshape(-1, group_size)  # (P, G)
     adv = g - g.mean(axis=1, keepdims=True)
+    adv[(g == g[:, :1]).all(axis=1)] = 0.0  # exactly: the mean of equal floats can be an ulp off
     if scale:
         adv = adv / (g.std(axis=1, keepdims=True) + eps)
     return adv.reshape(-1).astype(np.float32)

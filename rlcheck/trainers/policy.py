@@ -42,7 +42,8 @@ class PolicyTrainer:
         self.backend.module.eval()
         with torch.no_grad():
             for mb in self._my_batches(plan):
-                for i, lp in zip(mb, self._forward(seqs, mb), strict=True):
+                logps = self._forward(seqs, mb)  # also when empty (a dummy): the forward is a collective
+                for i, lp in zip(mb, logps if mb else [], strict=True):
                     out[i] = lp.float().cpu().numpy()
         return out
 
