@@ -56,10 +56,18 @@ class TestGRPOLoop:
         assert versions == {0.0} and result.steps_run == 3
 
     def test_skip_sync_halts_on_the_period(self, tiny_model, ray_local, tmp_path):
-        """Skipping the sync every 3rd update ends in a periodic alarm of period 3 and a halt with a dump."""
+        """Skipping the sync every 3rd update ends in a periodic alarm of period 3, a halt with a dump,
+        and stopped actors."""
         cfg = tiny_cpu(tiny_model("hybrid"), trainer="deepspeed", world_size=2, steps=80, fault=SkipSync(3))
         with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
-            result = run_grpo(cfg, mon)
+            loop = GRPOLoop(cfg, mon)
+            try:
+                result = loop.run()
+            finally:
+                loop.close()
+        for actor in [loop.rollout, *loop.group.workers]:
+            with pytest.raises(ray_local.exceptions.RayActorError):
+                ray_local.get(actor.weight_version.remote() if actor is loop.rollout else actor.address.remote())
         assert result.halted and "periodic" in result.reason
         periodic = [a for r in result.reports for a in r.alarms if a.kind == "periodic"]
         assert periodic and periodic[0].details["period"] == 3 and periodic[0].details["phase"] == 0
