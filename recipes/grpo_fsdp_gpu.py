@@ -23,9 +23,9 @@ vLLM create its own placement group of tp one-GPU bundles on top of the actor's:
 `rollout_gpus=0`. Other vLLM versions may choose differently; the explicit "mp" does not depend on it.
 
 Weight sync after each update: FSDP2 gathers the full state dict to rank 0's CPU, Ray hands it to the
-rollout actor, vLLM loads it with `reload_weights` (every TP worker takes its shard). Simple, and
-through host memory: fine up to a few billion parameters, no NCCL broadcast. Each rank loads the
-whole model onto its GPU before sharding it.
+rollout actor, vLLM loads it with `reload_weights` (every TP worker takes its shard). Simple, through
+host memory, no NCCL broadcast; its cost at this scale is not measured. Each rank loads the whole
+model onto its GPU before sharding it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ A ~1M-parameter hybrid model (Mamba2 + attention, `rlcheck.modelzoo`) learns to 
 per prompt, a sharded trainer (FSDP2 or DeepSpeed ZeRO-3 over `--world-size` Ray actors, gloo;
 or plain HF on one process) recomputes their logprobs, the Monitor compares the two, the trainer
 takes one clipped-surrogate step and the new weights go back to vLLM. `loop_config` and
-`monitor_config` below build the run's configs field by field, so every knob is in view.
+`monitor_config` below build the run's configs field by field, so every knob is in view; the loop's
+values are those of `rlcheck.loop.presets.tiny_cpu`, which `rlcheck demo` runs.
 
     .venv/bin/python recipes/grpo_tiny.py                                 # FSDP2, 2 ranks, 20 steps
     .venv/bin/python recipes/grpo_tiny.py --trainer deepspeed --steps 40
@@ -13,10 +14,10 @@ takes one clipped-surrogate step and the new weights go back to vLLM. `loop_conf
     .venv/bin/python recipes/grpo_tiny.py --inject skip-sync-every=4 --steps 100   # a sync left out every 4 steps
     .venv/bin/python recipes/grpo_tiny.py --wandb                         # also log to W&B (offline)
 
-The model is built on first use into `--model` (default runs/models/tiny-hybrid). The run's files
+The model is built on first use into `--model` (default runs/models/hybrid). The run's files
 (metrics.jsonl, loop.jsonl, state.json, dumps/ on a halt) go to `--run-dir`; read them with
 `rlcheck summarize RUN_DIR`. Prints one line per step and a summary; exits 1 if the monitor halted
-the run. On 2 CPU cores a step takes ~0.6-1 s after ~45 s of start-up (Ray, vLLM, the trainer ranks).
+the run. On 2 shared CPU cores a step took 1.4-2 s, after ~45 s of start-up (Ray, vLLM, the ranks).
 The detectors learn the run's own baseline over their first 32 steps (`warmup`) and do not fire
 before; the periodic one needs more history still, so give a fault run ~100 steps.
 """
@@ -40,7 +41,7 @@ from rlcheck.sinks import WandbConfig
 from rlcheck.stats import StatsConfig
 from rlcheck.trainers import BACKENDS, TrainerConfig
 
-DEFAULT_MODEL = "runs/models/tiny-hybrid"
+DEFAULT_MODEL = "runs/models/hybrid"  # where `rlcheck demo` builds it too
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,10 +80,10 @@ def loop_config(args: argparse.Namespace, model: str) -> LoopConfig:
         model=model,
         dtype="float32",
         seed=0,
-        engine_id="r0",
+        engine_id="rollout0",
         temperature=temperature,
-        max_tokens=24,  # an answer is a few digits; the rest is what a random model babbles
-        max_model_len=512,
+        max_tokens=32,  # an answer is a few digits; the rest is what a random model babbles
+        max_model_len=1024,
         kv_cache_bytes=64 << 20,  # on CPU: without it vLLM reserves 92% of the machine's RAM
         enforce_eager=True,  # torch.compile would add ~30 s to the engine start
     )
@@ -96,7 +97,7 @@ def loop_config(args: argparse.Namespace, model: str) -> LoopConfig:
         clip_low=0.2,
         clip_high=0.2,
         temperature=temperature,
-        micro_batch_tokens=4096,
+        micro_batch_tokens=2048,
         seed=0,
         device="cpu",
     )
@@ -105,7 +106,7 @@ def loop_config(args: argparse.Namespace, model: str) -> LoopConfig:
         trainer=trainer,
         world_size=args.world_size,
         steps=args.steps,
-        group_size=4,
+        group_size=8,
         task=AdditionTask(max_operand=99, num_prompts=8, seed=0),
         placement=Placement(trainer_cpus=1, rollout_cpus=1),
         fault=parse_inject(args.inject),
@@ -123,22 +124,8 @@ def monitor_config(run_dir: str, cfg: LoopConfig, recipe: str, wandb_mode: str |
         halt=HaltConfig(enabled=True, min_severity="critical", patience=1),
         wandb=WandbConfig(project=wandb_project, mode=wandb_mode, tags=(recipe,)) if wandb_mode else None,
         resume=False,  # a fresh run directory; an existing run there is refused, not overwritten
-        context=run_context(recipe, cfg),
+        context={"recipe": recipe, **cfg.context()},
     )
-
-
-def run_context(recipe: str, cfg: LoopConfig) -> dict:
-    """What goes into every dump's meta.json beside the engine's own record."""
-    return {
-        "recipe": recipe,
-        "model": cfg.rollout.model,
-        "trainer": cfg.trainer.backend,
-        "world_size": cfg.world_size,
-        "dtype": {"rollout": cfg.rollout.dtype, "trainer": cfg.trainer.dtype},
-        "sampling": {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens,
-                     "group_size": cfg.group_size, **cfg.rollout.sampling},
-        "fault": cfg.fault.describe(),
-    }
 
 
 def print_step(step: int, report: StepReport, info: dict) -> None:

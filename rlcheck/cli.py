@@ -56,7 +56,7 @@ def demo(
     steps: int = typer.Option(None, min=1, help="Steps to run [default: 20; with --inject, until the halt, at most 100]."),
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
-    inject: str = typer.Option(None, help="A fault to inject, as NAME=VALUE: skip-sync-every=K."),
+    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S (see rlcheck.faults)."),
     model: Path = typer.Option(Path("runs/models/hybrid"), help="Tiny model folder, built there if missing."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
@@ -90,6 +90,27 @@ def demo(
     found = run_demo(opts, console)
     render(summarize(run_dir), console)
     if not demo_succeeded(found):
+        raise typer.Exit(1)
+
+
+@app.command()
+def diagnose(
+    path: Path = typer.Argument(..., help="A run directory (metrics.jsonl, dumps/) or one dump directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON."),
+) -> None:
+    """Name the likely cause of a mismatch from its shape, with the evidence and a confidence.
+    Exit code 0 when healthy, 1 when a cause was found."""
+    from rlcheck.forensics.diagnose import diagnose as run_diagnose
+    from rlcheck.forensics.render import render_diagnosis
+
+    if not path.exists():
+        raise typer.BadParameter(f"{path} does not exist", param_hint="PATH")
+    result = run_diagnose(path)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        render_diagnosis(result, _console())
+    if not result.healthy:
         raise typer.Exit(1)
 
 

@@ -39,7 +39,7 @@ class DemoOptions:
 
     @property
     def fault(self) -> Fault:
-        return parse_inject(self.inject)
+        return parse_inject(self.inject, seed=self.seed)
 
     @property
     def max_steps(self) -> int:
@@ -90,14 +90,7 @@ def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
         sinks=("jsonl", "wandb") if opts.wandb else ("jsonl",),
         resume=False,
         wandb=WandbConfig(mode=os.environ.get("WANDB_MODE", "offline"), name=opts.run_dir.name, tags=("demo",)),
-        context={
-            "source": "rlcheck demo",
-            "model": str(cfg.rollout.model),
-            "trainer": {"backend": cfg.trainer.backend, "world_size": cfg.world_size, "lr": cfg.trainer.lr},
-            "sampling": {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens,
-                         "n": cfg.group_size, "logprobs_mode": cfg.rollout.logprobs_mode},
-            "inject": opts.inject,
-        },
+        context={"source": "rlcheck demo", **cfg.context()},
     )
 
 
@@ -150,11 +143,11 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
 
 def demo_succeeded(found: dict[str, Any]) -> bool:
     """A clean demo raises no alarm; an injected skip-sync fault ends in a halt on a periodic alarm
-    of the injected period."""
+    of the injected period; any other fault raises an alarm once it acts."""
     fault = found["fault"]
     if isinstance(fault, SkipSync):
         periods = [a.details.get("period") for a in found["alarms"] if a.kind == "periodic"]
         return found["halted"] and fault.every in periods
     if fault.name == "none":
         return not found["alarms"]
-    return found["halted"]
+    return any(a.step >= fault.start for a in found["alarms"])

@@ -252,9 +252,10 @@ def _build_llm(cfg: VLLMConfig):
     return LLM(**kwargs)
 
 
-def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any]):
+def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens_train: Sequence[Any] | None = None):
     """The monitor's `StepBatch` of these rollouts against the trainer's logprobs of the same tokens
-    (one array per rollout, same order); ids, tokens and engine context travel along."""
+    (one array per rollout, same order); ids, tokens and engine context travel along. `tokens_train`:
+    the ids the trainer scored, per rollout, if it tokenised on its own (checked against the sampled ids)."""
     from rlcheck.batch import StepBatch
 
     if len(logp_train) != len(rollouts):
@@ -264,6 +265,7 @@ def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any]):
         logp_train=list(logp_train),
         request_ids=[r.request_id for r in rollouts],
         tokens=[np.asarray(r.token_ids, dtype=np.int64) for r in rollouts],
+        tokens_train=None if tokens_train is None else [np.asarray(t, dtype=np.int64) for t in tokens_train],
         prompt_tokens=[np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rollouts],
         meta={
             "vllm_request_id": [r.vllm_request_id for r in rollouts],

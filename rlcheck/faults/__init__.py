@@ -1,64 +1,68 @@
 """Faults injected on purpose, to show the monitor catching what it claims (`rlcheck demo --inject`).
 
-A fault is given as `NAME=VALUE` text (`parse_inject("skip-sync-every=4")`) and acts through hooks
-the loop calls; each documents the failure shape it should leave.
+A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weights@40`,
+`corrupt-seqs=0.02@40`, and acts through hooks the loop calls (`Fault`). The data-level zoo:
+
+| fault                   | VALUE        | shape it should leave                                  | cause diagnose names |
+|-------------------------|--------------|--------------------------------------------------------|----------------------|
+| skip-sync-every=K       | K >= 2       | a spike every K steps at phase 0 (periodic)            | weights_out_of_sync  |
+| stale-weights@S         | -            | mismatch growing with the steps since S (drift)        | weights_out_of_sync  |
+| temperature-mismatch=F  | factor != 1  | d follows logp_rollout (systematic slope)              | logit_processing     |
+| off-by-one              | -            | logp_train[t] ~ logp_rollout[t+1], token ids differ    | token_misalignment   |
+| bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
+| corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rlcheck.errors import ConfigError
+from rlcheck.faults.base import Fault
+from rlcheck.faults.zoo import (
+    Bf16Noise,
+    CorruptSequences,
+    OffByOne,
+    SkipSync,
+    StaleWeights,
+    TemperatureMismatch,
+)
+
+FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
+    # name: (class, field VALUE sets, VALUE type)
+    SkipSync.name: (SkipSync, "every", int),
+    StaleWeights.name: (StaleWeights, None, int),
+    TemperatureMismatch.name: (TemperatureMismatch, "factor", float),
+    OffByOne.name: (OffByOne, None, int),
+    Bf16Noise.name: (Bf16Noise, "scale", float),
+    CorruptSequences.name: (CorruptSequences, "rate", float),
+}
 
 
-class Fault:
-    """No fault: every hook leaves the loop alone."""
-
-    name = "none"
-    shape = "healthy"
-
-    def skip_sync(self, step: int) -> bool:
-        """True to leave out the weight sync that follows the update of `step`."""
-        return False
-
-    def describe(self) -> str:
-        return self.name
-
-
-@dataclass(frozen=True)
-class SkipSync(Fault):
-    """The weight sync after every K-th update does not happen, so the rollouts of steps 0 mod K
-    (K, 2K, ...) come from weights one update old. Shape: a mismatch spike every K steps at phase 0
-    (periodic), between clean steps; its size is that of one update."""
-
-    every: int
-    name = "skip-sync-every"
-    shape = "weights not synced (periodic)"
-
-    def __post_init__(self) -> None:
-        if self.every < 2:
-            raise ConfigError(f"skip-sync-every needs K >= 2 (K=1 never syncs), got {self.every}")
-
-    def skip_sync(self, step: int) -> bool:
-        return (step + 1) % self.every == 0
-
-    def describe(self) -> str:
-        return f"skip-sync-every={self.every}"
-
-
-FAULTS = {"skip-sync-every": lambda v: SkipSync(int(v))}
-
-
-def parse_inject(spec: str | None) -> Fault:
-    """`None` or "" -> no fault; "skip-sync-every=4" -> SkipSync(4)."""
+def parse_inject(spec: str | None, seed: int = 0) -> Fault:
+    """`None` or "" -> no fault; "NAME[=VALUE][@START]" -> that fault (ConfigError naming the problem)."""
     if not spec:
         return Fault()
-    name, _, value = spec.partition("=")
+    head, at, start_text = spec.partition("@")
+    name, eq, value = head.partition("=")
     if name not in FAULTS:
-        raise ConfigError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))} (as NAME=VALUE)")
+        raise ConfigError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))} (as NAME[=VALUE][@START])")
+    cls, field, kind = FAULTS[name]
+    kwargs: dict = {"seed": seed}
+    if at:
+        kwargs["start"] = _number(start_text, int, f"{spec!r}: START after '@' must be an integer step")
+    if field is None and eq:
+        raise ConfigError(f"fault {name} takes no value (write {name} or {name}@START)")
+    if field is not None:
+        what = "an integer" if kind is int else "a number"
+        kwargs[field] = _number(value, kind, f"fault {spec!r}: {name} takes {what}, as {name}={'4' if kind is int else '1.1'}")
+    return cls(**kwargs)
+
+
+def _number(text: str, kind: type, message: str):
     try:
-        return FAULTS[name](value)
-    except ValueError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"fault {spec!r}: {name} takes an integer, as {name}=4") from None
+        return kind(text)
+    except ValueError:
+        raise ConfigError(message) from None
+
+
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "Fault", "OffByOne", "SkipSync", "StaleWeights",
+           "TemperatureMismatch", "parse_inject"]

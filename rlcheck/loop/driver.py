@@ -49,6 +49,20 @@ class LoopConfig:
     placement: Placement = field(default_factory=Placement)
     fault: Fault = field(default_factory=Fault)
 
+    def context(self) -> dict[str, Any]:
+        """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling."""
+        r, t = self.rollout, self.trainer
+        return {
+            "model": r.model,
+            "engine": {"name": "vllm", "engine_id": r.engine_id, "dtype": r.dtype, "logprobs_mode": r.logprobs_mode,
+                       "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs},
+            "sampling": {"temperature": r.temperature, "max_tokens": r.max_tokens, "n": self.group_size,
+                         **r.sampling},
+            "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
+                        "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
+            "fault": self.fault.describe(),
+        }
+
     def __post_init__(self) -> None:
         if self.steps < 1 or self.group_size < 2 or self.world_size < 1:
             raise ConfigError("need steps >= 1, group_size >= 2 (GRPO compares samples) and world_size >= 1")
@@ -90,12 +104,13 @@ class GRPOLoop:
         self.log_path = Path(monitor.run_dir) / "loop.jsonl"
         self.rollout = start_rollout(cfg.rollout, cfg.placement)
         try:
-            self.group = TrainerGroup(cfg.trainer, cfg.world_size, cfg.placement)
+            self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement)
         except BaseException:
             self._kill_rollout()
             raise
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
+        self.fault_touched: list[str] = []
 
     def run(self, on_step: StepCallback | None = None, start: int = 0) -> LoopResult:
         result = LoopResult()
@@ -104,6 +119,8 @@ class GRPOLoop:
                 report, info = self.step(step)
             except MismatchHalt as halt:
                 result.halted, result.reason, result.dump_dir = True, halt.reason, halt.dump_dir
+                self._log({"step": step, "halted": True, "reason": halt.reason, "dump": halt.dump_dir,
+                           "fault_touched": self.fault_touched}, halt.report)
                 result.reports.append(halt.report)
                 result.steps_run += 1
                 if on_step:
@@ -135,8 +152,10 @@ class GRPOLoop:
             "loop/response_tokens_mean": seqs.num_response_tokens / len(seqs),
             "loop/weights_behind": float(self.version - self.synced),
         }
+        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
+        self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
-            report = self.monitor.observe(step, to_step_batch(rollouts, logp_train), extra=extra)
+            report = self.monitor.observe(step, batch, extra=extra)
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)
             train = self.group.train_step(seqs.with_update_inputs(adv, logp_train), plan)
@@ -147,7 +166,7 @@ class GRPOLoop:
                 ray.get(self.rollout.sync_weights.remote(self.group.full_state_dict_ref(), self.version))
                 self.synced = self.version
         info = {"step": step, "reward_mean": extra["loop/reward_mean"], "train": train,
-                "sync_skipped": skipped, "seconds": t.seconds}
+                "sync_skipped": skipped, "fault_touched": faulted, "seconds": t.seconds}
         self._log(info, report)
         return report, info
 

@@ -1,0 +1,65 @@
+"""What a fault is: hooks the loop calls, the shape it should leave, and the cause diagnose should name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from rlcheck.batch import StepBatch
+
+
+@dataclass(frozen=True)
+class Fault:
+    """No fault: every hook leaves the loop alone. Subclasses override the hooks they need:
+
+    - `trainer_config(cfg)`: the trainer's config as the fault leaves it (before the actors start);
+    - `skip_sync(step)`: True to leave out the weight sync after the update of `step`;
+    - `apply(step, batch)`: the step's comparison data as the fault corrupts it, and the request ids
+      it touched (ground truth for tests; the monitor and diagnose never see it).
+    """
+
+    start: int = field(default=0, kw_only=True)
+    """First step the fault acts on."""
+    seed: int = field(default=0, kw_only=True)
+
+    name: ClassVar[str] = "none"
+    cause: ClassVar[str] = "healthy"
+    """The cause `rlcheck diagnose` should name (a key of `rlcheck.forensics.diagnose.CAUSES`)."""
+    shape: ClassVar[str] = "healthy"
+    takes_value: ClassVar[bool] = False
+
+    def trainer_config(self, cfg):
+        return cfg
+
+    def skip_sync(self, step: int) -> bool:
+        return False
+
+    def active(self, step: int) -> bool:
+        return step >= self.start
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        return batch, []
+
+    def value(self) -> str | None:
+        """The VALUE of NAME=VALUE, None for a fault without one."""
+        return None
+
+    def describe(self) -> str:
+        """The spec that parses back to this fault (`parse_inject`)."""
+        v = self.value()
+        return self.name + ("" if v is None else f"={v}") + (f"@{self.start}" if self.start else "")
+
+    def rng(self, step: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, step, 0x5EED])
+
+
+def all_ids(batch: StepBatch) -> list[str]:
+    return list(batch.request_ids)
+
+
+def per_sequence(batch: StepBatch):
+    """(start, stop) token offsets of every sequence."""
+    cu = batch.cu_seqlens
+    return zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)

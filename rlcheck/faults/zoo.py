@@ -1,0 +1,169 @@
+"""The data-level faults, one class each, with the failure shape it should leave (design.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlcheck.batch import StepBatch
+from rlcheck.errors import ConfigError
+from rlcheck.faults.base import Fault, all_ids, per_sequence
+
+BF16_EPS = 2.0**-8
+"""Relative precision of bfloat16 (8 significant bits)."""
+
+
+@dataclass(frozen=True)
+class SkipSync(Fault):
+    """The weight sync after every K-th update does not happen, so the rollouts of steps 0 mod K come
+    from weights one update old. Shape: a mismatch spike every K steps at phase 0 between clean steps,
+    the size of one update (periodic)."""
+
+    every: int = 2
+    name = "skip-sync-every"
+    cause = "weights_out_of_sync"
+    shape = "weights not synced (periodic)"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        if self.every < 2:
+            raise ConfigError(f"skip-sync-every needs K >= 2 (K=1 never syncs), got {self.every}")
+
+    def skip_sync(self, step: int) -> bool:
+        return self.active(step) and (step + 1) % self.every == 0
+
+    def value(self) -> str:
+        return str(self.every)
+
+
+@dataclass(frozen=True)
+class StaleWeights(Fault):
+    """From step `start` on the syncs stop: the engine keeps generating with the weights it had, while
+    the trainer moves on. Shape: mismatch that grows with the steps since the last sync (drift)."""
+
+    name = "stale-weights"
+    cause = "weights_out_of_sync"
+    shape = "weights not synced since a step (growing)"
+
+    def skip_sync(self, step: int) -> bool:
+        return step + 1 >= max(self.start, 1)
+
+
+@dataclass(frozen=True)
+class TemperatureMismatch(Fault):
+    """The trainer scores at `factor` x the sampling temperature (a logit-processing mismatch), from
+    the first step. Shape: systematic, d = logp_train - logp_rollout follows logp_rollout."""
+
+    factor: float = 1.1
+    name = "temperature-mismatch"
+    cause = "logit_processing"
+    shape = "systematic: d follows logp_rollout"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or self.factor == 1.0:
+            raise ConfigError(f"temperature-mismatch needs a factor > 0 other than 1, got {self.factor}")
+        if self.start:
+            raise ConfigError("temperature-mismatch acts from the first step (it changes the trainer's config)")
+
+    def trainer_config(self, cfg):
+        return dataclasses.replace(cfg, temperature=cfg.temperature * self.factor)
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        return batch, all_ids(batch)
+
+    def value(self) -> str:
+        return f"{self.factor:g}"
+
+
+@dataclass(frozen=True)
+class OffByOne(Fault):
+    """The trainer's logprobs (and the ids it scored) are read one token late: position t holds what
+    belongs to t + 1. Shape: logp_train[t] matches logp_rollout[t+1]; token ids differ."""
+
+    name = "off-by-one"
+    cause = "token_misalignment"
+    shape = "logp_train[t] matches logp_rollout[t+1]; token ids differ"
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        if not self.active(step):
+            return batch, []
+        lt = batch.logp_train.copy()
+        tokens = batch.tokens_train if batch.tokens_train is not None else batch.tokens
+        tt = None if tokens is None else tokens.copy()
+        hit = []
+        for i, (a, b) in enumerate(per_sequence(batch)):
+            if b - a >= 2:
+                lt[a : b - 1] = batch.logp_train[a + 1 : b]
+                if tt is not None:
+                    tt[a : b - 1] = tokens[a + 1 : b]
+                hit.append(batch.request_ids[i])
+        return dataclasses.replace(batch, logp_train=lt, tokens_train=tt), hit
+
+
+@dataclass(frozen=True)
+class Bf16Noise(Fault):
+    """The engine's logprobs carry bf16-sized rounding noise, `scale` x 2^-8 x (0.5 + |logp|) per
+    token. Shape: small and symmetric, on every sequence, larger on surprising tokens."""
+
+    scale: float = 1.0
+    name = "bf16-noise"
+    cause = "numeric_noise"
+    shape = "small, symmetric, every sequence, grows with surprise"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0:
+            raise ConfigError(f"bf16-noise needs a scale > 0, got {self.scale}")
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        if not self.active(step):
+            return batch, []
+        lr = batch.logp_rollout.astype(np.float64)
+        noise = self.rng(step).standard_normal(lr.shape[0]) * self.scale * BF16_EPS * (0.5 + np.abs(lr))
+        noisy = np.minimum(lr + noise, 0.0).astype(batch.logp_rollout.dtype)
+        return dataclasses.replace(batch, logp_rollout=noisy), all_ids(batch)
+
+    def value(self) -> str:
+        return f"{self.scale:g}"
+
+
+@dataclass(frozen=True)
+class CorruptSequences(Fault):
+    """A fraction `rate` of the sequences (at least one) is confident gibberish from one of its first
+    three tokens on: the engine claims logprob ~0 for tokens the trainer finds improbable, as a request
+    decoded from another request's state would. Shape: a few sequences far off from their first tokens,
+    the rest clean."""
+
+    rate: float = 0.02
+    name = "corrupt-seqs"
+    cause = "stale_state"
+    shape = "a few sequences, far off from their first tokens"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rate <= 1:
+            raise ConfigError(f"corrupt-seqs needs a rate in (0, 1], got {self.rate}")
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        if not self.active(step):
+            return batch, []
+        rng = self.rng(step)
+        n = batch.num_sequences
+        picked = rng.choice(n, size=max(1, round(self.rate * n)), replace=False)
+        lr = batch.logp_rollout.copy()
+        cu = batch.cu_seqlens
+        hit = []
+        for i in sorted(picked.tolist()):
+            a, b = int(cu[i]), int(cu[i + 1])
+            if b - a < 1:
+                continue
+            p = a + int(rng.integers(0, min(3, b - a)))
+            lr[p:b] = -rng.uniform(0.0, 0.02, b - p)
+            hit.append(batch.request_ids[i])
+        return dataclasses.replace(batch, logp_rollout=lr), hit
+
+    def value(self) -> str:
+        return f"{self.rate:g}"

@@ -1,0 +1,253 @@
+"""`rlcheck diagnose RUN_DIR|DUMP`: name the likely cause of a mismatch from its shape (design.md).
+
+Each rule reads the evidence (step records and dumps, `rlcheck.forensics.evidence`) for one family of
+shapes and returns a `Finding` with a confidence, the evidence in words, the affected steps and the
+affected request ids; the findings are ranked and the first is the verdict ("healthy" when the run
+raised no alarm). Confidences are fixed per rule strength (a signature seen on every anomalous step
+outranks a level shift seen in aggregate statistics); they rank causes, they are not probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlcheck import metrics as K
+from rlcheck.forensics.evidence import Evidence, load_evidence
+from rlcheck.stats import StatsConfig
+
+CAUSES = {
+    "healthy": "healthy: the engine and the trainer agree",
+    "numeric_noise": "numeric noise (bf16, kernels, batch variance)",
+    "logit_processing": "temperature / logit-processing mismatch",
+    "weights_out_of_sync": "weights not synced, or synced late",
+    "stale_state": "stale recurrent state (Mamba slot reused, decode before prefill)",
+    "index_aliasing": "state-index overflow / aliasing (a slot offset that wrapped)",
+    "token_misalignment": "token misalignment (off-by-one, chat template, tokenizer drift)",
+    "unexplained": "alarms that match no known shape",
+}
+MAX_IDS = 50
+
+
+@dataclass
+class Finding:
+    cause: str
+    confidence: float
+    evidence: list[str]
+    affected_steps: list[int] = field(default_factory=list)
+    affected_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return CAUSES[self.cause]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "confidence": round(self.confidence, 3),
+                "evidence": self.evidence, "affected_steps": self.affected_steps,
+                "affected_request_ids": self.affected_request_ids}
+
+
+@dataclass
+class Diagnosis:
+    source: str
+    path: str
+    num_steps: int
+    findings: list[Finding]
+
+    @property
+    def verdict(self) -> Finding:
+        return self.findings[0]
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict.cause == "healthy"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "path": self.path, "num_steps": self.num_steps,
+                "verdict": self.verdict.to_dict(), "findings": [f.to_dict() for f in self.findings]}
+
+
+def diagnose(path: str | Path) -> Diagnosis:
+    """Diagnose a run directory or a dump (see the module docstring)."""
+    ev = load_evidence(path)
+    findings = [f for rule in RULES if (f := rule(ev)) is not None]
+    if not findings:
+        findings = [_healthy_or_unexplained(ev)]
+    findings.sort(key=lambda f: -f.confidence)
+    return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
+
+
+# ---- reading the evidence ----------------------------------------------------------------------
+
+
+def _alarms(ev: Evidence, *, kind: str | None = None, signatures: tuple[str, ...] = ()) -> list[dict]:
+    out = []
+    for r in ev.records:
+        for a in r.get("alarms", []):
+            if (kind is None or a["kind"] == kind) and (not signatures or a["details"].get("signature") in signatures):
+                out.append(a)
+    return out
+
+
+def _steps(alarms: list[dict]) -> list[int]:
+    return sorted({int(a["step"]) for a in alarms})
+
+
+def _series(ev: Evidence, key: str) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [(r["step"], r["metrics"][key]) for r in ev.records if r["metrics"].get(key) is not None]
+    steps, values = zip(*pairs, strict=True) if pairs else ((), ())
+    return np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64)
+
+
+def _affected_ids(ev: Evidence, steps: list[int], min_abs_diff: float) -> list[str]:
+    """Request ids at `steps` whose max |d| reaches `min_abs_diff`: every sequence where the step has a
+    dump, the logged offenders (top-k) elsewhere."""
+    ids: list[str] = []
+    by_step = {r["step"]: r for r in ev.records}
+    for s in steps:
+        rows = ev.dump_rows.get(s) or by_step.get(s, {}).get("offenders", [])
+        hit = sorted((row for row in rows if (row.get("max_abs_diff") or 0.0) >= min_abs_diff),
+                     key=lambda row: -row["max_abs_diff"])
+        ids += [row["request_id"] for row in hit if row["request_id"] not in ids]
+    return ids[:MAX_IDS]
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    if x.size < 3 or np.ptp(y) == 0:
+        return 0.0
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+# ---- one rule per family of shapes ---------------------------------------------------------------
+
+
+def _misalignment(ev: Evidence) -> Finding | None:
+    shift = _alarms(ev, kind="signature", signatures=("shift_by_one",))
+    tokens = _alarms(ev, kind="signature", signatures=("token_id_mismatch",))
+    if not shift and not tokens:
+        return None
+    evidence = []
+    if shift:
+        a = shift[0]
+        evidence.append(f"step {a['step']}: {a['message']}")
+    if tokens:
+        a = tokens[0]
+        evidence.append(f"step {a['step']}: {a['message']}")
+    steps = _steps(shift + tokens)
+    evidence.append(f"on {len(steps)} step(s), first {steps[0]}")
+    tau = StatsConfig().divergence_tau
+    return Finding("token_misalignment", 0.95 if shift and tokens else 0.85, evidence, steps,
+                   _affected_ids(ev, steps, tau))
+
+
+def _logit_processing(ev: Evidence) -> Finding | None:
+    slope = _alarms(ev, kind="signature", signatures=("systematic_slope",))
+    if not slope:
+        return None
+    misaligned = set(_steps(_alarms(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch"))))
+    slope = [a for a in slope if a["step"] not in misaligned]
+    if not slope:
+        return None
+    steps = _steps(slope)
+    anomalous = _steps(_alarms(ev))
+    s = np.median([a["details"]["slope"] for a in slope])
+    c = np.median([a["details"]["corr"] for a in slope])
+    share = len(steps) / max(len(anomalous), 1)
+    evidence = [f"d = logp_train - logp_rollout follows logp_rollout on {len(steps)} of {len(anomalous)} "
+                f"alarmed steps (median slope {s:.3f}, corr {c:.2f})",
+                "a trainer temperature of T x (1 + slope) relative to the engine's would give this slope"]
+    return Finding("logit_processing", 0.6 + 0.3 * share, evidence, steps,
+                   _affected_ids(ev, steps, StatsConfig().divergence_tau))
+
+
+def _sparse_sequences(ev: Evidence) -> Finding | None:
+    early = _alarms(ev, kind="signature", signatures=("early_divergence",))
+    sparse = _alarms(ev, kind="signature", signatures=("sparse_catastrophic",))
+    if not early and not sparse:
+        return None
+    steps = _steps(early + sparse)
+    ids = _affected_ids(ev, steps, StatsConfig().catastrophic_tau)
+    a = (early or sparse)[0]
+    evidence = [f"step {a['step']}: {a['message']}",
+                f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
+    if early:
+        return Finding("stale_state", 0.85, evidence, steps, ids)
+    evidence.append("the divergence does not start at the first tokens: state-index aliasing is as likely; "
+                    "the scheduler context (rlcheck stress, the engine guard) tells them apart")
+    return Finding("stale_state", 0.6, evidence, steps, ids)
+
+
+def _weights(ev: Evidence) -> Finding | None:
+    periodic = _alarms(ev, kind="periodic")
+    if periodic:
+        a = periodic[0]
+        p, phase = int(a["details"]["period"]), int(a["details"]["phase"])
+        steps, values = _series(ev, a["metric"])
+        base = np.median(values[steps % p != phase]) if np.any(steps % p != phase) else 0.0
+        hit = [int(s) for s, v in zip(steps, values, strict=True) if s % p == phase and v > 3 * base]
+        evidence = [f"{a['metric']} spikes every {p} steps (steps = {phase} mod {p}), {len(hit)} spikes "
+                    f"between clean steps: the shape of a weight sync left out every {p} updates"]
+        return Finding("weights_out_of_sync", 0.9, evidence, hit, _affected_ids(ev, hit[-3:], 0.0)[:20])
+    behind_steps, behind = _series(ev, "loop/weights_behind")
+    anomalous = _steps(_alarms(ev))
+    lagging = [int(s) for s, b in zip(behind_steps, behind, strict=True) if b > 0 and int(s) in anomalous]
+    growing = _growing(ev, anomalous)
+    if lagging:
+        evidence = [f"the loop reports rollout weights behind the trainer's on {len(lagging)} alarmed step(s), "
+                    f"first {lagging[0]}", *(growing.evidence if growing else [])]
+        return Finding("weights_out_of_sync", 0.95, evidence, lagging, _affected_ids(ev, lagging[-1:], 0.0)[:20])
+    return growing
+
+
+def _growing(ev: Evidence, anomalous: list[int]) -> Finding | None:
+    """Mismatch that grows step after step since it appeared: syncs stopped (stale weights)."""
+    if not anomalous:
+        return None
+    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    after = steps >= anomalous[0]
+    x, y = steps[after], values[after]
+    if x.size < 4 or _spearman(x, y) < 0.8 or y[-1] < 2 * y[0]:
+        return None
+    evidence = [f"mean |d| grows from {y[0]:.3g} at step {x[0]} to {y[-1]:.3g} at step {x[-1]} "
+                f"(rank correlation with the step {_spearman(x, y):.2f}): weights not synced since step ~{x[0]}"]
+    return Finding("weights_out_of_sync", 0.8, evidence, [int(s) for s in x], _affected_ids(ev, [int(x[-1])], 0.0)[:20])
+
+
+def _numeric_noise(ev: Evidence) -> Finding | None:
+    """A persistent, flat, symmetric rise over most sequences, with no signature."""
+    anomalous = _steps(_alarms(ev))
+    if not anomalous or _alarms(ev, kind="signature") or _alarms(ev, kind="periodic"):
+        return None
+    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    after = steps >= anomalous[0]
+    x, y = steps[after], values[after]
+    persistent = len(anomalous) >= 0.8 * x.size
+    flat = x.size < 4 or _spearman(x, y) < 0.8 or y[-1] < 1.5 * y[0]
+    m = {key: np.median(_series(ev, key)[1][after]) for key in (K.DIFF_MEAN, K.ABS_DIFF_P50)}
+    level = float(np.median(y))
+    symmetric = abs(m[K.DIFF_MEAN]) <= 0.3 * level
+    widespread = m[K.ABS_DIFF_P50] >= 0.2 * level
+    if not (persistent and flat and symmetric and widespread):
+        return None
+    evidence = [f"mean |d| rose to a steady {level:.3g} at step {x[0]} and stays there",
+                f"symmetric (mean d {m[K.DIFF_MEAN]:.2g}) and spread over the tokens (median |d| "
+                f"{m[K.ABS_DIFF_P50]:.2g}): precision noise, not a per-request fault"]
+    return Finding("numeric_noise", 0.7, evidence, [int(s) for s in x])
+
+
+def _healthy_or_unexplained(ev: Evidence) -> Finding:
+    alarms = _alarms(ev)
+    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    if not alarms:
+        top = f"; mean |d| at most {values.max():.3g}" if values.size else ""
+        return Finding("healthy", 0.9 if len(ev.records) >= 10 else 0.6, [f"{len(ev.records)} step(s), no alarm{top}"])
+    kinds = sorted({f"{a['kind']}:{a['metric'].removeprefix(K.PREFIX)}" for a in alarms})
+    return Finding("unexplained", 0.3, [f"{len(alarms)} alarm(s) ({', '.join(kinds[:6])}) fit no known shape"],
+                   _steps(alarms))
+
+
+RULES = (_misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)
