@@ -23,7 +23,7 @@ import numpy as np
 from rlcheck.batch import StepBatch
 from rlcheck.errors import InputError
 from rlcheck.sinks.jsonl import to_jsonable
-from rlcheck.stats.sequences import first_positions, segment_max
+from rlcheck.stats.sequences import divergence
 
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
@@ -42,12 +42,7 @@ def _list_column(values: np.ndarray, cu: np.ndarray):
 def _per_sequence(batch: StepBatch, tau: float) -> tuple[np.ndarray, list[int | None]]:
     """(N,) max |d| over finite tokens, and the first position with |d| > tau or non-finite."""
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout.astype(np.float64)
-    bad = ~np.isfinite(d)
-    ad = np.where(bad, 0.0, np.abs(d))
-    first: list[int | None] = [None] * batch.num_sequences
-    for s, p in zip(*first_positions((ad > tau) | bad, batch.cu_seqlens), strict=True):
-        first[int(s)] = int(p)
-    return segment_max(ad, batch.cu_seqlens), first
+    return divergence(d, batch.cu_seqlens, tau)
 
 
 def versions() -> dict[str, str]:

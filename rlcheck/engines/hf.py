@@ -20,7 +20,7 @@ Each way is checked against scoring one sequence at a time (`score_one`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +79,10 @@ class HFScorer:
         responses: Sequence[Sequence[int]],
         *,
         temperature: float = 1.0,
+        progress: Callable[[int], None] | None = None,
     ) -> list[np.ndarray]:
-        """Logprob of every response token, per sequence, batched (packed or length-bucketed)."""
+        """Logprob of every response token, per sequence, batched (packed or length-bucketed).
+        `progress(num_tokens)` is called after each forward pass with the tokens it scored."""
         seqs = _sequences(prompts, responses, temperature)
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
         out: list[np.ndarray | None] = [None] * len(seqs)
@@ -92,6 +94,8 @@ class HFScorer:
             total += sum(lens) if self.packed else len(group) * max(lens)
             for i, lp in zip(group, self._score_group([seqs[i] for i in group], temperature), strict=True):
                 out[i] = lp
+            if progress is not None:
+                progress(sum(lens))
         self.last_padding_fraction = 1.0 - real / total if total else 0.0
         return out  # type: ignore[return-value]
 

@@ -236,7 +236,7 @@ def _numeric_noise(ev: Evidence) -> Finding | None:
     evidence = [f"mean |d| rose to a steady {level:.3g} at step {x[0]} and stays there",
                 f"symmetric (mean d {m[K.DIFF_MEAN]:.2g}) and spread over the tokens (median |d| "
                 f"{m[K.ABS_DIFF_P50]:.2g}): precision noise, not a per-request fault"]
-    return Finding("numeric_noise", 0.7, evidence, [int(s) for s in x])
+    return Finding("numeric_noise", 0.7, evidence, [int(s) for s in x], _affected_ids(ev, [int(x[-1])], 0.0)[:20])
 
 
 def _healthy_or_unexplained(ev: Evidence) -> Finding:

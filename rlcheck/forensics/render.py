@@ -22,3 +22,44 @@ def render_diagnosis(diagnosis, console: Any, max_ids: int = 10) -> None:
         console.print(f"  affected requests: {', '.join(ids[:max_ids])}{more}")
     for f in diagnosis.findings[1:]:
         console.print(f"also possible: {f.title} (confidence {f.confidence:.2f}): {f.evidence[0]}")
+
+
+
+def render_replay(report, console: Any, top: int = 20) -> None:
+    """The replay's header, its `top` worst requests as a table, and the verdict against the threshold."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    r = report
+    mode = "batched" if r.batched else "one at a time"
+    console.print(
+        f"{escape(r.dump_dir)}: step {r.step}, {len(r.records)} requests, {r.num_tokens:,} response tokens; "
+        f"reference {escape(r.model)} at T={r.temperature:g} ({r.temperature_from}); "
+        f"scored in {r.score_seconds:.2f} s ({mode})"
+    )
+    t = Table(title=f"worst {min(top, len(r.records))} by max |d| vs the engine (d = reference - rollout)",
+              title_justify="left")
+    for col in ("#", "request id", "max |d| engine", "max |d| trainer", "first div", "logp engine / ref", "context"):
+        t.add_column(col, overflow="fold")
+    for i, rec in enumerate(r.records[:top], 1):
+        t.add_row(str(i), *(escape(cell) for cell in _replay_cells(rec)),
+                  style="red" if rec.score > r.threshold else None)
+    console.print(t)
+    failed = r.failed
+    if failed:
+        console.print(f"[bold red]FAIL[/]: {len(failed)} of {len(r.records)} requests over max |d| {r.threshold:g} "
+                      f"vs the engine (worst: {escape(failed[0].request_id)})")
+    else:
+        console.print(f"[green]OK[/]: all {len(r.records)} requests within max |d| {r.threshold:g} of the reference")
+
+
+def _replay_cells(rec) -> tuple[str, ...]:
+    ctx = rec.context
+    return (
+        rec.request_id,
+        f"{rec.max_abs_diff:.3g}" + (" + non-finite" if rec.nonfinite else ""),
+        "-" if rec.max_abs_diff_train is None else f"{rec.max_abs_diff_train:.3g}",
+        "-" if rec.first_divergence is None else str(rec.first_divergence),
+        "" if ctx is None else f"{ctx.logp_rollout:.3g} / {ctx.logp_reference:.3g}",
+        "" if ctx is None else ctx.marked,
+    )

@@ -153,6 +153,8 @@ class GRPOLoop:
             "loop/weights_behind": float(self.version - self.synced),
         }
         batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
+        if self.version > self.synced:  # a left-out sync: every rollout of the step is stale
+            faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
             report = self.monitor.observe(step, batch, extra=extra)

@@ -28,6 +28,17 @@ def first_positions(flags: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.n
     return seqs, pos[first_idx] - cu[seqs]
 
 
+def divergence(d: np.ndarray, cu: np.ndarray, tau: float) -> tuple[np.ndarray, list[int | None]]:
+    """Per sequence of `cu` (N+1,): (N,) float64 max |d| over the finite tokens of `d` (M,), and the
+    first position with |d| > tau or a non-finite d (None where there is none)."""
+    bad = ~np.isfinite(d)
+    ad = np.where(bad, 0.0, np.abs(d))
+    first: list[int | None] = [None] * (cu.shape[0] - 1)
+    for s, p in zip(*first_positions((ad > tau) | bad, cu), strict=True):
+        first[int(s)] = int(p)
+    return segment_max(ad, cu), first
+
+
 def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:
     """Per-sequence reductions (into the dicts) and the top-K offenders."""
     cu = batch.cu_seqlens  # (N+1,) int64

@@ -13,6 +13,7 @@ import pytest
 from rlcheck import metrics as K
 from rlcheck.dump import read_dump
 from rlcheck.faults import SkipSync
+from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import GRPOLoop, run_grpo
 from rlcheck.loop.presets import tiny_cpu
 from rlcheck.monitor import Monitor, MonitorConfig
@@ -77,6 +78,10 @@ class TestGRPOLoop:
         assert stale == [s for s in range(3, len(records), 3)]  # exactly the steps after a skipped sync
         spikes = [r["step"] for r in records if r["metrics"][K.ABS_DIFF_MEAN] > 1e-4]
         assert set(spikes) <= set(stale) and len(spikes) >= len(stale) - 2  # a zero-reward step may not move
+        verdict = diagnose(tmp_path).verdict
+        assert verdict.cause == "weights_out_of_sync" and verdict.affected_steps == stale[: len(verdict.affected_steps)]
+        touched = {r["step"]: set(r["fault_touched"]) for r in _lines(tmp_path / "loop.jsonl")}
+        assert set(verdict.affected_request_ids) <= set().union(*(touched[s] for s in stale))
         rows, meta = read_dump(result.dump_dir)
         assert meta["step"] == periodic[0].step and len(rows) == 64
         assert all(row["request_id"].startswith(f"rollout0/s{meta['step']}/") for row in rows)

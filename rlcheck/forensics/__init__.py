@@ -1,0 +1,11 @@
+"""Forensics: what happened to which request, after the fact (design.md, "Forensics").
+
+- `replay`: a dump re-scored by the independent HF reference; requests ranked by max |d| against
+  the rollout engine, first divergence position, the decoded tokens around it.
+- `diagnose`: the likely cause of a mismatch, named from its shape.
+"""
+
+from rlcheck.forensics.ranking import Context, ReplayRecord
+from rlcheck.forensics.replay import DEFAULT_TAU, DEFAULT_THRESHOLD, ReplayReport, replay
+
+__all__ = ["DEFAULT_TAU", "DEFAULT_THRESHOLD", "Context", "ReplayRecord", "ReplayReport", "replay"]
