@@ -79,7 +79,7 @@ class TestGRPOLoop:
         spikes = [r["step"] for r in records if r["metrics"][K.ABS_DIFF_MEAN] > 1e-4]
         assert set(spikes) <= set(stale) and len(spikes) >= len(stale) - 2  # a zero-reward step may not move
         verdict = diagnose(tmp_path).verdict
-        assert verdict.cause == "weights_out_of_sync" and verdict.affected_steps == stale[: len(verdict.affected_steps)]
+        assert verdict.cause == "weights_out_of_sync" and set(verdict.affected_steps) <= set(stale)
         touched = {r["step"]: set(r["fault_touched"]) for r in _lines(tmp_path / "loop.jsonl")}
         assert set(verdict.affected_request_ids) <= set().union(*(touched[s] for s in stale))
         rows, meta = read_dump(result.dump_dir)
