@@ -139,6 +139,12 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
     if found["halted"]:
         console.print(f"halted after {found['steps_run']} steps: {found['reason']}")
         console.print(f"evidence: {found['dump']}")
+    from rlcheck.forensics.diagnose import diagnose
+
+    verdict = diagnose(found["run_dir"]).verdict
+    found["diagnosis"] = verdict
+    console.print(f"diagnose: {verdict.title} (confidence {verdict.confidence:.2f}); "
+                  f"`rlcheck diagnose {found['run_dir']}` for the evidence")
 
 
 def demo_succeeded(found: dict[str, Any]) -> bool:
