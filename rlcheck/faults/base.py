@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 
 from rlcheck.batch import StepBatch
+from rlcheck.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class Fault:
     """The cause `rlcheck diagnose` should name (a key of `rlcheck.forensics.diagnose.CAUSES`)."""
     shape: ClassVar[str] = "healthy"
     takes_value: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ConfigError(f"{self.name}: the start step must be >= 0, got {self.start}")
 
     def trainer_config(self, cfg):
         return cfg

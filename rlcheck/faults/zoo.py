@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ class SkipSync(Fault):
     takes_value = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.every < 2:
             raise ConfigError(f"skip-sync-every needs K >= 2 (K=1 never syncs), got {self.every}")
 
@@ -63,7 +65,8 @@ class TemperatureMismatch(Fault):
     takes_value = True
 
     def __post_init__(self) -> None:
-        if not self.factor > 0 or self.factor == 1.0:
+        super().__post_init__()
+        if not (self.factor > 0 and math.isfinite(self.factor)) or self.factor == 1.0:
             raise ConfigError(f"temperature-mismatch needs a factor > 0 other than 1, got {self.factor}")
         if self.start:
             raise ConfigError("temperature-mismatch acts from the first step (it changes the trainer's config)")
@@ -115,7 +118,8 @@ class Bf16Noise(Fault):
     takes_value = True
 
     def __post_init__(self) -> None:
-        if not self.scale > 0:
+        super().__post_init__()
+        if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ConfigError(f"bf16-noise needs a scale > 0, got {self.scale}")
 
     def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
@@ -144,6 +148,7 @@ class CorruptSequences(Fault):
     takes_value = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.rate <= 1:
             raise ConfigError(f"corrupt-seqs needs a rate in (0, 1], got {self.rate}")
 

@@ -71,4 +71,6 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))
     alarms = [a.to_dict() for a in SignatureDetector().update(step, metrics)]
+    # the run's other alarms of this step (periodic, drift, ...) need its history: take them as logged
+    alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"]
     return {"step": step, "metrics": metrics, "alarms": alarms, "offenders": [o.to_dict() for o in offenders]}

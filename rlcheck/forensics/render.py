@@ -6,12 +6,14 @@ from typing import Any
 
 
 def render_diagnosis(diagnosis, console: Any, max_ids: int = 10) -> None:
+    from rich.markup import escape  # evidence quotes `logp_rollout[t+1]`, which rich would take for a tag
+
     v = diagnosis.verdict
     color = "green" if diagnosis.healthy else "red"
-    console.print(f"{diagnosis.source} {diagnosis.path}: {diagnosis.num_steps} step(s)")
-    console.print(f"[bold {color}]likely cause[/]: {v.title} (confidence {v.confidence:.2f})")
+    console.print(f"{diagnosis.source} {escape(diagnosis.path)}: {diagnosis.num_steps} step(s)")
+    console.print(f"[bold {color}]likely cause[/]: {escape(v.title)} (confidence {v.confidence:.2f})")
     for line in v.evidence:
-        console.print(f"  - {line}")
+        console.print(f"  - {escape(line)}")
     if v.affected_steps:
         steps = v.affected_steps
         more = f" (+{len(steps) - 12} more)" if len(steps) > 12 else ""
@@ -19,10 +21,9 @@ def render_diagnosis(diagnosis, console: Any, max_ids: int = 10) -> None:
     if v.affected_request_ids:
         ids = v.affected_request_ids
         more = f" (+{len(ids) - max_ids} more)" if len(ids) > max_ids else ""
-        console.print(f"  affected requests: {', '.join(ids[:max_ids])}{more}")
+        console.print(f"  affected requests: {escape(', '.join(ids[:max_ids]))}{more}")
     for f in diagnosis.findings[1:]:
-        console.print(f"also possible: {f.title} (confidence {f.confidence:.2f}): {f.evidence[0]}")
-
+        console.print(f"also possible: {escape(f.title)} (confidence {f.confidence:.2f}): {escape(f.evidence[0])}")
 
 
 def render_replay(report, console: Any, top: int = 20) -> None:

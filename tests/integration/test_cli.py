@@ -1,5 +1,5 @@
-"""The `rlcheck` command as a user runs it: help, the demos (real loop and synthetic), summarize, and
-clear errors."""
+"""The `rlcheck` command as a user runs it: help, the demos (real loop and synthetic), summarize, diagnose,
+and clear errors."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rlcheck.errors import MismatchHalt
+from rlcheck.faults import parse_inject
+from rlcheck.monitor import Monitor, MonitorConfig
+from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 RLCHECK = str(Path(sys.executable).with_name("rlcheck"))
 
@@ -62,6 +67,56 @@ class TestCLI:
         (tmp_path / "empty").mkdir()
         empty = rlcheck("summarize", str(tmp_path / "empty"))
         assert empty.returncode == 2 and "rlcheck: error:" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def record_run(run_dir: Path, spec: str | None = None, steps: int = 45) -> Path:
+    """A run directory the Monitor writes from the synthetic stream with the fault `spec` applied (until a halt)."""
+    fault, data = parse_inject(spec), SyntheticConfig(num_sequences=64, mean_length=64)
+    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+        for step in range(steps):
+            try:
+                mon.observe(step, fault.apply(step, synthetic_batch(data, step))[0])
+            except MismatchHalt:
+                break
+    return run_dir
+
+
+@pytest.mark.slow
+class TestDiagnoseCLI:
+    def test_healthy_run_exits_0(self, tmp_path):
+        """A clean run: exit code 0 and a healthy verdict over all its steps in the JSON."""
+        out = rlcheck("diagnose", str(record_run(tmp_path / "run")), "--json")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["verdict"]["cause"] == "healthy" and result["num_steps"] == 45
+
+    def test_cause_found_exits_1(self, tmp_path):
+        """An off-by-one from step 32: exit code 1, token misalignment in the JSON and in the text output."""
+        run = record_run(tmp_path / "run", "off-by-one@32")
+        out = rlcheck("diagnose", str(run), "--json")
+        assert out.returncode == 1, out.stderr
+        verdict = json.loads(out.stdout)["verdict"]
+        assert verdict["cause"] == "token_misalignment" and verdict["affected_steps"] == [32]
+        text = rlcheck("diagnose", str(run))
+        assert text.returncode == 1 and "likely cause: token misalignment" in text.stdout
+
+    def test_dump_directory(self, tmp_path):
+        """The halt dump on its own is diagnosed as a one-step dump with the same cause (exit code 1)."""
+        run = record_run(tmp_path / "run", "off-by-one@32")
+        out = rlcheck("diagnose", str(run / "dumps" / "step_000032"), "--json")
+        assert out.returncode == 1, out.stderr
+        result = json.loads(out.stdout)
+        assert result["source"] == "dump" and result["verdict"]["cause"] == "token_misalignment"
+
+    def test_not_a_run_exits_2(self, tmp_path):
+        """A directory that is neither a run nor a dump: exit code 2, one "rlcheck: error:" line, no traceback."""
+        (tmp_path / "notes.txt").write_text("hello")
+        out = rlcheck("diagnose", str(tmp_path), "--json")
+        assert out.returncode == 2 and out.stdout == ""
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("rlcheck: error:") and "neither a run directory" in lines[0]
+        missing = rlcheck("diagnose", str(tmp_path / "nope"))
+        assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
 @pytest.mark.slow

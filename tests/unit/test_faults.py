@@ -1,11 +1,48 @@
-"""`rlcheck.faults`: `parse_inject` maps NAME=VALUE text onto faults, and `SkipSync` skips every K-th sync."""
+"""`rlcheck.faults`: `parse_inject` maps NAME[=VALUE][@START] text onto faults, and each fault of the zoo
+acts through its hooks as documented (syncs skipped, trainer config changed, step batches corrupted)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import pytest
 
+from rlcheck.batch import StepBatch
 from rlcheck.errors import ConfigError
-from rlcheck.faults import Fault, SkipSync, parse_inject
+from rlcheck.faults import (
+    FAULTS,
+    Bf16Noise,
+    CorruptSequences,
+    Fault,
+    OffByOne,
+    SkipSync,
+    StaleWeights,
+    TemperatureMismatch,
+    parse_inject,
+)
+from rlcheck.faults.zoo import BF16_EPS
+from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+SMALL = SyntheticConfig(num_sequences=64, mean_length=64)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Stands in for the trainer's config: the faults only `dataclasses.replace` its temperature."""
+
+    temperature: float = 1.0
+    lr: float = 1e-4
+
+
+SPECS = [
+    "skip-sync-every=3", "skip-sync-every=5@10",
+    "stale-weights", "stale-weights@40",
+    "temperature-mismatch=1.1", "temperature-mismatch=0.8",
+    "off-by-one", "off-by-one@7",
+    "bf16-noise=2", "bf16-noise=0.5@3",
+    "corrupt-seqs=1", "corrupt-seqs=0.02@40",
+]
 
 
 class TestParseInject:
@@ -27,6 +64,19 @@ class TestParseInject:
         fault = SkipSync(7)
         assert parse_inject(fault.describe()) == fault
 
+    @pytest.mark.parametrize("spec", SPECS)
+    def test_every_fault_round_trips(self, spec):
+        """Each fault of the zoo parses to its class, with START as its first step, and `describe()` gives the spec back."""
+        name, _, start = spec.partition("@")
+        fault = parse_inject(spec, seed=7)
+        assert type(fault) is FAULTS[name.partition("=")[0]][0]
+        assert fault.start == int(start or 0) and fault.seed == 7
+        assert fault.describe() == spec and parse_inject(fault.describe(), seed=7) == fault
+
+    def test_start_zero_describes_without_at(self):
+        """`@0` is the default start, so it parses to the fault written without it."""
+        assert parse_inject("off-by-one@0") == OffByOne() and OffByOne().describe() == "off-by-one"
+
     @pytest.mark.parametrize("spec, match", [
         ("skip-sync=4", "unknown fault"),
         ("drop-weights=1", "unknown fault"),
@@ -37,9 +87,30 @@ class TestParseInject:
         ("skip-sync-every=1", "K >= 2"),
         ("skip-sync-every=0", "K >= 2"),
         ("skip-sync-every=-3", "K >= 2"),
+        ("stale-weights=3", "takes no value"),
+        ("off-by-one=1", "takes no value"),
+        ("off-by-one=", "takes no value"),
+        ("stale-weights@", "START"),
+        ("stale-weights@x", "START"),
+        ("corrupt-seqs=0.1@1.5", "START"),
+        ("skip-sync-every=4@", "START"),
+        ("temperature-mismatch=1.1@5", "first step"),
+        ("temperature-mismatch=1", "other than 1"),
+        ("temperature-mismatch=1.0", "other than 1"),
+        ("temperature-mismatch=0", "factor > 0"),
+        ("temperature-mismatch=-1.1", "factor > 0"),
+        ("temperature-mismatch", "a number"),
+        ("corrupt-seqs=0", r"\(0, 1\]"),
+        ("corrupt-seqs=1.5", r"\(0, 1\]"),
+        ("corrupt-seqs=-0.1", r"\(0, 1\]"),
+        ("corrupt-seqs=nan", r"\(0, 1\]"),
+        ("bf16-noise=0", "scale > 0"),
+        ("bf16-noise=-1", "scale > 0"),
+        ("bf16-noise=one", "a number"),
     ])
     def test_rejects_bad_specs(self, spec, match):
-        """Unknown names, values that are not integers and K < 2 are ConfigErrors saying which."""
+        """Unknown names, missing or malformed values, a value for a fault without one, a START that is not
+        an integer and out-of-range values are ConfigErrors saying which."""
         with pytest.raises(ConfigError, match=match):
             parse_inject(spec)
 
@@ -56,3 +127,170 @@ class TestSkipSync:
         fault = SkipSync(every)
         skipped = [s for s in range(10 * every) if fault.skip_sync(s)]
         assert skipped == list(range(every - 1, 10 * every, every))
+
+    def test_no_skip_before_start(self):
+        """With a start step, the first sync left out is the first one at phase K-1 from that step on."""
+        fault = SkipSync(4, start=10)
+        assert [s for s in range(20) if fault.skip_sync(s)] == [11, 15, 19]
+
+
+class TestFault:
+    def test_changes_nothing(self):
+        """The base fault returns the batch and the config as they came, touches nobody and never skips a sync."""
+        fault, batch, cfg = Fault(), synthetic_batch(SMALL, 3), Sampling()
+        out, hit = fault.apply(3, batch)
+        assert out is batch and hit == []
+        assert fault.trainer_config(cfg) is cfg
+        assert not any(fault.skip_sync(step) for step in range(50))
+
+    def test_active_from_start(self):
+        """A fault acts from its `start` step on, not before."""
+        assert [s for s in range(8) if Fault(start=5).active(s)] == [5, 6, 7]
+
+    @pytest.mark.parametrize("fault", [OffByOne(start=32), Bf16Noise(scale=4, start=32),
+                                       CorruptSequences(rate=0.5, start=32)], ids=lambda f: f.name)
+    def test_data_faults_wait_for_start(self, fault):
+        """A data-level fault passes the batch through untouched before its start step and corrupts it from there."""
+        before, at_start = synthetic_batch(SMALL, 31), synthetic_batch(SMALL, 32)
+        out, hit = fault.apply(31, before)
+        assert out is before and hit == []
+        out, hit = fault.apply(32, at_start)
+        same = (np.array_equal(out.logp_rollout, at_start.logp_rollout)
+                and np.array_equal(out.logp_train, at_start.logp_train))
+        assert hit and not same
+
+
+class TestStaleWeights:
+    def test_syncs_stop_before_start(self):
+        """The sync after the update of step START-1 is the first left out: the rollouts of START on are stale."""
+        fault = StaleWeights(start=40)
+        assert not any(fault.skip_sync(s) for s in range(39))
+        assert all(fault.skip_sync(s) for s in range(39, 100))
+
+    def test_start_zero_never_syncs(self):
+        """From the first step on, no sync happens at all."""
+        assert all(StaleWeights().skip_sync(s) for s in range(20))
+
+    def test_leaves_the_data_alone(self):
+        """The fault acts through the syncs only: `apply` changes no logprob and touches nobody."""
+        batch = synthetic_batch(SMALL, 50)
+        out, hit = StaleWeights(start=40).apply(50, batch)
+        assert out is batch and hit == []
+
+
+class TestTemperatureMismatch:
+    def test_trainer_config_multiplies_temperature(self):
+        """The trainer's temperature becomes factor x the sampling one; the other fields stay."""
+        cfg = TemperatureMismatch(factor=1.25).trainer_config(Sampling(temperature=0.8))
+        assert cfg.temperature == pytest.approx(1.0) and cfg.lr == Sampling().lr
+
+    def test_apply_touches_every_request(self):
+        """The data is left as the trainer made it, and every request of the step counts as touched."""
+        batch = synthetic_batch(SMALL, 0)
+        out, hit = TemperatureMismatch(factor=0.9).apply(0, batch)
+        assert out is batch and hit == list(batch.request_ids)
+
+
+def ragged_with_tokens(lengths):
+    rng = np.random.default_rng(1)
+    lr = [-rng.exponential(1.0, n) for n in lengths]
+    lt = [np.minimum(x + rng.normal(0.0, 1e-3, x.size), 0.0) for x in lr]
+    tokens = [rng.integers(0, 1000, n) for n in lengths]
+    return StepBatch.from_ragged(lr, lt, [f"r{i}" for i in range(len(lengths))], tokens=tokens)
+
+
+class TestOffByOne:
+    def test_shifts_train_side_by_one_within_each_sequence(self):
+        """Position t of every sequence holds the trainer's logprob and token id of t + 1; the last token keeps its own."""
+        batch = ragged_with_tokens([5, 1, 2, 0, 7])
+        out, hit = OffByOne().apply(0, batch)
+        cu = batch.cu_seqlens
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            if b - a >= 2:
+                np.testing.assert_array_equal(out.logp_train[a : b - 1], batch.logp_train[a + 1 : b])
+                np.testing.assert_array_equal(out.tokens_train[a : b - 1], batch.tokens[a + 1 : b])
+            if b > a:
+                assert out.logp_train[b - 1] == batch.logp_train[b - 1] and out.tokens_train[b - 1] == batch.tokens[b - 1]
+        assert hit == ["r0", "r2", "r4"]  # every sequence of two tokens or more
+
+    def test_rollout_side_untouched(self):
+        """The engine's logprobs and sampled ids stay as they were."""
+        batch = synthetic_batch(SMALL, 0)
+        out, hit = OffByOne().apply(0, batch)
+        np.testing.assert_array_equal(out.logp_rollout, batch.logp_rollout)
+        np.testing.assert_array_equal(out.tokens, batch.tokens)
+        assert not np.array_equal(out.logp_train, batch.logp_train)
+        lengths = np.diff(batch.cu_seqlens)
+        assert hit == [rid for rid, n in zip(batch.request_ids, lengths, strict=True) if n >= 2]
+
+    def test_without_tokens_shifts_logprobs_only(self):
+        """A batch without token ids gets its trainer logprobs shifted and still no token ids."""
+        batch = StepBatch.from_ragged([[-1.0, -2.0, -3.0]], [[-1.0, -2.0, -3.0]], ["a"])
+        out, hit = OffByOne().apply(0, batch)
+        assert out.logp_train.tolist() == [-2.0, -3.0, -3.0] and out.tokens_train is None and hit == ["a"]
+
+
+class TestBf16Noise:
+    def test_changes_only_rollout_logprobs(self):
+        """Only logp_rollout moves, on every sequence, and stays a logprob (<= 0)."""
+        batch = synthetic_batch(SMALL, 4)
+        out, hit = Bf16Noise(scale=2).apply(4, batch)
+        np.testing.assert_array_equal(out.logp_train, batch.logp_train)
+        np.testing.assert_array_equal(out.cu_seqlens, batch.cu_seqlens)
+        np.testing.assert_array_equal(out.tokens, batch.tokens)
+        assert out.request_ids == batch.request_ids and hit == list(batch.request_ids)
+        assert out.logp_rollout.dtype == batch.logp_rollout.dtype and out.logp_rollout.max() <= 0.0
+        assert np.mean(out.logp_rollout != batch.logp_rollout) > 0.9
+
+    def test_noise_grows_with_surprise(self):
+        """The noise is scale x 2^-8 x (0.5 + |logp|) per token: larger on improbable tokens, and of that size."""
+        batch = synthetic_batch(SMALL, 4)
+        lr = batch.logp_rollout.astype(np.float64)
+        noise = Bf16Noise(scale=2).apply(4, batch)[0].logp_rollout - lr
+        assert np.corrcoef(np.abs(noise), -lr)[0, 1] > 0.5
+        assert np.std(noise[lr < -3]) > 5 * np.std(noise[lr > -0.1])
+        surprising = lr < -1  # far from 0, where the clip at 0 never bites
+        assert np.std(noise[surprising] / (2 * BF16_EPS * (0.5 - lr[surprising]))) == pytest.approx(1.0, abs=0.15)
+
+    def test_deterministic_per_seed_and_step(self):
+        """The same (seed, step) gives the same noise; another step or seed gives other noise."""
+        batch = synthetic_batch(SMALL, 4)
+
+        def noisy(seed, step):
+            return Bf16Noise(scale=1, seed=seed).apply(step, batch)[0].logp_rollout
+
+        np.testing.assert_array_equal(noisy(0, 4), noisy(0, 4))
+        assert not np.array_equal(noisy(0, 4), noisy(0, 5))
+        assert not np.array_equal(noisy(0, 4), noisy(1, 4))
+
+
+class TestCorruptSequences:
+    @pytest.mark.parametrize("rate, count", [(0.001, 1), (0.05, 3), (0.5, 32), (1.0, 64)])
+    def test_touches_rate_of_the_sequences(self, rate, count):
+        """max(1, round(rate x N)) distinct sequences are touched, and only those change."""
+        batch = synthetic_batch(SMALL, 40)
+        out, hit = CorruptSequences(rate=rate).apply(40, batch)
+        assert len(hit) == len(set(hit)) == count
+        cu = batch.cu_seqlens
+        changed = [rid for rid, a, b in zip(batch.request_ids, cu[:-1], cu[1:], strict=True)
+                   if not np.array_equal(out.logp_rollout[a:b], batch.logp_rollout[a:b])]
+        assert changed == hit
+        np.testing.assert_array_equal(out.logp_train, batch.logp_train)
+
+    def test_confident_from_the_first_tokens(self):
+        """A touched sequence is rewritten from one of its first three tokens to its end with logprobs in [-0.02, 0]."""
+        batch = synthetic_batch(SMALL, 40)
+        out, hit = CorruptSequences(rate=0.5).apply(40, batch)
+        index = {rid: i for i, rid in enumerate(batch.request_ids)}
+        for rid in hit:
+            a, b = batch.cu_seqlens[index[rid]], batch.cu_seqlens[index[rid] + 1]
+            new, old = out.logp_rollout[a:b], batch.logp_rollout[a:b]
+            first = int(np.flatnonzero(new != old)[0])
+            assert first < 3
+            assert np.all((new[first:] >= -0.02) & (new[first:] <= 0.0))
+
+    def test_deterministic_per_seed_and_step(self):
+        """The same (seed, step) picks the same sequences; other steps pick others."""
+        batch = synthetic_batch(SMALL, 40)
+        picks = [CorruptSequences(rate=0.05).apply(step, batch)[1] for step in (40, 40, 41)]
+        assert picks[0] == picks[1] and picks[0] != picks[2]

@@ -1,0 +1,225 @@
+"""`rlcheck diagnose` on run directories the real Monitor wrote from synthetic step streams: a clean run is
+healthy, and each failure shape (the data-level faults from step 32, when the rolling detectors are warm,
+a periodic spike, a growing mismatch, a temperature slope) is named with its steps and requests; a halt
+dump on its own gives the same cause; the JSON shape and the console rendering; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from rlcheck.batch import StepBatch
+from rlcheck.errors import InputError, MismatchHalt
+from rlcheck.faults import parse_inject
+from rlcheck.forensics.diagnose import CAUSES, diagnose
+from rlcheck.forensics.evidence import load_evidence
+from rlcheck.forensics.render import render_diagnosis
+from rlcheck.monitor import Monitor, MonitorConfig
+from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+ONSET = 32
+STEPS = 45
+DATA = SyntheticConfig(num_sequences=64, mean_length=64)
+SPIKES = dataclasses.replace(DATA, spike_every=3, spike_scale=2.0)
+"""A spike every 3 steps from the first, twice the noise: a sync left out every 3 updates."""
+
+
+def growing(step: int) -> StepBatch:
+    """Noise that grows by its clean level every step from ONSET on (14x at step 44): stale weights."""
+    factor = 1.0 + max(0, step - ONSET + 1)
+    return synthetic_batch(dataclasses.replace(DATA, noise=DATA.noise * factor), step)
+
+
+def hotter(step: int) -> StepBatch:
+    """The trainer's logprobs 1.1x the engine's from the first step: a temperature mismatch's slope."""
+    batch = synthetic_batch(DATA, step)
+    return dataclasses.replace(batch, logp_train=batch.logp_train * np.float32(1.1))
+
+
+@dataclasses.dataclass
+class Run:
+    path: Path
+    touched: dict[int, list[str]]
+    """step -> request ids the fault touched (ground truth)."""
+    halt: MismatchHalt | None
+
+
+def record(run_dir: Path, make_batch, spec: str | None = None, steps: int = STEPS) -> Run:
+    """Feed the Monitor `make_batch(step)` with the fault `spec` applied, until the steps end or it halts."""
+    fault, touched, halt = parse_inject(spec), {}, None
+    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+        for step in range(steps):
+            batch, touched[step] = fault.apply(step, make_batch(step))
+            try:
+                mon.observe(step, batch)
+            except MismatchHalt as exc:
+                halt = exc
+                break
+    return Run(run_dir, touched, halt)
+
+
+CASES = {
+    "clean": lambda d: record(d, lambda s: synthetic_batch(DATA, s)),
+    "corrupt": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"corrupt-seqs=0.02@{ONSET}"),
+    "off_by_one": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"off-by-one@{ONSET}"),
+    "bf16": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"bf16-noise=2@{ONSET}"),
+    "periodic": lambda d: record(d, lambda s: synthetic_batch(SPIKES, s), steps=60),
+    "growing": lambda d: record(d, growing),
+    "temperature": lambda d: record(d, hotter),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`runs(name) -> Run`: the run of CASES[name], recorded on first use and shared by the module."""
+    done: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in done:
+            done[name] = CASES[name](tmp_path_factory.mktemp(name))
+        return done[name]
+
+    return get
+
+
+class TestDiagnose:
+    def test_clean_run_is_healthy(self, runs):
+        """45 clean steps: the verdict is healthy, alone, with no step or request named."""
+        result = diagnose(runs("clean").path)
+        assert result.healthy and [f.cause for f in result.findings] == ["healthy"]
+        assert result.source == "run" and result.num_steps == STEPS
+        assert result.verdict.affected_steps == [] and result.verdict.affected_request_ids == []
+
+    def test_corrupt_sequences_are_stale_state(self, runs):
+        """Corrupted sequences are stale state, from the fault's first step, naming exactly the touched requests."""
+        run = runs("corrupt")
+        verdict = diagnose(run.path).verdict
+        assert run.halt is not None  # a halt on the far-off sequences ends the run
+        assert verdict.cause == "stale_state", verdict.evidence
+        assert verdict.affected_steps[0] == ONSET
+        assert sorted(verdict.affected_request_ids) == sorted(rid for ids in run.touched.values() for rid in ids)
+
+    def test_off_by_one_is_token_misalignment(self, runs):
+        """A one-token shift is token misalignment at the step it starts, among the requests it shifted."""
+        run = runs("off_by_one")
+        verdict = diagnose(run.path).verdict
+        assert verdict.cause == "token_misalignment", verdict.evidence
+        assert verdict.affected_steps == [ONSET] and run.halt.report.step == ONSET
+        assert verdict.affected_request_ids and set(verdict.affected_request_ids) <= set(run.touched[ONSET])
+
+    def test_bf16_noise_is_numeric_noise(self, runs):
+        """Rollout noise at twice the synthetic level is numeric noise, with no affected step before it started."""
+        run = runs("bf16")
+        verdict = diagnose(run.path).verdict
+        assert run.halt is None
+        assert verdict.cause == "numeric_noise", verdict.evidence
+        assert verdict.affected_steps and min(verdict.affected_steps) >= ONSET
+
+    def test_periodic_spikes_are_weights_out_of_sync(self, runs):
+        """A spike every 3 steps is weights out of sync, naming the period and only spiked steps."""
+        run = runs("periodic")
+        verdict = diagnose(run.path).verdict
+        assert run.halt is not None and "periodic" in run.halt.reason
+        assert verdict.cause == "weights_out_of_sync", verdict.evidence
+        assert "every 3 steps" in verdict.evidence[0]
+        assert len(verdict.affected_steps) >= 10 and all(s % 3 == 0 for s in verdict.affected_steps)
+        assert verdict.affected_request_ids
+
+    def test_growing_mismatch_is_weights_out_of_sync(self, runs):
+        """A mismatch that grows step after step from ONSET is weights out of sync, and the evidence says it grows."""
+        verdict = diagnose(runs("growing").path).verdict
+        assert verdict.cause == "weights_out_of_sync", verdict.evidence
+        assert any("grows" in line for line in verdict.evidence)
+        assert min(verdict.affected_steps) >= ONSET and verdict.affected_steps[-1] == STEPS - 1
+
+    def test_temperature_slope_is_logit_processing(self, runs):
+        """logp_train = 1.1 x logp_rollout is a logit-processing mismatch, seen on every step, with slope ~0.1."""
+        verdict = diagnose(runs("temperature").path).verdict
+        assert verdict.cause == "logit_processing", verdict.evidence
+        assert verdict.affected_steps == list(range(STEPS))
+        assert "median slope 0.100" in verdict.evidence[0]
+
+    @pytest.mark.parametrize("name, cause", [("corrupt", "stale_state"), ("off_by_one", "token_misalignment")])
+    def test_halt_dump_alone_gives_the_same_cause(self, runs, name, cause):
+        """The dump a halt wrote, diagnosed on its own, names the run's cause at the halted step."""
+        run = runs(name)
+        result = diagnose(run.halt.dump_dir)
+        step = run.halt.report.step
+        assert result.source == "dump" and result.num_steps == 1
+        assert result.verdict.cause == cause == diagnose(run.path).verdict.cause
+        assert result.verdict.affected_steps == [step]
+        assert set(result.verdict.affected_request_ids) <= set(run.touched[step])
+
+    def test_findings_ranked_by_confidence(self, runs):
+        """Every finding is a known cause, the verdict is the most confident one."""
+        result = diagnose(runs("temperature").path)
+        confidences = [f.confidence for f in result.findings]
+        assert confidences == sorted(confidences, reverse=True)
+        assert all(f.cause in CAUSES for f in result.findings)
+
+
+class TestDiagnosis:
+    @pytest.mark.parametrize("name", ["clean", "corrupt", "temperature"])
+    def test_to_dict_is_json(self, runs, name):
+        """`to_dict()` is plain JSON: source, path, steps, the verdict first among the findings, confidences in [0, 1]."""
+        result = diagnose(runs(name).path)
+        d = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+        assert d["source"] == "run" and d["path"] == str(runs(name).path) and d["num_steps"] == result.num_steps
+        assert d["verdict"] == d["findings"][0] and d["verdict"]["cause"] == result.verdict.cause
+        for f in d["findings"]:
+            assert set(f) == {"cause", "title", "confidence", "evidence", "affected_steps", "affected_request_ids"}
+            assert 0.0 <= f["confidence"] <= 1.0 and f["title"] == CAUSES[f["cause"]]
+            assert f["evidence"] and all(isinstance(line, str) for line in f["evidence"])
+
+
+class TestLoadEvidence:
+    def test_neither_run_nor_dump(self, tmp_path):
+        """A directory with neither metrics.jsonl nor a dump's files is an InputError saying what it expected."""
+        (tmp_path / "notes.txt").write_text("hello")
+        with pytest.raises(InputError, match="neither a run directory"):
+            diagnose(tmp_path)
+
+    def test_empty_metrics(self, tmp_path):
+        """A metrics.jsonl with no complete step record is an InputError."""
+        (tmp_path / "metrics.jsonl").write_text("")
+        with pytest.raises(InputError, match="no complete step record"):
+            load_evidence(tmp_path)
+
+    def test_run_reads_its_dumps(self, runs):
+        """A run's evidence holds its records in step order and the rows of its halt dump, one per sequence."""
+        run = runs("corrupt")
+        ev = load_evidence(run.path)
+        step = run.halt.report.step
+        assert [r["step"] for r in ev.records] == list(range(step + 1))
+        assert list(ev.dump_rows) == [step] and len(ev.dump_rows[step]) == DATA.num_sequences
+
+
+class TestRenderDiagnosis:
+    def test_names_cause_evidence_and_requests(self, runs):
+        """The console output names the likely cause, its evidence and the affected requests."""
+        run = runs("corrupt")
+        result = diagnose(run.path)
+        console = Console(record=True, width=300)
+        render_diagnosis(result, console)
+        text = console.export_text()
+        assert f"likely cause: {CAUSES['stale_state']}" in text
+        assert result.verdict.evidence[0] in text
+        assert all(rid in text for rid in result.verdict.affected_request_ids)
+
+    def test_evidence_printed_as_written(self, runs):
+        """Evidence that quotes array indices (`logp_rollout[t+1]`) is printed literally, not read as markup."""
+        console = Console(record=True, width=300)
+        render_diagnosis(diagnose(runs("off_by_one").path), console)
+        assert "logp_train[t] matches logp_rollout[t+1]" in console.export_text()
+
+    def test_healthy(self, runs):
+        """A healthy run prints the healthy verdict and lists no request."""
+        console = Console(record=True, width=300)
+        render_diagnosis(diagnose(runs("clean").path), console)
+        text = console.export_text()
+        assert "likely cause: healthy" in text and "affected requests" not in text
