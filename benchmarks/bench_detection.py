@@ -124,7 +124,8 @@ def read_run(run_dir: Path) -> RunFacts:
     from rlcheck.sinks.jsonl import FILENAME, read_jsonl
 
     records = sorted(read_jsonl(run_dir / FILENAME), key=lambda r: r["step"])
-    loop = [json.loads(line) for line in (run_dir / "loop.jsonl").read_text().splitlines() if line]
+    loop_log = run_dir / "loop.jsonl"
+    loop = [json.loads(line) for line in loop_log.read_text().splitlines() if line] if loop_log.is_file() else []
     touched = [r["step"] for r in loop if r.get("fault_touched")]
     behind = [r["step"] for r in records if r["metrics"].get("loop/weights_behind", 0.0) > 0]
     onsets = touched[:1] + behind[:1]
@@ -158,6 +159,17 @@ def delay(facts: RunFacts, step: int | None, what: str = "") -> str:
     return f"+{step - facts.onset}" + (f" ({what})" if what else "")
 
 
+def alarm_kinds(alarms: list[dict]) -> str:
+    """Each alarm kind once, with the highest severity it was raised at: "robust_z/warn, signature/critical"."""
+    from rlcheck.detect import severity_rank
+
+    top: dict[str, str] = {}
+    for a in alarms:
+        if a["kind"] not in top or severity_rank(a["severity"]) > severity_rank(top[a["kind"]]):
+            top[a["kind"]] = a["severity"]
+    return ", ".join(f"{kind}/{sev}" for kind, sev in sorted(top.items()))
+
+
 def fault_row(case: Case, facts: RunFacts, gates) -> str:
     fault = case.fault()
     if facts.onset is None:
@@ -166,13 +178,14 @@ def fault_row(case: Case, facts: RunFacts, gates) -> str:
     on, steps = facts.onset, facts.steps
     first = first_step(steps, lambda s: facts.alarms[s], on)
     crit = first_step(steps, lambda s: any(a["severity"] == "critical" for a in facts.alarms[s]), on)
-    kinds = "" if first is None else ", ".join(sorted({f"{a['kind']}/{a['severity']}" for a in facts.alarms[first]}))
+    kinds = "" if first is None else alarm_kinds(facts.alarms[first])
+    crit_kinds = "" if crit is None else alarm_kinds([a for a in facts.alarms[crit] if a["severity"] == "critical"])
     halt = "no halt" if facts.halt_step is None else f"+{facts.halt_step - on}"
     pre = sum(1 for s in steps if s < on and facts.alarms[s])
     peak = max(facts.metrics[s][K.ABS_DIFF_MEAN] for s in steps if s >= on)
     ok = "yes" if facts.verdict == fault.cause else f"**no** (want {fault.cause})"
     cells = [fault.name, fault.value() or "-", str(on), str(len(steps)), str(pre), delay(facts, first, kinds),
-             delay(facts, crit), halt, f"{facts.verdict}: {ok}", f"{peak:.2g}"]
+             delay(facts, crit, crit_kinds), halt, f"{facts.verdict}: {ok}", f"{peak:.2g}"]
     cells += [delay(facts, first_step(steps, lambda s, m=m, g=g: facts.metrics[s][m] > g, on)) for _, m, g in gates]
     return "| " + " | ".join(cells) + " |"
 

@@ -27,10 +27,11 @@ class SignatureConfig:
     shift_min_abs_diff: float = 0.05
     """...and the straight |d| must be above this (not noise)."""
     slope_min_corr: float = 0.5
-    slope_min_abs: float = 0.02
+    slope_min_abs: float = 0.01
+    """|slope| of d on logp_rollout; a trainer temperature 1% off the engine's gives ~0.01."""
     slope_min_abs_diff: float = 0.005
     """A slope counts only when mean |d| is above this noise floor."""
-    sparse_max_frac: float = 0.05
+    sparse_max_frac: float = 0.1
     """Catastrophic sequences are 'sparse' when at most this fraction of the step."""
     min_tokens: int = 64
     """Steps with fewer valid tokens give no slope or shift signature."""
