@@ -9,6 +9,10 @@ logprobs are the reference's own, so the replay is clean), load the HF reference
 `replay(dump, scorer=...)` end to end (dump read, scoring, comparison, ranking) batched and one at a
 time, interleaved, best of --repeat. Throughput counts sequences and tokens through the model
 (prompt + response). The token ids are random: the reference's cost does not depend on which they are.
+
+`call ms`: the fixed cost of one forward pass (median of `score_one` on a 1-token prompt and a 1-token
+response); `bound`: the speed-up batching could reach if it removed every per-call cost and nothing
+else, one-at-a-time time / (that time - sequences x call ms).
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
+def call_seconds(scorer, repeat: int = 50) -> float:
+    """Median seconds of a forward pass over 2 tokens: what every pass costs whatever its size."""
+    times = [timed(lambda: scorer.score_one([5], [6]))[0] for _ in range(repeat)]
+    return float(np.median(times))
+
+
 def bench_arch(arch: str, args) -> str:
     from rlcheck.engines.hf import HFScorer, HFScorerConfig
     from rlcheck.forensics import replay
@@ -57,14 +67,16 @@ def bench_arch(arch: str, args) -> str:
             for batched in (True, False):
                 seconds, reports[batched] = timed(lambda b=batched: replay(dump, model, batch=b, scorer=scorer))
                 best[batched] = min(best[batched], seconds)
+        call = call_seconds(scorer)
     rb, rs = reports[True], reports[False]
     single = {r.request_id: r.max_abs_diff for r in rs.records}
     agree = max(abs(r.max_abs_diff - single[r.request_id]) for r in rb.records)
     n, tokens = len(rb.records), rb.num_scored_tokens
     longest = max(r.length for r in rb.records)
+    bound = best[False] / max(best[False] - n * call, 1e-9)
     return (f"| {arch} | {n} | {tokens:,} | {longest} | {best[True]:.2f} | {n / best[True]:,.0f} | "
             f"{tokens / best[True]:,.0f} | {best[False]:.2f} | {n / best[False]:,.0f} | {tokens / best[False]:,.0f} | "
-            f"**{best[False] / best[True]:.2f}x** | {rb.padding_fraction:.1%} | {agree:.1e} |")
+            f"**{best[False] / best[True]:.2f}x** | {call * 1e3:.2f} | {bound:.2f}x | {rb.padding_fraction:.1%} | {agree:.1e} |")
 
 
 def main() -> None:
@@ -82,8 +94,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}, load average at start: {os.getloadavg()[0]:.1f}")
     print("| arch | sequences | tokens | longest response | batched s | batched seq/s | batched tok/s | "
-          "one-at-a-time s | one seq/s | one tok/s | speed-up | padding | max diff batched vs one |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "one-at-a-time s | one seq/s | one tok/s | speed-up | call ms | bound | padding | max diff batched vs one |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs.split(","):
         print(bench_arch(arch, args), flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")

@@ -138,6 +138,9 @@ def replay(
 
     if not dump.is_dir():
         raise typer.BadParameter(f"{dump} is not a directory", param_hint="DUMP")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the replay's own bar is enough
     with _progress("replaying") as advance:
         report = run_replay(dump, model, temperature=temperature, threshold=threshold, tau=tau,
                             batch=not one_at_a_time, progress=advance)
@@ -182,12 +185,19 @@ def make_model(
 
 
 def main() -> None:
-    """Entry point: rlcheck errors print as one line and exit 2, not as a traceback."""
+    """Entry point: rlcheck errors print as one line and exit 2, not as a traceback; an unexpected
+    crash exits 3, so that a CI gate tells it from a finding (exit 1)."""
     try:
         app()
     except RLCheckError as exc:
         typer.echo(f"rlcheck: error: {exc}", err=True)
         raise SystemExit(2) from None
+    except Exception:  # noqa: BLE001 - reported whole, with its own exit code
+        import traceback
+
+        traceback.print_exc()
+        typer.echo("rlcheck: internal error (the traceback above); please report it", err=True)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

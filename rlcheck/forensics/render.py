@@ -40,8 +40,11 @@ def render_replay(report, console: Any, top: int = 20) -> None:
     )
     t = Table(title=f"worst {min(top, len(r.records))} by max |d| vs the engine (d = reference - rollout)",
               title_justify="left")
-    for col in ("#", "request id", "max |d| engine", "max |d| trainer", "first div", "logp engine / ref", "context"):
-        t.add_column(col, overflow="fold")
+    t.add_column("#", no_wrap=True)
+    t.add_column("request id", overflow="fold")
+    for col in ("max |d|\nengine", "max |d|\ntrainer", "first\ndiv", "logp\nengine/ref"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("context", overflow="fold")
     for i, rec in enumerate(r.records[:top], 1):
         t.add_row(str(i), *(escape(cell) for cell in _replay_cells(rec)),
                   style="red" if rec.score > r.threshold else None)
@@ -58,9 +61,9 @@ def _replay_cells(rec) -> tuple[str, ...]:
     ctx = rec.context
     return (
         rec.request_id,
-        f"{rec.max_abs_diff:.3g}" + (" + non-finite" if rec.nonfinite else ""),
+        "non-finite" if rec.nonfinite else f"{rec.max_abs_diff:.3g}",
         "-" if rec.max_abs_diff_train is None else f"{rec.max_abs_diff_train:.3g}",
         "-" if rec.first_divergence is None else str(rec.first_divergence),
-        "" if ctx is None else f"{ctx.logp_rollout:.3g} / {ctx.logp_reference:.3g}",
+        "" if ctx is None else f"{ctx.logp_rollout:.3g}/{ctx.logp_reference:.3g}",
         "" if ctx is None else ctx.marked,
     )

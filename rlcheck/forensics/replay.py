@@ -166,10 +166,10 @@ def check_dump_dir(path: str | Path) -> Path:
         return path
     what = (f"{path} is not a dump directory: a dump is one step's folder, RUN_DIR/dumps/step_NNNNNN/, "
             f"holding {SEQUENCES} and {META} (the monitor writes one when it halts)")
-    dumps = sorted(p.name for p in (path / "dumps").glob("step_*") if p.is_dir())
+    dumps = sorted(p for p in (path / "dumps").glob("step_*") if p.is_dir())
     if dumps:
-        shown = ", ".join(dumps[-5:]) + (f" (+{len(dumps) - 5} more)" if len(dumps) > 5 else "")
-        what += f"; this run directory has {path / 'dumps'}/ {shown}"
+        names = ", ".join(p.name for p in dumps[-5:]) + (f" and {len(dumps) - 5} more" if len(dumps) > 5 else "")
+        what += f"; {path} is a run directory: pass one of its dumps, e.g. {dumps[-1]} (it has {names})"
     raise InputError(what)
 
 

@@ -28,3 +28,12 @@ class TestReadme:
         h = HaltConfig()
         assert f"| `patience` | `{h.patience}` |" in README
         assert f"| `min_severity` | `{h.min_severity}` |" in README
+
+
+class TestReplayDocs:
+    def test_replay_defaults_match(self):
+        """The README's replay threshold and divergence level are the code's defaults."""
+        from rlcheck.forensics import DEFAULT_TAU, DEFAULT_THRESHOLD
+
+        assert f"`--threshold` (default {DEFAULT_THRESHOLD:g} nats)" in README
+        assert f"`--tau`, {DEFAULT_TAU:g}," in README
