@@ -2,9 +2,11 @@
 hybrid) against one sequence per forward pass, on a dump with realistic ragged lengths.
 
     .venv/bin/python benchmarks/bench_replay.py [--archs llama,hybrid] [--sequences 256] [--repeat 3] [--threads N]
+        [--response-median 96] [--max-response 768]
 
 Per arch: build the tiny model (`rlcheck.modelzoo`), write a dump of --sequences sequences (prompts of
-16-64 random tokens, responses lognormal with median 96 tokens, sigma 0.8, 4-768 tokens; the rollout
+16-64 random tokens, responses lognormal with median --response-median tokens, sigma 0.8, clipped
+to 4..--max-response; the rollout
 logprobs are the reference's own, so the replay is clean), load the HF reference once, then time
 `replay(dump, scorer=...)` end to end (dump read, scoring, comparison, ranking) batched and one at a
 time, interleaved, best of --repeat. Throughput counts sequences and tokens through the model
@@ -25,14 +27,14 @@ import time
 import numpy as np
 
 
-def make_dump(model_dir: str, out: str, num: int, seed: int, scorer) -> str:
+def make_dump(model_dir: str, out: str, num: int, seed: int, scorer, median: int = 96, longest: int = 768) -> str:
     from rlcheck.batch import StepBatch
     from rlcheck.dump import write_dump
 
     rng = np.random.default_rng(seed)
     vocab = scorer.model.config.vocab_size
     prompts = [rng.integers(3, vocab, rng.integers(16, 65)).tolist() for _ in range(num)]
-    lens = np.clip(rng.lognormal(np.log(96), 0.8, num), 4, 768).astype(int)
+    lens = np.clip(rng.lognormal(np.log(median), 0.8, num), 4, longest).astype(int)
     responses = [rng.integers(3, vocab, n).tolist() for n in lens]
     logp = scorer.score(prompts, responses)
     batch = StepBatch.from_ragged(logp_rollout=logp, logp_train=logp, request_ids=[f"bench/{i}" for i in range(num)],
@@ -60,7 +62,8 @@ def bench_arch(arch: str, args) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(arch, os.path.join(tmp, arch)))
         scorer = HFScorer(HFScorerConfig(model=model))
-        dump = make_dump(model, os.path.join(tmp, "dump"), args.sequences, args.seed, scorer)
+        dump = make_dump(model, os.path.join(tmp, "dump"), args.sequences, args.seed, scorer,
+                         args.response_median, args.max_response)
         best = {True: float("inf"), False: float("inf")}
         reports = {}
         for _ in range(args.repeat):
@@ -86,6 +89,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's own]")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--response-median", type=int, default=96, help="median response length (lognormal)")
+    ap.add_argument("--max-response", type=int, default=768, help="responses are clipped to 4..this")
     args = ap.parse_args()
 
     import torch

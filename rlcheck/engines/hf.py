@@ -28,6 +28,8 @@ import numpy as np
 
 from rlcheck.errors import ConfigError, InputError
 
+MIN_FILL = 0.85
+"""A padded batch takes no sequence shorter than this fraction of its longest (which comes first)."""
 RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "granitemoehybrid", "jamba", "falcon_h1", "bamba", "nemotron_h", "zamba2")
 
 
@@ -41,6 +43,10 @@ class HFScorerConfig:
     """Tokens per forward pass of padded batches (batch x padded length)."""
     max_row_tokens: int = 1024
     """Tokens per packed row: its block-diagonal mask is dense, so its cost grows with length^2."""
+    pack: bool | None = None
+    """Pack attention models into rows (no padding). None: only on CUDA. On CPU the packed row's dense
+    block-diagonal mask costs more than the padding it saves (BENCHMARKS.md, replay throughput), so
+    sequences of similar length are right-padded into batches instead. Mamba models never pack."""
     attn_implementation: str | None = None
     """None lets transformers choose (sdpa where the model supports it)."""
 
@@ -68,7 +74,8 @@ class HFScorer:
         extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
         self.model = model or AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype), **extra)
         self.model.to(cfg.device).eval()
-        self.packed = not is_recurrent(self.model.config)
+        pack = cfg.pack if cfg.pack is not None else str(cfg.device).startswith("cuda")
+        self.packed = pack and not is_recurrent(self.model.config)
         self.last_padding_fraction = 0.0
 
     # ---- public --------------------------------------------------------------------------------
@@ -163,7 +170,8 @@ def _groups(order: list[int], lens: list[int], budget: int, packed: bool) -> lis
     used = 0
     for i in order:
         cost = lens[i] if packed else max([lens[j] for j in current] + [lens[i]]) * (len(current) + 1)
-        if current and (used + lens[i] if packed else cost) > budget:
+        too_short = not packed and current and lens[i] < MIN_FILL * lens[current[0]]  # padding > 1 - MIN_FILL
+        if current and ((used + lens[i] if packed else cost) > budget or too_short):
             groups.append(current)
             current, used = [], 0
         current.append(i)

@@ -32,7 +32,8 @@ class TestHFScorer:
     @pytest.mark.parametrize("arch, packed", [("llama", True), ("mamba2", False), ("hybrid", False)])
     def test_batched_equals_one_at_a_time(self, arch, packed):
         """Packed (attention) or bucketed (Mamba) scoring gives each sequence's own logprobs."""
-        scorer = HFScorer(HFScorerConfig(model="in-process", max_batch_tokens=160, max_row_tokens=160), model=tiny(arch))
+        cfg = HFScorerConfig(model="in-process", max_batch_tokens=160, max_row_tokens=160, pack=True)
+        scorer = HFScorer(cfg, model=tiny(arch))
         assert scorer.packed is packed
         prompts, responses = data()
         got = scorer.score(prompts, responses, temperature=0.8)
@@ -41,6 +42,15 @@ class TestHFScorer:
             np.testing.assert_allclose(lp, scorer.score_one(p, r, temperature=0.8), atol=5e-6)
         if packed:
             assert scorer.last_padding_fraction == 0.0
+
+    @pytest.mark.parametrize("arch", ["llama", "hybrid"])
+    def test_pads_on_cpu_by_default(self, arch):
+        """On CPU the default batches by length with right padding (packing is for CUDA), and still agrees."""
+        scorer = HFScorer(HFScorerConfig(model="in-process", max_batch_tokens=160), model=tiny(arch))
+        assert scorer.packed is False
+        prompts, responses = data()
+        for p, r, lp in zip(prompts, responses, scorer.score(prompts, responses), strict=True):
+            np.testing.assert_allclose(lp, scorer.score_one(p, r), atol=5e-6)
 
     def test_matches_plain_forward(self):
         """A score is log_softmax(logits / T) of the model's own forward at the next token."""
