@@ -1,7 +1,8 @@
 """Every data-level fault injected into the real loop (vLLM, Ray, the hf trainer): the monitor catches it
 once it acts, and `diagnose` names its cause and the requests it touched; a clean run is "healthy".
 
-Faults that can start later start at step 32, when the rolling detectors are warm.
+To keep the runs short the robust-z detector warms up over 12 steps (the default is 32), and faults
+that can start later start at step 12, when it is warm.
 """
 
 from __future__ import annotations
@@ -10,19 +11,21 @@ import json
 
 import pytest
 
+from rlcheck.detect import DetectorsConfig, RobustZConfig
 from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import run_grpo
 from rlcheck.loop.presets import tiny_cpu
 from rlcheck.monitor import Monitor, MonitorConfig
 
-ONSET = 32
+ONSET = 12
+DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))
 
 
 def _run(model, tmp_path, spec: str | None, steps: int):
     fault = parse_inject(spec)
     cfg = tiny_cpu(model, trainer="hf", steps=steps, fault=fault)
-    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), context=cfg.context())) as mon:
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), context=cfg.context(), detectors=DETECTORS)) as mon:
         result = run_grpo(cfg, mon)
     touched = {}
     for line in (tmp_path / "loop.jsonl").read_text().splitlines():
@@ -39,17 +42,17 @@ def _alarm_steps(result):
 @pytest.mark.timeout(900)
 class TestFaultsInTheLoop:
     def test_clean_run_is_healthy(self, tiny_model, ray_local, tmp_path):
-        """40 clean steps: no alarm, and diagnose says healthy."""
-        _, result, _ = _run(tiny_model("hybrid"), tmp_path, None, 40)
+        """24 clean steps: no alarm, and diagnose says healthy."""
+        _, result, _ = _run(tiny_model("hybrid"), tmp_path, None, 24)
         assert _alarm_steps(result) == []
         assert diagnose(tmp_path).verdict.cause == "healthy"
 
     @pytest.mark.parametrize(("spec", "steps"), [
-        ("stale-weights@32", 42),
+        ("stale-weights@12", 22),
         ("temperature-mismatch=1.1", 4),
-        ("off-by-one@32", 40),
-        ("bf16-noise=1@32", 40),
-        ("corrupt-seqs=0.03@32", 40),
+        ("off-by-one@12", 16),
+        ("bf16-noise=1@12", 20),
+        ("corrupt-seqs=0.03@12", 16),
     ])
     def test_fault_is_caught_and_named(self, tiny_model, ray_local, tmp_path, spec, steps):
         """No alarm before the fault acts, one at its first step, and diagnose names its cause and touched requests."""
