@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,10 @@ class VLLMConfig:
     engine_id: str = "e0"
     """Prefix of every request id this engine hands out; unique per engine in a run."""
     temperature: float = 1.0
+    greedy: bool = False
+    """Decode at temperature 0 (argmax; vLLM then allows one sample per request): the deterministic
+    mode of stress reproduction. `temperature` is ignored and the returned logprobs are those of the
+    untempered distribution, log_softmax(logits): score them at T = 1."""
     max_tokens: int = 64
     top_logprobs: int = 0
     """Also return the top-k logprobs of every position (k = this)."""
@@ -68,10 +72,10 @@ class VLLMConfig:
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROB_MODES:
             raise ConfigError(f"logprobs_mode must be one of {LOGPROB_MODES}, got {self.logprobs_mode!r}")
-        if not self.temperature > 0:
+        if not self.temperature > 0 and not self.greedy:
             raise ConfigError(
                 f"temperature must be > 0 (got {self.temperature}); greedy decoding has no sampling "
-                "distribution to compare, use a small temperature instead"
+                "distribution to compare: use a small temperature, or greedy=True (logprobs at T = 1)"
             )
         if self.max_tokens < 1 or self.top_logprobs < 0:
             raise ConfigError("max_tokens must be >= 1 and top_logprobs >= 0")
@@ -116,9 +120,11 @@ class VLLMEngine:
     def sampling_params(self, n: int, seed: int | None):
         from vllm import SamplingParams
 
+        if self.cfg.greedy and n != 1:
+            raise InputError(f"greedy decoding draws one sample per request (vLLM refuses n={n}); repeat the prompt instead")
         return SamplingParams(
             n=n,
-            temperature=self.cfg.temperature,
+            temperature=0.0 if self.cfg.greedy else self.cfg.temperature,
             max_tokens=self.cfg.max_tokens,
             logprobs=self.cfg.top_logprobs,
             seed=seed,
@@ -132,10 +138,11 @@ class VLLMEngine:
         step: int,
         n: int = 1,
         seed: int | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[Rollout]:
         """n samples for each prompt (token ids), in prompt-major order. `seed` defaults to a value
-        derived from the config seed and the step, so a rerun draws the same tokens."""
+        derived from the config seed and the step, so a rerun draws the same tokens. `use_tqdm`: as
+        `LLM.generate`'s, a bool or a tqdm-like class (see `rlcheck.forensics.stress.progress_bar`)."""
         if not prompts:
             raise InputError("generate needs at least one prompt")
         if n < 1:

@@ -3,6 +3,8 @@
 - `replay`: a dump re-scored by the independent HF reference; requests ranked by max |d| against
   the rollout engine, first divergence position, the decoded tokens around it.
 - `diagnose`: the likely cause of a mismatch, named from its shape.
+- `stress`, `sweep`: greedy vLLM under memory pressure and load, every output replayed against the
+  reference, failing requests with their scheduler context; one knob at a time for the shape.
 """
 
 from rlcheck.forensics.ranking import Context, ReplayRecord

@@ -190,6 +190,43 @@ def _sparse_sequences(ev: Evidence) -> Finding | None:
     return Finding("stale_state", 0.6, evidence, steps, ids)
 
 
+def _slot_context(ev: Evidence) -> Finding | None:
+    """A dump whose failing sequences carry the scheduler's slot context (`rlcheck stress`): aliasing
+    when most of them shared a state block with another live request (or used one they were not
+    given); stale state when nearly all reused a block another request held before, diverge from the
+    first tokens, and the requests that got a never-used block pass."""
+    rows = [row for rs in ev.dump_rows.values() for row in rs if "failed" in row and "slot_reused" in row]
+    failing = [row for row in rows if row["failed"]]
+    if not failing:
+        return None
+    steps = sorted(s for s, rs in ev.dump_rows.items() if any(row.get("failed") for row in rs))
+    ids = [row["request_id"] for row in failing][:MAX_IDS]
+    aliased = [row for row in failing if row.get("shared_with") or row.get("block_used") != row.get("block")]
+    if len(aliased) >= len(failing) / 2:
+        a = next((row for row in aliased if row.get("block_used") != row.get("block")), aliased[0])
+        block = f"block {a['block']}" + (f" used as {a['block_used']}" if a.get("block_used") != a["block"] else "")
+        return Finding("index_aliasing", 0.95, [
+            f"{len(aliased)} of {len(failing)} failing requests used a state block another live request used in "
+            f"the same step (e.g. {a['request_id']}: {block}, with "
+            f"{', '.join((a.get('shared_with') or [])[:3]) or 'an unrecorded holder'})",
+            f"blocks up to {max(row['block'] or 0 for row in rows)} were handed out: a state index past a boundary "
+            "aliases another request's state; cutting memory (fewer blocks) hides it, more concurrency brings it"],
+            steps, ids)
+    reused = [row for row in failing if row["slot_reused"]]
+    early = [row for row in reused if row.get("first_divergence") == 0]
+    fresh = [row for row in rows if row["slot_reused"] is False]
+    if len(reused) >= 0.9 * len(failing) and len(early) >= len(reused) / 2:
+        r = reused[0]
+        return Finding("stale_state", 0.95, [
+            f"{len(reused)} of {len(failing)} failing requests started in a state block another request held "
+            f"before (e.g. {r['request_id']} in block {r['block']} after {r['previous_holder']})",
+            f"{len(early)} of them diverge from their first generated token; "
+            f"{sum(bool(row['failed']) for row in fresh)} of the {len(fresh)} requests that got a never-used "
+            "block fail: the first prefill read the previous holder's state instead of zeros"],
+            steps, ids)
+    return None
+
+
 def _weights(ev: Evidence) -> Finding | None:
     periodic = _alarms(ev, kind="periodic")
     if periodic:
@@ -263,4 +300,4 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
                    _steps(alarms))
 
 
-RULES = (_misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)
+RULES = (_slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)

@@ -37,3 +37,17 @@ class TestReplayDocs:
 
         assert f"`--threshold` (default {DEFAULT_THRESHOLD:g} nats)" in README
         assert f"`--tau`, {DEFAULT_TAU:g}," in README
+
+
+class TestStressDocs:
+    def test_stress_and_sweep_defaults_match(self):
+        """The README's stress defaults, fp32 threshold and sweep request count are the code's."""
+        from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
+        from rlcheck.forensics.sweep import SWEEP_REQUESTS, show_value
+
+        text = " ".join(README.split())
+        c = StressConfig(model="m")
+        assert (f"Defaults: {c.num_requests} requests, {c.samples_per_prompt} per prompt, {c.max_tokens} tokens, "
+                f"max_num_seqs {c.max_num_seqs}, {show_value('kv_cache_bytes', c.kv_cache_bytes)[:-3]} MiB") in text
+        assert f"(default {FP32_THRESHOLD:g} nats in float32" in text
+        assert f"`--requests` defaults to {SWEEP_REQUESTS} per value" in text

@@ -1,0 +1,114 @@
+"""What a stress run leaves behind: a dump that `rlcheck diagnose` and `rlcheck replay` read, its
+stress.json, and the console table.
+
+The dump is one step (step 0) of every request: `logp_rollout` the engine's logprobs, `logp_train`
+the HF reference's (the side that judges here), tokens, and per-sequence meta columns: `arrival`,
+`prompt_index`, `sample_index`, `failed`, and with the slot trace `first_step`, `last_step`,
+`batch_size`, `block`, `block_used`, `previous_holder`, `slot_reused`, `shared_with`
+(`rlcheck.forensics.slots`). `max_abs_diff` and `first_divergence` use the stress threshold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULT_FILE = "stress.json"
+TRACE_COLUMNS = ("first_step", "last_step", "batch_size", "block", "block_used")
+
+
+def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: list[Any],
+                 reference: list[np.ndarray]) -> Any:
+    """Write the dump and stress.json into `out` (replaced); the result with its `dump_dir`."""
+    from rlcheck.batch import StepBatch
+    from rlcheck.dump import write_dump
+
+    cfg, contexts = result.config, result.contexts
+    failing = set(result.failing)
+    n = result.num_requests
+    meta: dict[str, list[Any]] = {
+        "arrival": [c.arrival for c in contexts],
+        "prompt_index": [i // cfg.samples_per_prompt for i in range(n)],
+        "sample_index": [i % cfg.samples_per_prompt for i in range(n)],
+        "failed": [i in failing for i in range(n)],
+    }
+    if any(c.block is not None for c in contexts):
+        meta.update({name: [getattr(c, name) for c in contexts] for name in TRACE_COLUMNS})
+        meta["previous_holder"] = [c.previous for c in contexts]
+        meta["slot_reused"] = [c.slot_reused for c in contexts]
+        meta["shared_with"] = [list(c.shared_with) for c in contexts]
+    batch = StepBatch.from_ragged(
+        logp_rollout=[r.logprobs for r in rollouts], logp_train=reference, request_ids=list(result.request_ids),
+        tokens=[np.asarray(r.token_ids, dtype=np.int64) for r in rollouts],
+        prompt_tokens=[np.asarray(p, dtype=np.int64) for p in prompts], meta=meta,
+    )
+    context = {
+        "model": cfg.model, "engine": "vllm", "source": "rlcheck stress",
+        "logp_train": "the HF reference (rlcheck stress judges the engine against it)",
+        "sampling": {"greedy": True, "temperature": 0.0, "logprobs_mode": "raw_logprobs",
+                     "max_tokens": cfg.max_tokens},  # greedy logprobs are untempered: replay at T = 1
+        "stress": {"fault": cfg.fault, "boundary": cfg.fault_boundary, "threshold": result.threshold,
+                   "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
+                   "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace},
+    }
+    reason = f"stress: {len(failing)} of {n} requests over max |d| {result.threshold:g}"
+    write_dump(out, batch, step=0, reason=reason, context=context, divergence_tau=result.threshold)
+    result = replace(result, dump_dir=str(out))
+    (out / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
+    return result
+
+
+def render_stress(result: Any, console: Any, top: int = 20) -> None:
+    """Header, the first `top` failing requests (arrival order) with their context, and the verdict."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from rlcheck.forensics.sweep import show_value
+
+    r, cfg = result, result.config
+    fault = cfg.fault + (f" (boundary {cfg.fault_boundary})" if cfg.fault_boundary else "")
+    console.print(
+        f"{escape(cfg.model)}: {r.num_requests} requests ({cfg.samples_per_prompt} per prompt, {cfg.max_tokens} tokens, "
+        f"greedy, {cfg.dtype}); max_num_seqs {cfg.max_num_seqs}, cache {show_value('kv_cache_bytes', cfg.kv_cache_bytes)} = "
+        f"{r.num_blocks} blocks; fault: {fault}; {escape(r.trace)}")
+    secs = r.seconds
+    console.print(f"start {secs.get('build', 0):.1f} s (reference, engine) + generate {secs.get('generate', 0):.1f} s "
+                  f"+ replay {secs.get('score', 0):.1f} s: {r.requests_per_second:.1f} requests/s")
+    failing = r.failing
+    if failing:
+        t = Table(title=f"failing requests (first {min(top, len(failing))} of {len(failing)}, arrival order)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for col in ("request", "arrival", "max |d|", "1st div", "step", "batch", "block (used)", "held before by",
+                    "shared with"):
+            t.add_column(col, overflow="fold")
+        for i in failing[:top]:
+            t.add_row(*(escape(cell) for cell in _cells(r, i)))
+        console.print(t)
+        console.print("step: engine step of the first prefill (batch: requests in it); block: the state block vLLM "
+                      "assigned (and the one the layers used, where it differs); shared with: live requests on the "
+                      "same block in the same step")
+    wave = r.first_wave
+    wave_line = "" if wave is None else f"; first wave (never-used slots): {wave[1]} of {wave[0]} fail"
+    if failing:
+        console.print(f"[bold red]FAIL[/]: {len(failing)} of {r.num_requests} requests over max |d| {r.threshold:g} "
+                      f"vs the reference; first at arrival {r.first_failing_index}{wave_line}")
+    else:
+        console.print(f"[green]OK[/]: all {r.num_requests} requests within max |d| {r.threshold:g} of the reference"
+                      f"{wave_line}")
+    if r.dump_dir:
+        console.print(f"dump: {escape(r.dump_dir)} (rlcheck diagnose {escape(r.dump_dir)})")
+
+
+def _cells(r: Any, i: int) -> tuple[str, ...]:
+    c = r.contexts[i]
+    block = "-" if c.block is None else str(c.block) + ("" if c.block_used == c.block else f" ({c.block_used})")
+    shared = ", ".join(c.shared_with[:4]) + (f" +{len(c.shared_with) - 4}" if len(c.shared_with) > 4 else "")
+    first = r.first_divergence[i]
+    return (r.request_ids[i], str(c.arrival), f"{r.max_abs_diff[i]:.3g}", "-" if first is None else str(first),
+            "-" if c.first_step is None else str(c.first_step), "-" if c.batch_size is None else str(c.batch_size),
+            block, c.previous or "-", shared or "-")
