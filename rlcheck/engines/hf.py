@@ -7,14 +7,15 @@ It is deliberately plain: the model's logits, log_softmax(logits / T), gathered 
 token (prompt + previous response tokens as context). Nothing of vLLM and nothing of rlcheck's own
 `logprobs` module is involved, so it can judge both.
 
-Batching without padding waste:
-- attention-only models (Llama, ...): sequences are packed back to back into rows of up to
-  `max_row_tokens` tokens, position ids restarting at 0 for each; transformers turns that into a
+Batching with little padding waste:
+- length buckets (the default on CPU, and always for models with recurrent layers: Mamba2, the
+  GraniteMoeHybrid hybrid, whose HF path cannot reset state inside a row): sequences sorted by length
+  and batched with right padding up to the longest of similar lengths (no batch takes a sequence
+  shorter than MIN_FILL of its longest; right padding never reaches a real token: attention is causal
+  and the state flows forward). `last_padding_fraction` reports the waste.
+- packed rows (attention-only models on CUDA, or `pack=True`): sequences back to back in rows of up
+  to `max_row_tokens` tokens, position ids restarting at 0 for each; transformers turns that into a
   block-diagonal causal mask, so no sequence sees another and no token is padding.
-- models with recurrent layers (Mamba2, the GraniteMoeHybrid attention+Mamba2 hybrid): HF's CPU
-  Mamba path cannot reset its state inside a row, so sequences are sorted by length and batched with
-  right padding only up to the longest of similar lengths (right padding never reaches a real
-  token: attention is causal and the state flows forward). `last_padding_fraction` reports the waste.
 Each way is checked against scoring one sequence at a time (`score_one`).
 """
 
