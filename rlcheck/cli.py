@@ -61,7 +61,7 @@ def demo(
     steps: int = typer.Option(None, min=1, help="Steps to run [default: 20; with --inject, until the halt, at most 100]."),
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
-    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S (see rlcheck.faults)."),
+    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, and in the vLLM engine stale-state, index-wrap=B (see rlcheck.faults)."),
     model: Path = typer.Option(Path("runs/models/hybrid"), help="Tiny model folder, built there if missing."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),

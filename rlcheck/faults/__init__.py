@@ -11,12 +11,18 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | off-by-one              | -            | logp_train[t] ~ logp_rollout[t+1], token ids differ    | token_misalignment   |
 | bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
 | corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
+
+Engine-level (inside the rollout vLLM engine, `rlcheck.engines.vllm_faults`; Mamba models, vllm 0.32):
+
+| stale-state             | -            | reused state slots: far off from the first tokens      | stale_state          |
+| index-wrap=B            | B >= 1       | more live requests than B slots: shared state          | index_aliasing       |
 """
 
 from __future__ import annotations
 
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault
+from rlcheck.faults.engine import IndexWrap, StaleState
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -34,6 +40,8 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     OffByOne.name: (OffByOne, None, int),
     Bf16Noise.name: (Bf16Noise, "scale", float),
     CorruptSequences.name: (CorruptSequences, "rate", float),
+    StaleState.name: (StaleState, None, int),
+    IndexWrap.name: (IndexWrap, "boundary", int),
 }
 
 
@@ -64,5 +72,5 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "Fault", "OffByOne", "SkipSync", "StaleWeights",
-           "TemperatureMismatch", "parse_inject"]
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "Fault", "IndexWrap", "OffByOne", "SkipSync", "StaleState",
+           "StaleWeights", "TemperatureMismatch", "parse_inject"]

@@ -41,6 +41,10 @@ class Fault:
     def skip_sync(self, step: int) -> bool:
         return False
 
+    def engine_fault(self):
+        """(fault, options) for `rlcheck.engines.vllm_faults.inject` on the rollout engine, or None."""
+        return None
+
     def active(self, step: int) -> bool:
         return step >= self.start
 

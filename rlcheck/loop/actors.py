@@ -15,8 +15,14 @@ from rlcheck.trainers import MicroBatchPlan, PolicyTrainer, Sequences, TrainerCo
 class RolloutWorker:
     """Generates rollouts with vLLM and takes weight syncs."""
 
-    def __init__(self, cfg: VLLMConfig):
+    def __init__(self, cfg: VLLMConfig, engine_fault: tuple[str, dict[str, Any]] | None = None):
         self.engine = VLLMEngine(cfg)
+        self.fault = None
+        if engine_fault is not None:  # a self-test: a Mamba state fault inside this engine only
+            from rlcheck.engines.vllm_faults import inject
+
+            kind, options = engine_fault
+            self.fault = inject(self.engine, kind, **options)
 
     def generate(self, prompts: list[list[int]], step: int, n: int) -> list[Rollout]:
         return self.engine.generate(prompts, step=step, n=n)

@@ -102,7 +102,7 @@ class GRPOLoop:
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         self.log_path = Path(monitor.run_dir) / "loop.jsonl"
-        self.rollout = start_rollout(cfg.rollout, cfg.placement)
+        self.rollout = start_rollout(cfg.rollout, cfg.placement, cfg.fault.engine_fault())
         try:
             self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement)
         except BaseException:

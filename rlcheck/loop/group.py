@@ -89,8 +89,8 @@ class TrainerGroup:
         remove_placement_group(self.pg)
 
 
-def start_rollout(cfg: VLLMConfig, placement: Placement | None = None):
-    """The rollout actor (a `RolloutWorker` with its vLLM engine loaded)."""
+def start_rollout(cfg: VLLMConfig, placement: Placement | None = None, engine_fault=None):
+    """The rollout actor (a `RolloutWorker` with its vLLM engine loaded, and `engine_fault` injected)."""
     import ray
 
     from rlcheck.loop.actors import RolloutWorker
@@ -99,6 +99,6 @@ def start_rollout(cfg: VLLMConfig, placement: Placement | None = None):
     actor = ray.remote(RolloutWorker).options(
         num_cpus=p.rollout_cpus, num_gpus=p.rollout_gpus,
         runtime_env={"env_vars": p.actor_env("cuda" if p.rollout_gpus else "cpu")},
-    ).remote(cfg)
+    ).remote(cfg, engine_fault)
     ray.get(actor.weight_version.remote())  # raise here if the engine failed to load
     return actor

@@ -69,3 +69,20 @@ class TestFaultsInTheLoop:
             assert named == touched[fault.start]
         if fault.name == "stale-weights":  # the loop's own lag report aside, the shape is growth
             assert any("grows" in line for line in verdict.evidence)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+class TestEngineFaultsInTheLoop:
+    def test_stale_state_appears_once_slots_are_reused(self, tiny_model, ray_local, tmp_path):
+        """Stale Mamba state inside the rollout engine: step 0 (fresh slots) is clean, later steps alarm,
+        and diagnose names stale state."""
+        _, result, _ = _run(tiny_model("hybrid"), tmp_path, "stale-state", 3)
+        alarms = _alarm_steps(result)
+        assert alarms and alarms[0] == 1  # the first wave's slots were never held before
+        assert diagnose(tmp_path).verdict.cause == "stale_state"
+
+    def test_index_wrap_is_caught(self, tiny_model, ray_local, tmp_path):
+        """State slots aliased past 16 blocks (64 live requests hold 256): the first step halts."""
+        _, result, _ = _run(tiny_model("hybrid"), tmp_path, "index-wrap=16", 3)
+        assert result.halted and _alarm_steps(result) == [0]

@@ -1,0 +1,55 @@
+"""Engine-level faults: the Mamba state faults of `rlcheck.engines.vllm_faults`, injected into the
+loop's rollout engine (vllm 0.32, in-process, a model with Mamba2 layers; refused otherwise)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlcheck.errors import ConfigError
+from rlcheck.faults.base import Fault
+
+
+@dataclass(frozen=True)
+class StaleState(Fault):
+    """A request whose state slot was held before starts from the state its previous holder left
+    (vLLM's decode-before-prefill bug). Shape: once slots are reused (from the second step on),
+    sequences far off from their first tokens; the first wave is clean."""
+
+    name = "stale-state"
+    cause = "stale_state"
+    shape = "reused slots: far off from the first tokens"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.start:
+            raise ConfigError("stale-state acts from the first step (it is set up with the engine)")
+
+    def engine_fault(self) -> tuple[str, dict[str, Any]] | None:
+        return "stale-state", {}
+
+
+@dataclass(frozen=True)
+class IndexWrap(Fault):
+    """State slots at or past `boundary` alias slot % boundary (a wrapped 32-bit offset). Shape: with
+    more live requests than slots below the boundary, requests share state: far off from their
+    second token; gone when concurrency or memory is cut."""
+
+    boundary: int = 16
+    name = "index-wrap"
+    cause = "index_aliasing"
+    shape = "more concurrency than the boundary: shared state"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.boundary < 1:
+            raise ConfigError(f"index-wrap needs a boundary >= 1, got {self.boundary}")
+        if self.start:
+            raise ConfigError("index-wrap acts from the first step (it is set up with the engine)")
+
+    def engine_fault(self) -> tuple[str, dict[str, Any]] | None:
+        return "index-wrap", {"boundary": self.boundary}
+
+    def value(self) -> str:
+        return str(self.boundary)
