@@ -18,6 +18,7 @@ from typing import Any
 
 from rlcheck import metrics as K
 from rlcheck.faults import Fault, SkipSync, parse_inject
+from rlcheck.loop.driver import PHASES
 from rlcheck.monitor import Monitor, MonitorConfig, StepReport
 
 DEFAULT_STEPS = 20
@@ -68,8 +69,7 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     model = ensure_model(opts.model, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
                    fault=fault, seed=opts.seed)
-    found: dict[str, Any] = {"halted": False, "steps_run": 0, "alarms": [], "fault": fault, "timings": [],
-                             "run_dir": opts.run_dir}
+    found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
     with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
                             f"{cfg.trainer.backend} trainer rank(s) ..."):
@@ -103,19 +103,16 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
         task = progress.add_task("", total=opts.max_steps)
 
         def on_step(step: int, report: StepReport, info: dict[str, Any]) -> None:
-            found["steps_run"] = step + 1
             for a in report.alarms:
-                found["alarms"].append(a)
                 progress.console.print(f"[yellow]step {step}[/] {a.kind}/{a.severity}: {a.message}")
-            if "seconds" in info:
-                found["timings"].append(info["seconds"])
             skipped = " (sync skipped)" if info.get("sync_skipped") else ""
             reward = report.metrics.get("loop/reward_mean", float("nan"))
             progress.update(task, advance=1, description=(
                 f"mean |d| {report.metrics[K.ABS_DIFF_MEAN]:.2g}  reward {reward:.3f}{skipped}"))
 
         result = loop.run(on_step)
-    found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir)
+    found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
+                 alarms=[a for r in result.reports for a in r.alarms], timings=result.timings)
 
 
 def _print_found(found: dict[str, Any], console: Any) -> None:
@@ -123,8 +120,7 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
     fault = found["fault"]
     console.print(f"injected: {fault.describe()} ({fault.shape})")
     if found["timings"]:
-        med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in
-               ("generate", "recompute", "monitor", "update", "sync", "total")}
+        med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in (*PHASES, "total")}
         console.print("median seconds per step: " + ", ".join(f"{p} {v:.3f}" for p, v in med.items()))
     periodic = [a for a in found["alarms"] if a.kind == "periodic"]
     if periodic:

@@ -133,11 +133,7 @@ class HFScorer:
 
     def _score_padded(self, seqs: list[tuple[list[int], int]], temperature: float) -> list[np.ndarray]:
         torch = self.torch
-        width = max(len(s) for s, _ in seqs)
-        pad = self.model.config.pad_token_id or 0
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)  # (B, T) right-padded
-        for b, (s, _) in enumerate(seqs):
-            ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids = right_padded([s for s, _ in seqs], self.model.config.pad_token_id or 0)  # (B, T)
         with torch.no_grad():
             logits = self.model(input_ids=ids.to(self.cfg.device), use_cache=False).logits  # (B, T, V)
         return [self._gather(logits[b, : len(s)], s, p, temperature) for b, (s, p) in enumerate(seqs)]
@@ -149,6 +145,17 @@ class HFScorer:
         targets = torch.tensor(seq[prompt_len:], dtype=torch.long, device=rows.device)  # (R,)
         logp = torch.log_softmax(rows, dim=-1).gather(-1, targets[:, None])[:, 0]
         return logp.cpu().numpy().astype(np.float32)
+
+
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int):
+    """(B, T) int64 tensor of the token rows, right-padded with `pad_id` to the longest. Right padding
+    never reaches a real token of a causal model (attention is causal, recurrent state flows forward)."""
+    import torch
+
+    ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids
 
 
 def _sequences(prompts, responses, temperature: float) -> list[tuple[list[int], int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlcheck.engines.hf import is_recurrent, right_padded
 from rlcheck.logprobs import token_logprobs
 from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
@@ -23,8 +24,6 @@ class PolicyTrainer:
 
     def __init__(self, cfg: TrainerConfig, rank: int = 0, world_size: int = 1):
         from transformers import AutoModelForCausalLM
-
-        from rlcheck.engines.hf import is_recurrent
 
         torch.manual_seed(cfg.seed)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -106,9 +105,6 @@ class PolicyTrainer:
         return [lp[-n:] for lp, n in zip(per_seq, resp, strict=True)]
 
     def _padded(self, rows: list[list[int]], resp: list[int]) -> list[torch.Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, W) right-padded
-        for b, r in enumerate(rows):
-            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        ids = right_padded(rows, self.pad_id)  # (B, W)
         logp = token_logprobs(self.backend.module, ids.to(self.cfg.device), temperature=self.cfg.temperature).logp  # (B, W-1)
         return [logp[b, len(r) - n - 1 : len(r) - 1] for b, (r, n) in enumerate(zip(rows, resp, strict=True))]
