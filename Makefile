@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := cpu,deepspeed,ray,wandb,trl,dev
+EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
 .PHONY: install demo test test-fast test-slow bench lint clean
 
