@@ -83,6 +83,32 @@ class TestMonitorAPI:
         assert merged.offenders == whole.offenders
 
 
+    @pytest.mark.parametrize("left", [False, True])
+    def test_observe_padded_matches_packed(self, tmp_path, left):
+        """[B, T] torch tensors with a response mask (left or right padded) give the packed batch's report."""
+        torch = pytest.importorskip("torch")
+        rng = np.random.default_rng(3)
+        lens = [5, 12, 1, 9, 12]
+        lr = [-rng.exponential(1.0, n) for n in lens]
+        lt = [np.minimum(x + rng.normal(0, 0.05, len(x)), 0.0) for x in lr]
+        ids = [f"q{i}" for i in range(len(lens))]
+        packed = StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=ids)
+        width = max(lens)
+        pad_r = torch.full((len(lens), width), 3.0, dtype=torch.float64)  # padding holds garbage
+        pad_t = torch.full((len(lens), width), -7.0, dtype=torch.float64)
+        mask = torch.zeros(len(lens), width, dtype=torch.bool)
+        for b, n in enumerate(lens):
+            cols = slice(width - n, width) if left else slice(0, n)
+            pad_r[b, cols], pad_t[b, cols], mask[b, cols] = torch.tensor(lr[b]), torch.tensor(lt[b]), True
+        padded = StepBatch.from_padded(pad_r, pad_t, mask, request_ids=ids)
+        a = monitor(tmp_path / "packed").observe(0, packed)
+        b = monitor(tmp_path / "padded").observe(0, padded)
+        for key, value in a.metrics.items():
+            if key != K.MONITOR_SECONDS:
+                assert b.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert [o.request_id for o in b.offenders] == [o.request_id for o in a.offenders]
+
+
 class TestRunDirectory:
     def test_state_saved_atomically_every_step(self, tmp_path):
         """state.json is whole JSON after each step and no temporary file is left behind."""
