@@ -48,6 +48,7 @@ def offline_run(tmp_path, monkeypatch) -> Path:
     """An offline W&B run of a real Monitor (jsonl + wandb sinks) over 3 synthetic steps, each with
     offenders and alarms; every directory wandb writes is under tmp_path."""
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # wandb's process-wide settings keep the first run's env
     for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     cfg = MonitorConfig(
