@@ -1,0 +1,227 @@
+"""verl: feed rlcheck's Monitor from verl's step batch, the `DataProto` the driver holds.
+
+verl (0.9) keeps one padded batch per step on the driver process (the single controller; workers send
+their results back to it), B = prompts x rollout.n rows:
+
+    responses           (B, R) int64    sampled token ids, right-padded
+    response_mask       (B, R) int64    1: a generated token that trains; 0: padding, tool output
+    rollout_log_probs   (B, R) float32  vLLM's logprob of each sampled token, 0.0 on padding; only
+                                        with actor_rollout_ref.rollout.calculate_log_probs=True
+    old_log_probs       (B, R) float32  the actor's recomputation under the same weights
+    prompts             (B, P) int64    left-padded prompt ids; attention_mask (B, P+R) marks real tokens
+    non_tensor_batch    "uid": one uuid per prompt, repeated for its n samples; "request_id" only
+                        when a custom agent loop puts it in extra_fields
+
+    batch = to_step_batch(data)                         # a StepBatch, one sequence per row
+    report = observe(monitor, step, data, metrics)      # Monitor.observe, plus verl's own metrics
+
+Request ids: `non_tensor_batch["request_id"]` when every row has one, else "<uid>/<k>" with k the row's
+rank among the rows of its uid in batch order (verl's `_balance_batch` may have reordered the rows).
+The dump also gets the per-row `uid`, `priority` (the row's place in the rollout batch; the vLLM request
+id is "det-<priority>" under rollout.full_determinism) and `data_source` when verl has them.
+
+Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
+rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlcheck import metrics as K
+from rlcheck.batch import StepBatch, to_numpy
+from rlcheck.errors import InputError
+
+ROLLOUT_KEY = "rollout_log_probs"
+TRAIN_KEY = "old_log_probs"
+MASK_KEY = "response_mask"
+RESPONSES_KEY = "responses"
+META_KEYS = ("uid", "priority", "data_source")
+"""Per-row `non_tensor_batch` columns copied into the dump when present."""
+FORWARD_PREFIXES = ("training/rollout_", "rollout_corr/", "actor/entropy")
+"""verl step metrics `observe` logs beside rlcheck's by default: its own mismatch view and entropy."""
+
+VERL_EQUIVALENTS: dict[str, tuple[str, float]] = {
+    "training/rollout_probs_diff_mean": (K.PROB_ABS_DIFF_MEAN, 1.0),
+    "training/rollout_probs_diff_max": (K.PROB_ABS_DIFF_MAX, 1.0),
+    "rollout_corr/kl": (K.KL_K1, 1.0),
+    "rollout_corr/k3_kl": (K.KL_K3, 1.0),
+    "rollout_corr/chi2_token": (K.CHI2, 1.0),
+    "rollout_corr/log_ppl_diff": (K.SEQ_LOG_PPL_DIFF_MEAN, -1.0),
+}
+"""verl metric -> (rlcheck key, sign): verl's value is sign x rlcheck's on the same batch and mask (verl's
+`calculate_debug_metrics` and `compute_offpolicy_metrics`), while no |d| exceeds 20 (verl clips the
+log-ratio there for chi2) and no row is fully masked (verl averages those in as 0 for log_ppl_diff)."""
+
+
+def _fields(data: Any) -> tuple[Any, Mapping[str, Any]]:
+    """(tensor fields, non-tensor fields) of a DataProto, or of one plain mapping holding both."""
+    if hasattr(data, "batch") and hasattr(data, "non_tensor_batch"):
+        if data.batch is None:
+            raise InputError("the DataProto has no tensor batch (data.batch is None)")
+        return data.batch, data.non_tensor_batch or {}
+    if hasattr(data, "keys") and hasattr(data, "__getitem__"):
+        return data, data
+    raise InputError(
+        f"expected a verl DataProto or a mapping of its fields, got {type(data).__name__}"
+    )
+
+
+def _get(fields: Any, key: str) -> Any:
+    return fields[key] if key in fields else None
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """True when two tensors are one buffer: verl's bypass mode sets old_log_probs = rollout_log_probs."""
+    if hasattr(a, "data_ptr") and hasattr(b, "data_ptr"):
+        return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape)
+    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
+
+
+def _logprobs(tensors: Any, logp_train: Any) -> tuple[Any, Any]:
+    rollout = _get(tensors, ROLLOUT_KEY)
+    if rollout is None:
+        raise InputError(
+            f"no {ROLLOUT_KEY!r} in the batch: verl stores vLLM's sampling logprobs only with "
+            "actor_rollout_ref.rollout.calculate_log_probs=True; set it and rerun"
+        )
+    train = _get(tensors, TRAIN_KEY) if logp_train is None else logp_train
+    if train is None:
+        raise InputError(
+            f"no {TRAIN_KEY!r} in the batch: call rlcheck after verl recomputes the actor's logprobs "
+            "(after `batch = batch.union(old_log_prob)`), or pass logp_train="
+        )
+    if _same_memory(train, rollout):
+        raise InputError(
+            f"{TRAIN_KEY} is {ROLLOUT_KEY} itself (algorithm.rollout_correction.bypass_mode=True): verl "
+            "does not recompute the logprobs, so there is no mismatch to measure; turn bypass mode off"
+        )
+    return rollout, train
+
+
+def _response_mask(tensors: Any, num_cols: int) -> Any:
+    mask = _get(tensors, MASK_KEY)
+    if mask is not None:
+        return mask
+    attn = _get(tensors, "attention_mask")  # verl's compute_response_mask: its last R columns
+    if attn is None:
+        raise InputError(f"no {MASK_KEY!r} (nor attention_mask) in the batch: which tokens count is unknown")
+    return to_numpy(attn, "attention_mask")[:, -num_cols:]
+
+
+def _check_shapes(arrays: Mapping[str, np.ndarray]) -> tuple[int, int]:
+    shape = arrays[ROLLOUT_KEY].shape
+    if len(shape) != 2:
+        raise InputError(f"{ROLLOUT_KEY} has shape {shape}: expected [batch, response_length]")
+    for name, a in arrays.items():
+        if a is not None and a.shape != shape:
+            raise InputError(
+                f"{name} has shape {a.shape}, {ROLLOUT_KEY} has {shape}: verl's response fields are all "
+                "[batch, response_length]; pass them from one batch"
+            )
+    return shape
+
+
+def default_request_ids(non_tensors: Mapping[str, Any], num_rows: int) -> list[str]:
+    """Each row's request id: the `request_id` column when complete, else "<uid>/<k>" (module docstring)."""
+    rid = _get(non_tensors, "request_id")
+    if rid is not None and len(rid) == num_rows and all(r is not None and str(r) for r in rid):
+        return [str(r) for r in rid]
+    uids = _get(non_tensors, "uid")
+    if uids is None:
+        raise InputError(
+            "no 'uid' or 'request_id' in non_tensor_batch to name the rows; pass request_ids="
+        )
+    if len(uids) != num_rows:
+        raise InputError(f"non_tensor_batch['uid'] has {len(uids)} entries for {num_rows} rows")
+    seen: dict[str, int] = {}
+    out = []
+    for uid in uids:
+        uid = str(uid)
+        k = seen.get(uid, 0)
+        seen[uid] = k + 1
+        out.append(f"{uid}/{k}")
+    return out
+
+
+def _prompt_tokens(tensors: Any, num_rows: int, num_cols: int) -> list[np.ndarray] | None:
+    """Each row's prompt ids without verl's left padding, when `prompts` and `attention_mask` are there."""
+    prompts, attn = _get(tensors, "prompts"), _get(tensors, "attention_mask")
+    if prompts is None or attn is None:
+        return None
+    p = to_numpy(prompts, "prompts")  # (B, P)
+    a = to_numpy(attn, "attention_mask")  # (B, P + R)
+    if p.ndim != 2 or p.shape[0] != num_rows or a.shape != (num_rows, p.shape[1] + num_cols):
+        return None
+    keep = a[:, : p.shape[1]].astype(bool)  # (B, P)
+    flat = p[keep].astype(np.int64)
+    return np.split(flat, np.cumsum(keep.sum(axis=1))[:-1])
+
+
+def _meta(non_tensors: Mapping[str, Any], num_rows: int) -> dict[str, list[Any]]:
+    out = {}
+    for key in META_KEYS:
+        col = _get(non_tensors, key)
+        if col is not None and len(col) == num_rows:
+            out[key] = np.asarray(col).tolist()
+    return out
+
+
+def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[str] | None = None) -> StepBatch:
+    """A `StepBatch` of verl's batch: rollout vs `old_log_probs` on `response_mask`, one sequence per row.
+
+    `data`: a `verl.DataProto`, or a mapping of the same fields (tensors and per-row arrays together).
+    `logp_train`: (B, R) logprobs to compare against instead of `old_log_probs`.
+    `request_ids`: B ids instead of the default ones (`default_request_ids`)."""
+    tensors, non_tensors = _fields(data)
+    rollout, train = _logprobs(tensors, logp_train)
+    lr = to_numpy(rollout, ROLLOUT_KEY)
+    num_cols = lr.shape[-1] if lr.ndim else 0
+    responses = _get(tensors, RESPONSES_KEY)
+    arrays = {
+        ROLLOUT_KEY: lr,
+        TRAIN_KEY: to_numpy(train, TRAIN_KEY),
+        MASK_KEY: to_numpy(_response_mask(tensors, num_cols), MASK_KEY),
+        RESPONSES_KEY: None if responses is None else to_numpy(responses, RESPONSES_KEY),
+    }
+    num_rows, num_cols = _check_shapes(arrays)
+    ids = default_request_ids(non_tensors, num_rows) if request_ids is None else request_ids
+    return StepBatch.from_padded(
+        arrays[ROLLOUT_KEY],
+        arrays[TRAIN_KEY],
+        arrays[MASK_KEY],
+        ids,
+        tokens=arrays[RESPONSES_KEY],
+        prompt_tokens=_prompt_tokens(tensors, num_rows, num_cols),
+        meta=_meta(non_tensors, num_rows),
+    )
+
+
+def forwarded_metrics(metrics: Mapping[str, Any] | None,
+                      prefixes: Iterable[str] | None = FORWARD_PREFIXES) -> dict[str, float]:
+    """The finite numeric entries of verl's step `metrics` whose key starts with one of `prefixes`
+    (all of them when None), ready for `Monitor.observe(extra=...)`."""
+    starts = None if prefixes is None else tuple(prefixes)
+    out = {}
+    for key, value in (metrics or {}).items():
+        if not isinstance(key, str) or key.startswith(K.PREFIX) or (starts is not None and not key.startswith(starts)):
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):  # lists, strings, tensors of many elements
+            continue
+        if np.isfinite(number):
+            out[key] = number
+    return out
+
+
+def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
+            logp_train: Any = None, request_ids: Sequence[str] | None = None,
+            forward: Iterable[str] | None = FORWARD_PREFIXES) -> Any:
+    """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
+    logged beside rlcheck's; returns the `StepReport`, raises `MismatchHalt` when the policy halts."""
+    batch = to_step_batch(data, logp_train=logp_train, request_ids=request_ids)
+    return monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward))

@@ -1,0 +1,160 @@
+"""rlcheck.integrations.verl on verl's own DataProto, filled the way verl 0.9's legacy RayPPOTrainer.fit
+fills it (uid per prompt, repeat(n, interleave=True), union with the agent loop's padded output, union
+with old_log_probs, reorder by balance_batch), and checked against verl's own mismatch metrics.
+
+Needs verl (imported without its heavy deps):
+    pip install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from rlcheck import metrics as K
+from rlcheck.batch import StepBatch
+from rlcheck.dump import read_dump
+from rlcheck.errors import InputError, MismatchHalt
+from rlcheck.integrations import verl as V
+from rlcheck.monitor import Monitor, MonitorConfig
+
+pytestmark = pytest.mark.slow
+verl = pytest.importorskip("verl", reason="pip install --no-deps verl==0.9.1 (see the module docstring)")
+from verl import DataProto  # noqa: E402
+from verl.utils.torch_functional import pad_2d_list_to_length, pad_sequence_to_length  # noqa: E402
+
+PROMPT_LEN, RESPONSE_LEN = 8, 12
+
+
+def agent_loop_output(samples: list[dict]) -> DataProto:
+    """The agent loop's batch: prompts left-padded, responses, masks and rollout logprobs right-padded
+    with zeros, response_mask = mask x response attention (verl's `_agent_loop_postprocess`)."""
+    prompts = torch.cat([pad_sequence_to_length(torch.tensor([s["prompt"]]), PROMPT_LEN, 0, left_pad=True)
+                         for s in samples])
+    prompt_attn = torch.cat([pad_sequence_to_length(torch.ones(1, len(s["prompt"]), dtype=torch.int64),
+                                                    PROMPT_LEN, 0, left_pad=True) for s in samples])
+    responses = pad_2d_list_to_length([s["response"] for s in samples], 0, RESPONSE_LEN)
+    resp_attn = pad_2d_list_to_length([[1] * len(s["response"]) for s in samples], 0, RESPONSE_LEN)
+    mask = pad_2d_list_to_length([s["mask"] for s in samples], 0, RESPONSE_LEN) * resp_attn
+    rollout = pad_2d_list_to_length([s["logp_rollout"] for s in samples], 0.0, RESPONSE_LEN).float()
+    return DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "response_mask": mask,
+                 "input_ids": torch.cat([prompts, responses], 1), "rollout_log_probs": rollout,
+                 "attention_mask": torch.cat([prompt_attn, resp_attn], 1)},
+        non_tensors={"priority": np.arange(len(samples), dtype=np.int64)},
+    )
+
+
+def verl_step(num_prompts: int = 4, n: int = 3, seed: int = 0, noise: float = 1e-3) -> tuple[DataProto, list[dict]]:
+    """(batch, samples): one step's batch as the driver holds it after old_log_probs, and each row's truth."""
+    rng = np.random.default_rng(seed)
+    batch = DataProto.from_single_dict({"dummy_tensor": torch.zeros(num_prompts, 1, dtype=torch.uint8),
+                                        "data_source": np.array(["toy"] * num_prompts, dtype=object)})
+    batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(num_prompts)], dtype=object)
+    prompts = [rng.integers(1, 100, rng.integers(2, PROMPT_LEN + 1)).tolist() for _ in range(num_prompts)]
+    batch = batch.repeat(repeat_times=n, interleave=True)
+    samples = []
+    for i in range(num_prompts * n):
+        r_len = int(rng.integers(3, RESPONSE_LEN + 1))
+        mask = [1] * r_len
+        logp = (-rng.exponential(1.0, r_len)).tolist()
+        if i % 3 == 1 and r_len > 5:  # a tool call: its output is masked and has no sampling logprob
+            mask[2:4], logp[2:4] = [0, 0], [0.0, 0.0]
+        samples.append({"prompt": prompts[i // n], "response": rng.integers(1, 100, r_len).tolist(),
+                        "mask": mask, "logp_rollout": logp, "uid": batch.non_tensor_batch["uid"][i]})
+    batch = batch.union(agent_loop_output(samples))
+    rollout = batch.batch["rollout_log_probs"]
+    old = torch.where(batch.batch["response_mask"].bool(), rollout + noise * torch.randn(rollout.shape), -3.0)
+    batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old.clamp(max=0.0)}))
+    perm = rng.permutation(len(samples))  # balance_batch reorders the rows
+    batch.reorder(torch.from_numpy(perm))
+    samples = [samples[i] for i in perm]
+    for s, t in zip(samples, batch.batch["old_log_probs"], strict=True):
+        s["logp_train"] = t[: len(s["response"])].tolist()
+    return batch, samples
+
+
+def packed_twin(samples: list[dict]) -> StepBatch:
+    """The same rows packed by hand from the unpadded truth, numbered '<uid>/<k>' in batch order."""
+    seen: dict[str, int] = {}
+    ids = []
+    for s in samples:
+        ids.append(f"{s['uid']}/{seen.setdefault(s['uid'], 0)}")
+        seen[s["uid"]] += 1
+    col = lambda key, dtype: [np.asarray(s[key], dtype) for s in samples]  # noqa: E731
+    return StepBatch.from_ragged(col("logp_rollout", np.float32), col("logp_train", np.float32), ids,
+                                 col("response", np.int64), mask=col("mask", bool))
+
+
+def without_timing(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k != K.MONITOR_SECONDS}
+
+
+class TestVerlDataProto:
+    def test_metrics_equal_packed(self, tmp_path):
+        """A Monitor fed verl's DataProto logs what one fed the same rows packed by hand logs."""
+        batch, samples = verl_step()
+        cfg = lambda d: MonitorConfig(run_dir=tmp_path / d, sinks=("jsonl",))  # noqa: E731
+        with Monitor(cfg("verl")) as a, Monitor(cfg("packed")) as b:
+            got, want = V.observe(a, 1, batch), b.observe(1, packed_twin(samples))
+        assert without_timing(got.metrics) == without_timing(want.metrics)
+        assert [o.to_dict() for o in got.offenders] == [o.to_dict() for o in want.offenders]
+
+    def test_request_ids_name_uid_and_sample(self):
+        """Ids are unique, one per row, and carry the row's uid."""
+        batch, samples = verl_step()
+        ids = V.to_step_batch(batch).request_ids
+        assert len(set(ids)) == len(samples)
+        assert all(rid.rsplit("/", 1)[0] == s["uid"] for rid, s in zip(ids, samples, strict=True))
+
+    def test_verl_own_metrics_match(self, tmp_path):
+        """verl's calculate_debug_metrics and compute_offpolicy_metrics equal rlcheck's as VERL_EQUIVALENTS says."""
+        from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+        from verl.utils.debug.metrics import calculate_debug_metrics
+
+        batch, _ = verl_step(noise=0.05)
+        b = batch.batch
+        theirs = calculate_debug_metrics(batch)
+        theirs |= {f"rollout_corr/{k}": v for k, v in compute_offpolicy_metrics(
+            b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]).items()}
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
+            ours = V.observe(mon, 1, batch, theirs).metrics
+        for verl_key, (key, sign) in V.VERL_EQUIVALENTS.items():
+            # verl reduces in float32 (k3 = e^d - d - 1 cancels there), rlcheck in float64
+            assert math.isclose(theirs[verl_key], sign * ours[key], rel_tol=1e-4, abs_tol=1e-7), verl_key
+            assert ours[verl_key] == pytest.approx(theirs[verl_key])  # forwarded beside rlcheck's
+
+    def test_corrupted_rows_halt_with_dump(self, tmp_path):
+        """Rollout logprobs corrupted on two rows halt the run; offenders and dump name those rows."""
+        batch, samples = verl_step()
+        bad = [2, 7]
+        rollout = batch.batch["rollout_log_probs"]
+        rollout[bad] = torch.where(batch.batch["response_mask"][bad].bool(), -25.0, rollout[bad])
+        want = {V.to_step_batch(batch).request_ids[i] for i in bad}
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon, pytest.raises(MismatchHalt) as exc:
+            V.observe(mon, 5, batch)
+        assert {o.request_id for o in exc.value.report.offenders[:2]} == want
+        rows, meta = read_dump(exc.value.dump_dir)
+        assert {r["request_id"] for r in rows if r["max_abs_diff"] > 10} == want
+        assert meta["step"] == 5 and {r["uid"] for r in rows} == {s["uid"] for s in samples}
+        by_id = {r["request_id"]: r for r in rows}
+        for rid, s in zip(V.to_step_batch(batch).request_ids, samples, strict=True):
+            assert by_id[rid]["prompt_tokens"] == s["prompt"] and by_id[rid]["response_tokens"] == s["response"]
+
+    def test_bypass_mode_refused(self):
+        """verl's bypass mode (old_log_probs = rollout_log_probs) is refused: nothing was recomputed."""
+        batch, _ = verl_step()
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        with pytest.raises(InputError, match="bypass_mode"):
+            V.to_step_batch(batch)
+
+    def test_missing_rollout_log_probs(self):
+        """A batch without rollout_log_probs names the verl setting that stores them."""
+        batch, _ = verl_step()
+        batch.pop(batch_keys=["rollout_log_probs"])
+        with pytest.raises(InputError, match="calculate_log_probs=True"):
+            V.to_step_batch(batch)
