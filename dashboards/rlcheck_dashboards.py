@@ -28,13 +28,11 @@ REPORT_TITLE = "rlcheck: rollout vs trainer logprob mismatch"
 DEFAULT_THRESHOLDS = StatsConfig().thresholds
 """|d| levels of the `frac_abs_diff_gt_*` panel: the monitor's defaults (pass yours if you changed them)."""
 
-# Run summary keys the W&B sink writes. rlcheck/sinks/wandb.py builds them from SUMMARY_PREFIX
-# without a constant per key; these four are the only place the suffixes are spelled, and
-# tests/integration/test_dashboards.py checks that a real run logs them.
-SUMMARY_ALARMS_TOTAL = W.SUMMARY_PREFIX + "alarms_total"
-SUMMARY_WORST_STEP = W.SUMMARY_PREFIX + "worst_step"
-SUMMARY_WORST_ABS_DIFF_MEAN = W.SUMMARY_PREFIX + "worst_abs_diff_mean"
-SUMMARY_LAST_ALARM = W.SUMMARY_PREFIX + "last_alarm"
+# Run summary keys the W&B sink writes (tests/integration/test_dashboards.py checks a real run logs them).
+SUMMARY_ALARMS_TOTAL = W.SUMMARY_ALARMS_TOTAL
+SUMMARY_WORST_STEP = W.SUMMARY_WORST_STEP
+SUMMARY_WORST_ABS_DIFF_MEAN = W.SUMMARY_WORST_ABS_DIFF_MEAN
+SUMMARY_LAST_ALARM = W.SUMMARY_LAST_ALARM
 SUMMARY_COLUMNS = tuple(
     f"summary:{k}"
     for k in (SUMMARY_ALARMS_TOTAL, SUMMARY_WORST_STEP, SUMMARY_WORST_ABS_DIFF_MEAN, SUMMARY_LAST_ALARM)

@@ -31,6 +31,16 @@ MODES = ("online", "offline", "disabled", "shared")
 OFFENDERS_KEY = "rlcheck/offenders"
 HIST_KEY = "rlcheck/token/abs_diff_hist"
 SUMMARY_PREFIX = "rlcheck/summary/"
+SUMMARY_WORST_STEP = SUMMARY_PREFIX + "worst_step"
+SUMMARY_WORST_ABS_DIFF_MEAN = SUMMARY_PREFIX + "worst_abs_diff_mean"
+SUMMARY_ALARMS_TOTAL = SUMMARY_PREFIX + "alarms_total"
+SUMMARY_LAST_ALARM = SUMMARY_PREFIX + "last_alarm"
+
+
+def summary_alarms(kind: str) -> str:
+    """Run-summary key of the number of alarms of one kind."""
+    return f"{SUMMARY_PREFIX}alarms/{kind}"
+
 OFFENDER_COLUMNS = tuple(f.name for f in dataclasses.fields(Offender))
 MAX_HIST_BINS = 512  # wandb.Histogram's limit
 # Right edge of every |d| bin: the next bin's left edge; the open last bin gets 2x its left edge.
@@ -160,14 +170,14 @@ class WandbSink(Sink):
         if isinstance(abs_diff_mean, (int, float)) and math.isfinite(abs_diff_mean):
             if self._worst is None or abs_diff_mean > self._worst[1]:
                 self._worst = (step, float(abs_diff_mean))
-                update[SUMMARY_PREFIX + "worst_step"] = step
-                update[SUMMARY_PREFIX + "worst_abs_diff_mean"] = float(abs_diff_mean)
+                update[SUMMARY_WORST_STEP] = step
+                update[SUMMARY_WORST_ABS_DIFF_MEAN] = float(abs_diff_mean)
         if alarms:
             self._alarms_by_kind.update(str(a.get("kind")) for a in alarms)
-            update.update({f"{SUMMARY_PREFIX}alarms/{k}": n for k, n in self._alarms_by_kind.items()})
-            update[SUMMARY_PREFIX + "alarms_total"] = sum(self._alarms_by_kind.values())
+            update.update({summary_alarms(k): n for k, n in self._alarms_by_kind.items()})
+            update[SUMMARY_ALARMS_TOTAL] = sum(self._alarms_by_kind.values())
             last = alarms[-1]
-            update[SUMMARY_PREFIX + "last_alarm"] = f"step {last.get('step', step)}: {last.get('message')}"
+            update[SUMMARY_LAST_ALARM] = f"step {last.get('step', step)}: {last.get('message')}"
         if update:
             self.run.summary.update(update)
 
