@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==2.13.0"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	# verl's own requirements pin transformers<5.11: take only what `verl.DataProto` and its metric
+	# functions need, without deps (tests/integration/test_verl.py builds real DataProtos).
+	$(PY) -m pip install --quiet --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
 	$(PY) -c "import rlcheck, torch, numpy; print('rlcheck', rlcheck.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
