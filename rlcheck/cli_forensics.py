@@ -1,0 +1,115 @@
+"""`rlcheck stress` and `rlcheck sweep`: vLLM under memory pressure and load, every output replayed
+through the HF reference, one run or one knob at a time. Registered on `rlcheck.cli.app` when
+`rlcheck.cli` is imported (it imports this module)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import typer
+
+from rlcheck.cli import _console, _existing_dir, app
+from rlcheck.forensics.replay import DEFAULT_THRESHOLD
+from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
+from rlcheck.forensics.sweep import SWEEP_REQUESTS
+
+
+@contextlib.contextmanager
+def _phases():
+    """One transient progress bar on stderr that follows the current phase; yields `advance(phase, done, total)`."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        yield lambda phase, done, total: progress.update(task, description=phase, completed=done, total=total)
+
+
+def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, max_num_seqs: int, kv_cache: str,
+                   batched_tokens: int | None, dtype: str, seed: int, inject: str | None, threshold: float | None):
+    from rlcheck.forensics.stress import StressConfig, parse_inject
+    from rlcheck.forensics.sweep import parse_size
+
+    fault, boundary = parse_inject(inject)
+    # vLLM logs to stdout at INFO by default: keep stdout for the table or the JSON
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return StressConfig(model=str(_existing_dir(model, "--model")), num_requests=requests, samples_per_prompt=samples,
+                        max_tokens=max_tokens, max_num_seqs=max_num_seqs, kv_cache_bytes=parse_size(kv_cache),
+                        max_num_batched_tokens=batched_tokens, dtype=dtype, seed=seed, fault=fault,
+                        boundary=boundary, threshold=threshold)
+
+
+_MODEL = typer.Option(..., "--model", help="The model to stress (HF folder; Mamba2 or hybrid for the slot trace).")
+_REQUESTS = typer.Option(StressConfig.num_requests, "--requests", min=1, help="Requests sent to vLLM at once.")
+_SAMPLES = typer.Option(StressConfig.samples_per_prompt, "--samples", min=1, help="Samples per prompt (each its own greedy request).")
+_MAX_TOKENS = typer.Option(StressConfig.max_tokens, help="Tokens generated per request (EOS ignored).")
+_MAX_NUM_SEQS = typer.Option(StressConfig.max_num_seqs, help="vLLM max_num_seqs: sequences per engine step.")
+_KV_CACHE = typer.Option(f"{StressConfig.kv_cache_bytes / 2**20:g}MiB", help="vLLM cache budget (KV and Mamba state): bytes, or with KiB/MiB/GiB.")
+_BATCHED = typer.Option(None, "--batched-tokens", min=1, help="vLLM max_num_batched_tokens (default: vLLM's).")
+_DTYPE = typer.Option(StressConfig.dtype, help="Engine dtype (the reference scores in float32).")
+_SEED = typer.Option(StressConfig.seed, help="Seed of the prompts and the engine: same seed, same failing ids.")
+_INJECT = typer.Option(None, "--inject", help="An engine fault: stale-state or index-wrap[=B] (B: wrap boundary in blocks, default max_num_seqs/2).")
+_THRESHOLD = typer.Option(None, help=f"Max |d| (nats) over which a request fails (default: {FP32_THRESHOLD:g} for float32, "
+                                     f"{DEFAULT_THRESHOLD:g} otherwise).")
+
+
+@app.command()
+def stress(
+    model: Path = _MODEL, requests: int = _REQUESTS, samples: int = _SAMPLES, max_tokens: int = _MAX_TOKENS,
+    max_num_seqs: int = _MAX_NUM_SEQS, kv_cache: str = _KV_CACHE, batched_tokens: int = _BATCHED,
+    dtype: str = _DTYPE, seed: int = _SEED, inject: str = _INJECT, threshold: float = _THRESHOLD,
+    out: Path = typer.Option(None, help="Where the dump and stress.json go (default: runs/stress-<time>)."),
+    top: int = typer.Option(20, min=1, help="Failing requests to list in the table."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (failing_request_ids, num_requests, ...)."),
+) -> None:
+    """vLLM at temperature 0 under memory pressure and load, every output replayed through the HF
+    reference; lists the failing requests with their scheduler context (arrival, step, state block).
+    Exit code 0 when none fails, 1 when one does, 2 on bad input. `rlcheck diagnose OUT` names the cause."""
+    from rlcheck.forensics.stress import run_stress
+    from rlcheck.forensics.stress_report import render_stress
+
+    cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
+                         inject, threshold)
+    out = out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S")
+    with _phases() as advance:
+        result = run_stress(cfg, out, progress=advance)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        render_stress(result, _console(), top=top)
+    if result.failing:
+        raise typer.Exit(1)
+
+
+@app.command()
+def sweep(
+    knob: list[str] = typer.Option(..., "--knob", help="NAME=V1,V2,... (repeatable): kv_cache_bytes, max_num_seqs, samples_per_prompt, max_num_batched_tokens."),
+    model: Path = _MODEL, requests: int = typer.Option(SWEEP_REQUESTS, "--requests", min=1, help="Requests per run (per knob value)."),
+    samples: int = _SAMPLES, max_tokens: int = _MAX_TOKENS, max_num_seqs: int = _MAX_NUM_SEQS,
+    kv_cache: str = _KV_CACHE, batched_tokens: int = _BATCHED, dtype: str = _DTYPE, seed: int = _SEED,
+    inject: str = _INJECT, threshold: float = _THRESHOLD,
+    out: Path = typer.Option(None, help="Where sweep.json and sweep.png go (default: runs/sweep-<time>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+) -> None:
+    """Change one knob at a time (cache budget, max sequences, samples per prompt, batched tokens) and
+    record, per value, the failures, the first failing request and the failing fraction: a table and a plot."""
+    from rlcheck.forensics.sweep import parse_knob, render_sweep, run_sweep, write_sweep
+
+    knobs = [parse_knob(k) for k in knob]
+    base = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
+                          inject, threshold)
+    out = out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    with _phases() as advance:
+        result = run_sweep(base, knobs, progress=advance)
+    table, png = write_sweep(result, out)
+    if as_json:
+        typer.echo(json.dumps({**result.to_dict(), "plot": None if png is None else str(png)}, indent=1))
+        return
+    render_sweep(result, _console())
+    typer.echo(f"table: {table}; plot: {png or 'not drawn (pip install matplotlib)'}")

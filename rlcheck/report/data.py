@@ -1,0 +1,192 @@
+"""Everything the report shows, collected from a run directory with the existing readers.
+
+`collect(run_dir)` reads metrics.jsonl (`rlcheck.sinks.jsonl.read_jsonl`), the summary
+(`rlcheck.summarize`), the verdict (`rlcheck.forensics.diagnose`), the dumps' meta.json, loop.jsonl
+when the GRPO loop wrote one, and rebuilds the periodic detector's periodogram. Nothing here draws.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlcheck import histogram as H
+from rlcheck import metrics as K
+from rlcheck.detect.periodic import PeriodicConfig
+from rlcheck.dump import META, SEQUENCES
+from rlcheck.errors import InputError
+from rlcheck.report.periodogram import Periodogram, periodogram, watched_metrics
+from rlcheck.sinks.jsonl import FILENAME, read_jsonl
+
+LOOP_FILE = "loop.jsonl"
+REWARD = "loop/reward_mean"
+MAX_OFFENDERS = 20
+"""Rows of the run-wide offenders table."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One small time-series plot: its title and the metric keys drawn on it (the first carries the
+    alarm markers)."""
+
+    title: str
+    keys: tuple[str, ...]
+
+
+PANELS = (
+    Panel("mean |d| (nats)", (K.ABS_DIFF_MEAN,)),
+    Panel("max |d| (nats)", (K.ABS_DIFF_MAX,)),
+    Panel("mult. prob. error: mean exp|d|", (K.MULT_PROB_ERROR,)),
+    Panel("importance ratio", (K.RATIO_MAX, K.RATIO_MIN)),
+    Panel("KL k3 (train vs rollout)", (K.KL_K3,)),
+    Panel("catastrophic sequences (fraction)", (K.SEQ_CATASTROPHIC_FRAC,)),
+    Panel("reward (loop)", (REWARD,)),
+)
+
+
+@dataclass(frozen=True)
+class DumpInfo:
+    step: int
+    path: Path
+    reason: str
+    num_sequences: int | None
+    files: tuple[Path, ...]
+    """meta.json and sequences.parquet, those that exist."""
+    context: dict[str, Any]
+    """The meta's context: model, engine, sampling, trainer, fault."""
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    summary: dict[str, Any]
+    """`rlcheck.summarize.summarize(run_dir)`."""
+    diagnosis: Any
+    """`rlcheck.forensics.diagnose.Diagnosis` of the run."""
+    steps: np.ndarray
+    """(S,) int64, ascending."""
+    series: dict[str, np.ndarray]
+    """metric key -> (S,) float64, NaN where the step did not log it: the panels' metrics and those the
+    periodic detector watched, each if some step logged it."""
+    alarms: list[dict[str, Any]]
+    """Every alarm of the run, in step order."""
+    hist_run: dict[str, list[int]]
+    """The |d| histogram summed over the run, sparse like a record's `abs_diff_hist`."""
+    worst_step: int | None
+    """The step with the largest mean |d|."""
+    hist_worst: dict[str, list[int]] | None
+    offenders: list[dict[str, Any]]
+    """The run's worst logged offenders (max |d| first), each with its "step"."""
+    worst_offenders: list[dict[str, Any]]
+    """The offenders of `worst_step`."""
+    dumps: list[DumpInfo]
+    context: dict[str, Any]
+    """The newest dump's context (model, engine, sampling, trainer, fault); {} without a dump."""
+    loop: list[dict[str, Any]] = field(default_factory=list)
+    """loop.jsonl lines (reward, loss, sync_skipped, seconds per phase); [] without one."""
+    periodograms: list[Periodogram] = field(default_factory=list)
+
+
+def collect(run_dir: str | Path) -> RunData:
+    """Read the run directory; a missing directory or one without metrics.jsonl is an InputError."""
+    from rlcheck.forensics.diagnose import diagnose
+    from rlcheck.summarize import summarize
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir} does not exist or is not a directory: pass an rlcheck run directory")
+    summary = summarize(run_dir)  # raises InputError without metrics.jsonl or records
+    records = sorted(read_jsonl(run_dir / FILENAME), key=lambda r: int(r["step"]))
+    steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
+    watched = watched_metrics(run_dir, PeriodicConfig())
+    series = _series(records, {k for p in PANELS for k in p.keys} | set(watched))
+    alarms = [a for r in records for a in r.get("alarms") or ()]
+    worst = _worst_record(records)
+    dumps = _dumps(run_dir)
+    return RunData(
+        run_dir=run_dir, summary=summary, diagnosis=diagnose(run_dir), steps=steps, series=series,
+        alarms=alarms, hist_run=_sum_hists(records), worst_step=None if worst is None else int(worst["step"]),
+        hist_worst=None if worst is None else worst.get("abs_diff_hist"),
+        offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
+        dumps=dumps, context=_context(dumps), loop=_loop(run_dir),
+        periodograms=_periodograms(watched, steps, series, alarms),
+    )
+
+
+def _series(records: list[dict[str, Any]], keys: set[str]) -> dict[str, np.ndarray]:
+    out = {k: np.full(len(records), np.nan) for k in keys}
+    for i, r in enumerate(records):
+        metrics = r.get("metrics") or {}
+        for k in keys:
+            v = metrics.get(k)
+            if isinstance(v, (int, float)):
+                out[k][i] = v
+    return {k: v for k, v in out.items() if not np.isnan(v).all()}
+
+
+def _periodograms(watched: tuple[str, ...], steps: np.ndarray, series: dict[str, np.ndarray],
+                  alarms: list[dict[str, Any]]) -> list[Periodogram]:
+    """One per metric the periodic detector watched (and the run logged), where it had warmed up."""
+    out = []
+    for metric in watched:
+        pg = periodogram(steps, series[metric], metric, alarms) if metric in series else None
+        if pg is not None:
+            out.append(pg)
+    return out
+
+
+def _worst_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    scored = [(v, r) for r in records if isinstance(v := (r.get("metrics") or {}).get(K.ABS_DIFF_MEAN), (int, float))
+              and np.isfinite(v)]
+    return max(scored, key=lambda t: t[0])[1] if scored else None
+
+
+def _sum_hists(records: list[dict[str, Any]]) -> dict[str, list[int]]:
+    total = np.zeros(H.NUM_ABS_BINS, dtype=np.int64)
+    for r in records:
+        hist = r.get("abs_diff_hist") or {}
+        if hist.get("bins"):
+            np.add.at(total, np.asarray(hist["bins"], dtype=np.int64), np.asarray(hist["counts"], dtype=np.int64))
+    bins = np.flatnonzero(total)
+    return {"bins": bins.tolist(), "counts": total[bins].tolist()}
+
+
+def _worst_offenders(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def score(o: dict[str, Any]) -> float:
+        v = o.get("max_abs_diff")
+        return float("inf") if o.get("nonfinite") else (v if isinstance(v, (int, float)) and v == v else -1.0)
+
+    rows = ({**o, "step": int(r["step"])} for r in records for o in r.get("offenders") or () if isinstance(o, dict))
+    return heapq.nlargest(MAX_OFFENDERS, rows, key=score)
+
+
+def _dumps(run_dir: Path) -> list[DumpInfo]:
+    out = []
+    for d in sorted((run_dir / "dumps").glob("step_*")):
+        if not d.is_dir():
+            continue
+        try:
+            meta = json.loads((d / META).read_text())
+        except (OSError, ValueError):
+            meta = {}
+        step = meta.get("step", d.name.removeprefix("step_"))
+        out.append(DumpInfo(
+            step=int(step) if str(step).isdigit() else -1, path=d, reason=str(meta.get("reason", "")),
+            num_sequences=meta.get("num_sequences"), files=tuple(d / f for f in (META, SEQUENCES) if (d / f).is_file()),
+            context=meta.get("context") if isinstance(meta.get("context"), dict) else {},
+        ))
+    return out
+
+
+def _context(dumps: list[DumpInfo]) -> dict[str, Any]:
+    return next((d.context for d in reversed(dumps) if d.context), {})
+
+
+def _loop(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / LOOP_FILE
+    return list(read_jsonl(path)) if path.is_file() else []
