@@ -113,7 +113,7 @@ class PeriodicDetector(Detector):
         t-P, t-3P, ... not) is half the true period and is dropped; of the rest, the best score wins,
         and a divisor of its period that also passes is preferred (a spike every P steps also spikes
         every 2P steps)."""
-        passing = self._passing_folds(z[::-1])
+        passing = self.passing_folds(z[::-1])
         if not passing:
             return None
         best = max(passing, key=lambda c: c[2])
@@ -122,8 +122,9 @@ class PeriodicDetector(Detector):
                 return cand if cand[0] < best[0] else best
         return best
 
-    def _passing_folds(self, rz: np.ndarray) -> list[tuple[int, int, float, int]]:
-        """Every (period, k, score, hits) whose fold passes; rz[0] is the current step."""
+    def passing_folds(self, rz: np.ndarray) -> list[tuple[int, int, float, int]]:
+        """Every (period, k, score, hits) whose fold passes; rz[0] is the current step. Public for the
+        report's periodogram, which calls it under a config that lets every fold pass."""
         cfg = self.cfg
         csum, csum2 = np.cumsum(rz), np.cumsum(rz * rz)  # csum[L-1] = sum of the last L z-scores
         out = []

@@ -4,7 +4,7 @@ The series is replayed through a `PeriodicDetector` (`rlcheck.detect.periodic`) 
 z-score history it held at that step: the step of the first periodic alarm on the metric, else the
 run's last step. Only the last `window + history` steps are replayed (the rolling baseline and the
 z history are both bounded), so a 100k-step run costs the same as a short one. The scores are the
-detector's own folds (`_passing_folds`) under a config that lets every fold through: the largest
+detector's own folds (`passing_folds`) under a config that lets every fold through: the largest
 C(P, k) over the fold sizes k is the bar of period P. A fold none of whose occurrences is raised
 scores 0 here, as does a negative score. The detected period is the alarm's, so the mark on the
 plot is what the live detector decided.
@@ -79,7 +79,7 @@ def fold_scores(z: np.ndarray, cfg: PeriodicConfig) -> np.ndarray:
     """(max_period - min_period + 1,) best C(P, k) over k of the fold ending at z[-1], 0 when none."""
     relaxed = PeriodicDetector(dataclasses.replace(cfg, threshold=_ANY, min_hit_frac=_ANY, harmonic_gap=math.inf))
     scores = np.zeros(cfg.max_period - cfg.min_period + 1)
-    for period, _k, score, _hits in relaxed._passing_folds(z[::-1]):
+    for period, _k, score, _hits in relaxed.passing_folds(z[::-1]):
         i = period - cfg.min_period
         scores[i] = max(scores[i], score)
     return scores
