@@ -9,6 +9,7 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,9 +278,12 @@ def _numeric_noise(ev: Evidence) -> Finding | None:
     x, y = steps[after], values[after]
     persistent = len(anomalous) >= 0.8 * x.size
     flat = not _rising(x, y)
-    m = {key: np.median(_series(ev, key)[1][after]) for key in (K.DIFF_MEAN, K.ABS_DIFF_P50)}
+    m = {}
+    for key in (K.DIFF_MEAN, K.ABS_DIFF_P50):
+        s, v = _series(ev, key)  # a record may lack a key: select by step, not by position
+        m[key] = float(np.median(v[s >= anomalous[0]])) if np.any(s >= anomalous[0]) else math.nan
     level = float(np.median(y))
-    symmetric = abs(m[K.DIFF_MEAN]) <= 0.3 * level
+    symmetric = abs(m[K.DIFF_MEAN]) <= 0.3 * level  # False when the key was never logged (nan)
     widespread = m[K.ABS_DIFF_P50] >= 0.2 * level
     if not (persistent and flat and symmetric and widespread):
         return None

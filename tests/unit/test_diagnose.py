@@ -190,6 +190,15 @@ class TestLoadEvidence:
         with pytest.raises(InputError, match="no complete step record"):
             load_evidence(tmp_path)
 
+    def test_records_missing_a_key(self, runs, tmp_path):
+        """Records that lack some metrics (an older writer, a hand-edited file) still get a verdict, the same one."""
+        src = runs("bf16").path / "metrics.jsonl"
+        lines = [json.loads(x) for x in src.read_text().splitlines()]
+        for rec in lines[::3]:
+            rec.get("metrics", {}).pop("rlcheck/token/diff_mean", None)
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        assert diagnose(tmp_path).verdict.cause == "numeric_noise"
+
     def test_run_reads_its_dumps(self, runs):
         """A run's evidence holds its records in step order and the rows of its halt dump, one per sequence."""
         run = runs("corrupt")
