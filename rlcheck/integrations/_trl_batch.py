@@ -1,0 +1,143 @@
+"""TRL's GRPO step tensors as a `StepBatch`: pure conversion, no trl, torch only through `to_numpy`.
+
+`GRPOTrainer._generate_and_score_completions` returns, per process, one padded batch of B rows
+(B = per_device_train_batch_size x steps_per_generation, in generation order, before TRL shuffles it):
+
+    prompt_ids, prompt_mask          (B, P) int    left-padded prompt
+    completion_ids, completion_mask  (B, C) int    right-padded completion; mask 0 on padding and,
+                                                   with mask_truncated_completions, on truncated rows
+    sampling_per_token_logps         (B, C) float  vLLM's logprob of each sampled token (0.0 on padding,
+                                                   NaN where vLLM returned none)
+    old_per_token_logps              (B, C) float  the trainer's recomputation under the same weights,
+                                                   raw: TRL clips/masks only the ratio it derives from it
+    tool_mask                        (B, C) int    optional, 0 on tool output
+
+Request ids: TRL does not expose vLLM's, so row i of process `rank` at step s is "s{s}-r{rank}-{i}",
+unique across steps, processes and samples of one run (a resumed run that repeats a step repeats its
+ids). Per-row meta: rank, row, prompt_index and sample_index in the global generation batch (process
+order, `num_generations` consecutive rows per prompt, as TRL groups them for the advantages), and
+`weight_version`, the step whose weights vLLM last received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlcheck.batch import StepBatch, to_numpy
+from rlcheck.errors import InputError
+
+ROLLOUT_KEY = "sampling_per_token_logps"
+TRAIN_KEY = "old_per_token_logps"
+MASK_KEY = "completion_mask"
+TOOL_MASK_KEY = "tool_mask"
+FORWARD_PREFIXES = ("sampling/", "reward")
+"""TRL step metrics logged beside rlcheck's (as `trl/<name>`): its own |d| and clipped ratio view, rewards."""
+
+
+def request_ids(step: int, rank: int, num_rows: int) -> list[str]:
+    """"s{step}-r{rank}-{i}" for the rows of one process at one step."""
+    return [f"s{step}-r{rank}-{i}" for i in range(num_rows)]
+
+
+def row_meta(rank: int, num_rows: int, num_generations: int, weight_version: int | None) -> dict[str, list]:
+    """Per-row columns for the dump; rows of rank r start at r x num_rows in the global batch."""
+    rows = np.arange(num_rows, dtype=np.int64)
+    global_rows = rank * num_rows + rows
+    meta: dict[str, list] = {
+        "rank": [rank] * num_rows,
+        "row": rows.tolist(),
+        "prompt_index": (global_rows // num_generations).tolist(),
+        "sample_index": (global_rows % num_generations).tolist(),
+    }
+    if weight_version is not None:
+        meta["weight_version"] = [weight_version] * num_rows
+    return meta
+
+
+def response_mask(output: Mapping[str, Any]) -> np.ndarray:
+    """(B, C) bool: completion_mask, and tool_mask when TRL has one (tool output does not count)."""
+    if MASK_KEY not in output:
+        raise InputError(f"no {MASK_KEY!r} in TRL's step output")
+    mask = to_numpy(output[MASK_KEY], MASK_KEY).astype(bool)
+    if output.get(TOOL_MASK_KEY) is not None:
+        mask &= to_numpy(output[TOOL_MASK_KEY], TOOL_MASK_KEY).astype(bool)
+    return mask
+
+
+def _prompt_tokens(output: Mapping[str, Any]) -> list[np.ndarray] | None:
+    ids, mask = output.get("prompt_ids"), output.get("prompt_mask")
+    if ids is None or mask is None:
+        return None
+    p = to_numpy(ids, "prompt_ids").astype(np.int64)  # (B, P)
+    keep = to_numpy(mask, "prompt_mask").astype(bool)  # (B, P)
+    if p.shape != keep.shape:
+        return None
+    return [row[k] for row, k in zip(p, keep, strict=True)]
+
+
+def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: Any = None,
+                  meta: Mapping[str, Sequence[Any]] | None = None) -> StepBatch:
+    """The `StepBatch` of one process's TRL step output: vLLM's sampling logprobs against the trainer's
+    raw `old_per_token_logps` (or `logp_train`) on the response mask, one sequence per row."""
+    rollout = output.get(ROLLOUT_KEY)
+    if rollout is None:
+        raise InputError(
+            f"no {ROLLOUT_KEY!r} in TRL's step output: TRL keeps the sampling logprobs only with "
+            "use_vllm=True; rlcheck has nothing to compare without them"
+        )
+    train = output.get(TRAIN_KEY) if logp_train is None else logp_train
+    if train is None:
+        raise InputError(f"no {TRAIN_KEY!r} in TRL's step output: pass logp_train=")
+    completion = output.get("completion_ids")
+    return StepBatch.from_padded(
+        rollout,
+        train,
+        response_mask(output),
+        ids,
+        tokens=None if completion is None else to_numpy(completion, "completion_ids").astype(np.int64),
+        prompt_tokens=_prompt_tokens(output),
+        meta=meta,
+    )
+
+
+def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
+    """One batch of several processes' batches, in the given (rank) order."""
+    if not batches:
+        raise InputError("concat_batches needs at least one batch")
+    if len(batches) == 1:
+        return batches[0]
+    offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])
+    cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(b, name) for b in batches]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    prompts = [b.prompt_tokens for b in batches]
+    keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
+    return StepBatch.from_packed(
+        cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
+        [r for b in batches for r in b.request_ids],
+        mask=cat("mask"), tokens=cat("tokens"), tokens_train=cat("tokens_train"),
+        prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
+        meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
+    )
+
+
+def new_scalars(before: Mapping[str, int], metrics: Mapping[str, Sequence[float]],
+                prefixes: Iterable[str] = FORWARD_PREFIXES) -> dict[str, float]:
+    """The mean of the values TRL appended to `metrics` (its `_metrics[mode]` lists) since `before`
+    (their lengths then), for keys under `prefixes`, finite only, as `trl/<key>`."""
+    starts = tuple(prefixes)
+    out = {}
+    for key, values in metrics.items():
+        if not key.startswith(starts):
+            continue
+        fresh = [float(v) for v in list(values)[before.get(key, 0):] if v is not None]
+        fresh = [v for v in fresh if np.isfinite(v)]
+        if fresh:
+            out[f"trl/{key}"] = float(np.mean(fresh))
+    return out

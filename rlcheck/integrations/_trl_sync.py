@@ -1,0 +1,99 @@
+"""TRL's vLLM weight sync, watched (which step's weights vLLM holds), optionally skipped (fault
+injection), and fixed for vLLM 0.32 in colocate mode.
+
+The fix: TRL 1.16 pushes each parameter with
+`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)])`.
+vLLM 0.32 strips the `weight_loader` attribute from the parameters of its linear layers once the model
+is loaded (weights are reloaded layer by layer through `reload_weights`, which restores them), so that
+call fails with "'Parameter' object has no attribute 'weight_loader'" at the first sync. The
+replacement streams the same (name, tensor) pairs through
+`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, then resets the prefix
+cache as TRL does. It is used only when needed: `method="auto"` probes the engine's linear layers
+(`llm.apply_model`) and keeps TRL's own sync whenever they still carry their weight loaders, and
+always in server mode (the server has its own update path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rlcheck.errors import ConfigError
+
+METHODS = ("auto", "reload", "trl")
+
+
+def linear_params_lack_loader(model: Any) -> bool:
+    """True when some parameter of a vLLM linear layer has no `weight_loader` (vLLM >= 0.32 after
+    loading): TRL's `model.load_weights` cannot load into it. Runs inside the engine (`apply_model`)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return any(
+        not hasattr(p, "weight_loader")
+        for m in model.modules() if isinstance(m, LinearBase)
+        for p in m.parameters(recurse=False)
+    )
+
+
+def resolve_method(vllm_generation: Any, method: str) -> str:
+    """"reload" or "trl": the sync this engine needs (`method="auto"`) or the one asked for."""
+    if method not in METHODS:
+        raise ConfigError(f"vllm_sync must be one of {METHODS}, got {method!r}")
+    if vllm_generation.mode != "colocate":
+        if method == "reload":
+            raise ConfigError("vllm_sync='reload' needs vllm_mode='colocate' (a server updates its own weights)")
+        return "trl"
+    if method != "auto":
+        return method
+    return "reload" if any(vllm_generation.llm.apply_model(linear_params_lack_loader)) else "trl"
+
+
+def reload_sync(vllm_generation: Any) -> None:
+    """TRL's colocate sync with vLLM's `reload_weights` in place of `model.load_weights`."""
+    vg = vllm_generation
+    if vg.enable_sleep_mode:  # as TRL: map the weights' memory before writing into it
+        from trl.generation.vllm_generation import empty_cache
+
+        empty_cache()
+        vg.llm.wake_up(tags=["weights"])
+        vg._llm_weights_sleeping = False
+    # Cloned one at a time while TRL's iterator holds the parameter gathered (ZeRO-3, FSDP) or the
+    # adapter merged (PEFT): vLLM may keep a tensor until the rest of its layer arrives.
+    weights = ((name, t.detach().clone()) for name, t in vg._iter_named_params())
+    vg.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    vg.llm.reset_prefix_cache()
+
+
+class WeightSync:
+    """Stands in for `vllm_generation.sync_weights` (TRL calls it with no arguments before a
+    generation whose step differs from the last synced one). Records `synced_step`, the trainer step
+    whose weights vLLM holds (None before the first sync), and the steps whose sync `skip` left out."""
+
+    def __init__(self, vllm_generation: Any, current_step: Callable[[], int], method: str = "auto",
+                 skip: Callable[[int], bool] | None = None):
+        self.vllm_generation = vllm_generation
+        self.method = resolve_method(vllm_generation, method)
+        self.current_step = current_step
+        self.skip = skip
+        self.synced_step: int | None = None
+        self.skipped: list[int] = []
+        self._trl_sync = vllm_generation.sync_weights
+        vllm_generation.sync_weights = self
+
+    def __call__(self) -> None:
+        step = self.current_step()
+        # In rlcheck's fault convention skip(s) leaves out the sync after the update of step s, i.e.
+        # the one TRL does before generating the rollouts of step s + 1.
+        if self.skip is not None and step > 0 and self.skip(step - 1):
+            self.skipped.append(step)
+            return
+        if self.method == "reload":
+            reload_sync(self.vllm_generation)
+        else:
+            self._trl_sync()
+        self.synced_step = step
+
+    def uninstall(self) -> None:
+        """Give TRL its own `sync_weights` back."""
+        if self.vllm_generation.sync_weights is self:
+            self.vllm_generation.sync_weights = self._trl_sync

@@ -1,0 +1,244 @@
+"""TRL: rlcheck's Monitor inside `trl.GRPOTrainer` (TRL 1.16, vLLM colocate or server mode).
+
+    from rlcheck.integrations.trl import RLCheckGRPOTrainer      # drop-in for trl.GRPOTrainer
+    trainer = RLCheckGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(use_vllm=True, ...),
+                                 train_dataset=ds, monitor=MonitorConfig(run_dir="runs/grpo"))
+    trainer.train()            # raises rlcheck.MismatchHalt when the halt policy fires
+
+    hook = attach_monitor(trainer, MonitorConfig(run_dir="runs/grpo"))   # or: an existing trainer
+
+Every training generation (`_generate_and_score_completions`, once per optimizer step by default)
+the Monitor compares vLLM's sampling logprobs (`sampling_per_token_logps`) with the trainer's raw
+recomputation under the same weights (`old_per_token_logps`, before TRL clips or masks the ratio it
+derives from it) on `completion_mask` (x `tool_mask`). Monitor step = `trainer.state.global_step`
+at generation, the number of optimizer updates behind the rollouts (TRL logs that step's metrics as
+step + 1). TRL's own `sampling/*` and reward scalars of the step go along as `trl/*` extras, and a few
+rlcheck metrics (`TRLOptions.trainer_metrics`) are appended to TRL's logs, so they reach TRL's
+reporters (W&B, TensorBoard, console) on TRL's steps. Eval generations are not observed. Request ids
+and per-row meta: `rlcheck.integrations._trl_batch`.
+
+Halting: the Monitor flushes its sinks, writes the step's dump and raises `MismatchHalt`; before it
+leaves the trainer, TRL gets a last log row (`rlcheck/halted` = 1 and the step's rlcheck metrics)
+and a Monitor rlcheck opened itself is closed (its W&B run finished). The exception propagates out
+of `trainer.train()` unchanged.
+
+Several processes (accelerate): statistics are reduced over torch.distributed and rank 0 alone runs
+the Monitor; a halt stops every rank together and the dump holds every rank's sequences
+(`rlcheck.integrations._trl_ranks`). Pass a `MonitorConfig` (or nothing) there, so that only rank 0
+opens sinks. The vLLM 0.32 weight-sync fix (colocate mode) is `rlcheck.integrations._trl_sync`.
+trl is imported when `RLCheckGRPOTrainer` is first used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlcheck.errors import MismatchHalt
+from rlcheck.faults import Fault
+from rlcheck.integrations._trl_batch import (
+    new_scalars,
+    request_ids,
+    response_mask,
+    row_meta,
+    to_step_batch,
+)
+from rlcheck.integrations._trl_config import (
+    TRAINER_METRICS,
+    TRLOptions,
+    check_fault,
+    check_trainer,
+    trl_context,
+)
+from rlcheck.integrations._trl_sync import WeightSync
+from rlcheck.monitor import Monitor, MonitorConfig, StepReport
+
+HALTED_KEY = "rlcheck/halted"
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
+
+
+class RLCheckHook:
+    """The Monitor's side of one GRPOTrainer: `run` wraps each generation; see the module docstring.
+    `last_report` is rank 0's latest `StepReport`, `halt` the `MismatchHalt` that stopped the run."""
+
+    def __init__(self, trainer: Any, monitor: Monitor | MonitorConfig | None = None,
+                 options: TRLOptions | None = None):
+        check_trainer(trainer)
+        self.trainer = trainer
+        self.options = options or TRLOptions()
+        self.fault = check_fault(self.options.inject)
+        if monitor is None:
+            monitor = MonitorConfig(run_dir=Path(trainer.args.output_dir) / "rlcheck")
+        self._owned = isinstance(monitor, MonitorConfig)
+        if self._owned:
+            monitor = dataclasses.replace(monitor, context={**trl_context(trainer), **monitor.context})
+        self.monitor_config = monitor if self._owned else monitor.cfg
+        self._monitor = None if self._owned else monitor
+        self.rank = trainer.accelerator.process_index
+        self.world_size = trainer.accelerator.num_processes
+        skip = self.fault.skip_sync if type(self.fault).skip_sync is not Fault.skip_sync else None
+        self.sync = WeightSync(trainer.vllm_generation, lambda: trainer.state.global_step,
+                               self.options.vllm_sync, skip)
+        self.last_report: StepReport | None = None
+        self.halt: MismatchHalt | None = None
+        trainer.rlcheck = self
+        trainer.add_callback(_close_callback(self))
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """Rank 0's Monitor (opened on first use when rlcheck owns it); None on the other ranks."""
+        if self.rank != 0:
+            return None
+        if self._monitor is None:
+            self._monitor = Monitor(self.monitor_config)
+        return self._monitor
+
+    def close(self) -> None:
+        """Close the Monitor if rlcheck opened it (a later step opens it again, resuming its state)."""
+        if self._owned and self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+
+    def run(self, generate: Callable[[Any], dict], inputs: Any) -> dict:
+        """`generate(inputs)` (TRL's `_generate_and_score_completions`), then one Monitor step."""
+        mode = "train" if self.trainer.model.training else "eval"
+        before = {k: len(v) for k, v in self.trainer._metrics[mode].items()}
+        output = generate(inputs)
+        if mode == "train":
+            self.observe(output, new_scalars(before, self.trainer._metrics[mode], self.options.forward_prefixes))
+        return output
+
+    def observe(self, output: dict, extra: dict[str, float] | None = None) -> StepReport | None:
+        """Compare one generation's logprobs; rank 0's report, None elsewhere or when nothing counts."""
+        step = self.trainer.state.global_step
+        if not self._every_rank_has_tokens(output):
+            warnings.warn(f"rlcheck: step {step} has a process without a completion token that counts "
+                          "(all truncated and masked?); not observed", RuntimeWarning, stacklevel=3)
+            return None
+        batch, _ = self.fault.apply(step, self._batch(step, output))
+        try:
+            report = self._observe(step, batch, extra)
+        except MismatchHalt as halt:
+            self.halt = halt
+            self._log_halt(halt)
+            self.close()
+            raise
+        self.last_report = report
+        if report is not None:
+            self._append_trainer_metrics(report.metrics)
+        return report
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _every_rank_has_tokens(self, output: dict) -> bool:
+        """Whether every process has a token to compare (they must all observe, or none)."""
+        has = bool(response_mask(output).any())
+        if self.world_size == 1:
+            return has
+        from rlcheck.integrations._trl_ranks import all_ranks_agree
+
+        return all_ranks_agree(has, self.trainer.accelerator.device)
+
+    def _batch(self, step: int, output: dict):
+        rows = output["completion_mask"].shape[0]
+        meta = row_meta(self.rank, rows, self.trainer.num_generations, self.sync.synced_step)
+        train = None if output.get("old_per_token_logps") is not None else self._recompute(output)
+        return to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train, meta=meta)
+
+    def _recompute(self, output: dict):
+        """The trainer's logprobs of the sampled tokens, when TRL did not compute them (importance
+        sampling off and generation aligned with the optimizer step): one extra no-grad forward."""
+        import torch
+
+        tr = self.trainer
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+C)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+C)
+        extra = {k: output[k] for k in _MULTIMODAL_KEYS if k in output}
+        with torch.no_grad():
+            logps, _, _ = tr._get_per_token_logps_and_entropies(
+                tr.model, ids, attention, output["completion_ids"].size(1),
+                batch_size=tr.args.per_device_train_batch_size, **extra,
+            )
+        return logps
+
+    def _observe(self, step: int, batch, extra) -> StepReport | None:
+        if self.world_size == 1:
+            return self.monitor.observe(step, batch, extra=extra)
+        from rlcheck.integrations._trl_ranks import observe_across_ranks
+
+        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra)
+
+    def _append_trainer_metrics(self, metrics: dict[str, float]) -> None:
+        logged = self.trainer._metrics["train"]
+        for key in self.options.trainer_metrics:
+            if key in metrics:
+                logged[key].append(metrics[key])
+
+    def _log_halt(self, halt: MismatchHalt) -> None:
+        """TRL's reporters get one last row: the halting step's rlcheck metrics and `rlcheck/halted`."""
+        try:
+            self._append_trainer_metrics(halt.report.metrics)
+            self.trainer.log({HALTED_KEY: 1.0})
+        except Exception as exc:  # the halt must reach the caller whatever the loggers do
+            warnings.warn(f"rlcheck: TRL's log of the halt failed ({exc})", RuntimeWarning, stacklevel=3)
+
+
+def _close_callback(hook: RLCheckHook):
+    from transformers import TrainerCallback
+
+    class CloseMonitor(TrainerCallback):
+        """Closes the Monitor rlcheck opened when training ends."""
+
+        def on_train_end(self, args, state, control, **kwargs):
+            hook.close()
+
+    return CloseMonitor()
+
+
+def attach_monitor(trainer: Any, monitor: Monitor | MonitorConfig | None = None,
+                   options: TRLOptions | None = None) -> RLCheckHook:
+    """Attach rlcheck to an existing `trl.GRPOTrainer` (before `train()`); returns the hook, also
+    reachable as `trainer.rlcheck`. `monitor` None: a Monitor in `<output_dir>/rlcheck`."""
+    hook = RLCheckHook(trainer, monitor, options)
+    trainer._generate_and_score_completions = functools.partial(hook.run, trainer._generate_and_score_completions)
+    return hook
+
+
+@functools.cache
+def _trainer_class() -> type:
+    from trl import GRPOTrainer
+
+    class RLCheckGRPOTrainer(GRPOTrainer):
+        """`trl.GRPOTrainer` with rlcheck's Monitor attached: same arguments, plus `monitor` (a
+        `MonitorConfig`, a `Monitor`, or None for `<output_dir>/rlcheck`) and `rlcheck_options`
+        (`TRLOptions`). `trainer.rlcheck` is the `RLCheckHook`."""
+
+        def __init__(self, *args: Any, monitor: Monitor | MonitorConfig | None = None,
+                     rlcheck_options: TRLOptions | None = None, **kwargs: Any):
+            self.rlcheck = None
+            super().__init__(*args, **kwargs)
+            RLCheckHook(self, monitor, rlcheck_options)
+
+        def _generate_and_score_completions(self, inputs):
+            if self.rlcheck is None:  # not attached yet (during __init__)
+                return super()._generate_and_score_completions(inputs)
+            return self.rlcheck.run(super()._generate_and_score_completions, inputs)
+
+    RLCheckGRPOTrainer.__module__ = __name__
+    RLCheckGRPOTrainer.__qualname__ = "RLCheckGRPOTrainer"
+    return RLCheckGRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RLCheckGRPOTrainer":  # built on first use: subclassing imports trl
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [  # noqa: F822 (RLCheckGRPOTrainer comes from __getattr__)
+    "HALTED_KEY", "TRAINER_METRICS", "RLCheckGRPOTrainer", "RLCheckHook", "TRLOptions", "attach_monitor"]

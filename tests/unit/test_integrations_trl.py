@@ -1,0 +1,204 @@
+"""The TRL integration's pure logic: TRL's padded step tensors to a StepBatch, request ids and row meta,
+batch concatenation, TRL's scalars, the options, the faults it accepts and the weight-sync wrapper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlcheck.batch import StepBatch
+from rlcheck.errors import ConfigError, InputError
+from rlcheck.faults import parse_inject
+from rlcheck.integrations._trl_batch import (
+    concat_batches,
+    new_scalars,
+    request_ids,
+    row_meta,
+    to_step_batch,
+)
+from rlcheck.integrations._trl_config import check_fault as _fault
+from rlcheck.integrations._trl_sync import WeightSync, resolve_method
+from rlcheck.integrations.trl import TRLOptions
+
+
+def trl_output(tool: bool = False, truncated_row: int | None = None) -> dict:
+    """A TRL step output of 3 rows as `_generate_and_score_completions` returns it: left-padded prompts,
+    right-padded completions of lengths 4, 2 and 3 (padding logprob 0.0, one NaN from vLLM)."""
+    lens = [4, 2, 3]
+    c = max(lens)
+    cm = torch.tensor([[1] * n + [0] * (c - n) for n in lens])  # (B, C)
+    sampling = -torch.arange(1, 13, dtype=torch.float32).reshape(3, 4) / 10 * cm  # (B, C)
+    sampling[2, 1] = float("nan")
+    out = {
+        "prompt_ids": torch.tensor([[2, 5, 6], [7, 8, 9], [2, 2, 4]]),
+        "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]]),
+        "completion_ids": torch.arange(100, 112).reshape(3, 4) * cm,
+        "completion_mask": cm,
+        "sampling_per_token_logps": sampling,
+        "old_per_token_logps": sampling - 0.01,
+    }
+    if tool:
+        out["tool_mask"] = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+    if truncated_row is not None:
+        out["completion_mask"] = cm.clone()
+        out["completion_mask"][truncated_row] = 0
+    return out
+
+
+class TestRequestIds:
+    def test_unique_across_steps_ranks_and_rows(self):
+        """Ids name step, rank and row, so no two rows of a run share one."""
+        ids = [i for s in range(3) for r in range(2) for i in request_ids(s, r, 4)]
+        assert len(set(ids)) == len(ids) == 24
+        assert request_ids(7, 1, 2) == ["s7-r1-0", "s7-r1-1"]
+
+
+class TestRowMeta:
+    def test_global_prompt_and_sample_index(self):
+        """Rows of rank 1 continue rank 0's in the global batch; G consecutive rows share a prompt."""
+        meta = row_meta(rank=1, num_rows=6, num_generations=4, weight_version=3)
+        assert meta["prompt_index"] == [1, 1, 2, 2, 2, 2]
+        assert meta["sample_index"] == [2, 3, 0, 1, 2, 3]
+        assert meta["rank"] == [1] * 6 and meta["weight_version"] == [3] * 6
+
+    def test_no_weight_version_before_any_sync(self):
+        """Without a known sync the column is left out rather than filled with a fake value."""
+        assert "weight_version" not in row_meta(0, 2, 2, None)
+
+
+class TestToStepBatch:
+    def test_rows_become_sequences_of_their_completion(self):
+        """Each row keeps its completion tokens only; logprobs, ids, tokens and prompts line up."""
+        out = trl_output()
+        batch = to_step_batch(out, request_ids(0, 0, 3))
+        assert batch.seq_lens.tolist() == [4, 2, 3]
+        np.testing.assert_allclose(batch.logp_rollout[:2], [-0.1, -0.2], rtol=1e-6)
+        d = batch.logp_train - batch.logp_rollout
+        np.testing.assert_allclose(np.delete(d, 7), -0.01, atol=1e-6)
+        assert batch.tokens.tolist()[:6] == [100, 101, 102, 103, 104, 105]
+        assert [p.tolist() for p in batch.prompt_tokens] == [[5, 6], [7, 8, 9], [4]]
+        assert np.isnan(batch.logp_rollout[7])  # kept: the monitor counts non-finite logprobs
+
+    def test_tool_tokens_stay_masked_inside_the_sequence(self):
+        """A tool-output token is part of its sequence but does not count."""
+        batch = to_step_batch(trl_output(tool=True), request_ids(0, 0, 3))
+        assert batch.seq_lens.tolist() == [4, 2, 3]
+        assert batch.mask[:4].tolist() == [True, False, True, True]
+
+    def test_truncated_row_masked_out_is_an_empty_sequence(self):
+        """A row TRL masked out (mask_truncated_completions) becomes an empty sequence."""
+        batch = to_step_batch(trl_output(truncated_row=1), request_ids(0, 0, 3))
+        assert batch.seq_lens.tolist() == [4, 0, 3]
+
+    def test_logp_train_override(self):
+        """`logp_train` replaces old_per_token_logps (the recomputation rlcheck does itself)."""
+        out = trl_output()
+        del out["old_per_token_logps"]
+        batch = to_step_batch(out, request_ids(0, 0, 3), logp_train=out["sampling_per_token_logps"] - 0.5)
+        np.testing.assert_allclose(np.nanmax(np.abs(batch.logp_train - batch.logp_rollout + 0.5)), 0, atol=1e-6)
+
+    def test_missing_sampling_logprobs_is_an_input_error(self):
+        """Without vLLM's logprobs the error names use_vllm."""
+        out = trl_output()
+        del out["sampling_per_token_logps"]
+        with pytest.raises(InputError, match="use_vllm"):
+            to_step_batch(out, request_ids(0, 0, 3))
+
+    def test_missing_train_logprobs_is_an_input_error(self):
+        """Without the trainer's logprobs the error says what to pass."""
+        out = trl_output()
+        del out["old_per_token_logps"]
+        with pytest.raises(InputError, match="logp_train"):
+            to_step_batch(out, request_ids(0, 0, 3))
+
+
+class TestConcatBatches:
+    def test_equals_one_batch_of_all_rows(self):
+        """Two ranks' batches concatenate to the batch of all their rows, in rank order."""
+        out = trl_output(tool=True)
+        whole = to_step_batch(out, request_ids(0, 0, 3), meta=row_meta(0, 3, 3, 1))
+        parts = [whole.select([0]), whole.select([1, 2])]
+        joined = concat_batches(parts)
+        for name in ("logp_rollout", "logp_train", "cu_seqlens", "mask", "tokens"):
+            np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
+        assert joined.request_ids == whole.request_ids
+        assert dict(joined.meta) == {k: list(v) for k, v in whole.meta.items()}
+        assert [p.tolist() for p in joined.prompt_tokens] == [p.tolist() for p in whole.prompt_tokens]
+
+    def test_single_batch_is_returned_as_is(self):
+        """One rank: nothing to join."""
+        b = StepBatch.from_ragged([[-1.0]], [[-1.0]], ["a"])
+        assert concat_batches([b]) is b
+
+
+class TestNewScalars:
+    def test_only_new_values_under_prefixes(self):
+        """Values TRL appended since the snapshot, under the prefixes, averaged and renamed trl/*."""
+        metrics = {"sampling/x": [9.0, 1.0, 3.0], "reward": [0.5], "entropy": [2.0], "sampling/nan": [float("nan")]}
+        got = new_scalars({"sampling/x": 1}, metrics)
+        assert got == {"trl/sampling/x": 2.0, "trl/reward": 0.5}
+
+
+class TestTRLOptions:
+    def test_rejects_unknown_sync(self):
+        """vllm_sync is auto, reload or trl."""
+        with pytest.raises(ValueError, match="vllm_sync"):
+            TRLOptions(vllm_sync="fast")
+
+    def test_rejects_a_string_for_a_tuple(self):
+        """trainer_metrics is a tuple of keys, not one key."""
+        with pytest.raises(ValueError, match="tuples"):
+            TRLOptions(trainer_metrics="rlcheck/token/abs_diff_mean")
+
+
+class TestFault:
+    def test_accepts_sync_and_data_faults(self):
+        """Sync faults and data faults work with TRL."""
+        assert _fault("stale-weights@3").name == "stale-weights"
+        assert _fault(parse_inject("corrupt-seqs=0.5")).name == "corrupt-seqs"
+        assert _fault(None).name == "none"
+
+    @pytest.mark.parametrize("spec", ["temperature-mismatch=1.1", "stale-state"])
+    def test_refuses_engine_and_trainer_config_faults(self, spec):
+        """Faults that need rlcheck's own engine or trainer config are refused with a ConfigError."""
+        with pytest.raises(ConfigError, match="sync faults"):
+            _fault(spec)
+
+
+class _Generation:
+    """The two attributes of TRL's VLLMGeneration the sync wrapper reads, and a sync that counts."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.calls = 0
+
+    def sync_weights(self):
+        self.calls += 1
+
+
+class TestWeightSync:
+    def test_server_mode_keeps_trls_sync(self):
+        """A vLLM server updates its own weights: auto picks TRL's sync, reload is refused."""
+        assert resolve_method(_Generation("server"), "auto") == "trl"
+        with pytest.raises(ConfigError, match="colocate"):
+            resolve_method(_Generation("server"), "reload")
+
+    def test_stale_weights_skips_from_onset(self):
+        """stale-weights@3 leaves out the syncs before the rollouts of steps 3, 4, ...; synced_step
+        stays at the last sync that ran."""
+        gen, step = _Generation("server"), [0]
+        sync = WeightSync(gen, lambda: step[0], "trl", parse_inject("stale-weights@3").skip_sync)
+        for step[0] in range(6):
+            gen.sync_weights()
+        assert gen.calls == 3 and sync.synced_step == 2 and sync.skipped == [3, 4, 5]
+        sync.uninstall()
+        assert gen.sync_weights.__self__ is gen
+
+    def test_skip_sync_every_k_is_periodic(self):
+        """skip-sync-every=2 leaves out every second sync: the rollouts of steps 2, 4, ... are one update stale."""
+        gen, step = _Generation("server"), [0]
+        sync = WeightSync(gen, lambda: step[0], "trl", parse_inject("skip-sync-every=2").skip_sync)
+        for step[0] in range(6):
+            gen.sync_weights()
+        assert sync.skipped == [2, 4]
