@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# verl's own requirements pin transformers<5.11: take only what `verl.DataProto` and its metric
 	# functions need, without deps (tests/integration/test_verl.py builds real DataProtos).
 	$(PY) -m pip install --quiet --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
+	# verl's wheel also ships top-level `tests` and `scripts` packages, which shadow this repo's tests/
+	# in child processes (`python -m tests...`): remove them.
+	$(PY) -c "import shutil, site; [shutil.rmtree(f'{d}/{p}', ignore_errors=True) for d in site.getsitepackages() for p in ('tests', 'scripts')]"
 	$(PY) -c "import rlcheck, torch, numpy; print('rlcheck', rlcheck.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
