@@ -5,6 +5,15 @@
                                           tokens_train, length, max_abs_diff, first_divergence,
                                           plus the batch's per-sequence meta columns
     dumps/step_NNNNNN/meta.json           step, reason, metrics, alarms, offenders, versions, context
+
+Atomic: both files are written and fsynced in a hidden temp dir (`dumps/.step_NNNNNN.*`), which is
+renamed into place and the parent fsynced; a crash mid-dump leaves only the hidden dir, which no
+reader takes for a dump and the next Monitor removes (`remove_partial_dumps`). A dump written again
+for the same step replaces the old one whole (the old one is moved aside first, never mixed).
+
+`redact=True` keeps text out: no token ids (prompt, response, trainer; the columns are null), no
+per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`);
+meta.json says `"redacted": true` and lists `redacted_columns`.
 """
 
 from __future__ import annotations
@@ -22,15 +31,42 @@ import numpy as np
 
 from rlcheck.batch import StepBatch
 from rlcheck.errors import InputError
+from rlcheck.rundir import fsync_dir
 from rlcheck.sinks.jsonl import to_jsonable
 from rlcheck.stats.sequences import divergence
 
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
+TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "tokens_train")
 
 
 def dump_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "dumps" / f"step_{step:06d}"
+
+
+def remove_partial_dumps(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the hidden temp dirs a crash in the middle of `write_dump` left under run_dir/dumps."""
+    partial = [p for p in (Path(run_dir) / "dumps").glob(".step_*") if p.is_dir()]
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
+def is_id_column(name: str) -> bool:
+    """Per-sequence columns that hold identifiers, kept by redaction: request_id, *_id, uid."""
+    return name in ("request_id", "uid") or name.endswith("_id")
+
+
+def _has_text(values: Iterable[Any]) -> bool:
+    """True if any value is, or holds (list items, dict values), a string or bytes."""
+    for v in values:
+        if isinstance(v, (str, bytes)):
+            return True
+        if isinstance(v, dict) and _has_text(v.values()):
+            return True
+        if isinstance(v, (list, tuple)) and _has_text(v):
+            return True
+    return False
 
 
 def _list_column(values: np.ndarray, cu: np.ndarray):
@@ -73,12 +109,33 @@ def write_dump(
 ) -> Path:
     """Write the dump of one step to `directory` (replaced whole, atomically) and return it."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
+    cols, dropped = _columns(batch, divergence_tau, redact)
+    meta = {
+        "step": step,
+        "reason": reason,
+        "num_sequences": batch.num_sequences,
+        "num_tokens": batch.num_tokens,
+        "redacted": redact,
+        "redacted_columns": dropped,
+        "metrics": metrics or {},
+        "alarms": list(alarms),
+        "offenders": list(offenders),
+        "versions": versions(),
+        "context": context or {},
+    }
+    _write_atomically(directory, pa.table(cols), meta)
+    return directory
+
+
+def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any], list[str]]:
+    """The parquet columns, and the names redaction left out."""
+    import pyarrow as pa
+
     cu = batch.cu_seqlens
-    seq_max, first = _per_sequence(batch, divergence_tau)
+    seq_max, first = _per_sequence(batch, tau)
     cols: dict[str, Any] = {
         "request_id": pa.array(batch.request_ids, type=pa.string()),
         "index": pa.array(np.arange(batch.num_sequences, dtype=np.int64)),
@@ -101,36 +158,54 @@ def write_dump(
         cols["mask"] = _list_column(batch.mask, cu)
     if batch.tokens_train is not None and not redact:
         cols["tokens_train"] = _list_column(batch.tokens_train, cu)
+    dropped = []
     for key, values in batch.meta.items():
         if key in cols:
             raise InputError(f"meta column {key!r} collides with a dump column; rename it")
+        if redact and not is_id_column(key) and _has_text(list(values)):
+            dropped.append(key)
+            continue
         try:
             cols[key] = pa.array(list(values))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             cols[key] = pa.array([json.dumps(to_jsonable(v), default=str) for v in values])
-    meta = {
-        "step": step,
-        "reason": reason,
-        "num_sequences": batch.num_sequences,
-        "num_tokens": batch.num_tokens,
-        "redacted": redact,
-        "metrics": metrics or {},
-        "alarms": list(alarms),
-        "offenders": list(offenders),
-        "versions": versions(),
-        "context": context or {},
-    }
+    return cols, dropped
+
+
+def _write_atomically(directory: Path, table: Any, meta: dict[str, Any]) -> None:
+    """Both files into a hidden temp dir, fsynced, renamed to `directory` (see the module doc)."""
+    import pyarrow.parquet as pq
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    old = None
     try:
-        pq.write_table(pa.table(cols), tmp / SEQUENCES)
+        pq.write_table(table, tmp / SEQUENCES)
         (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=1, default=str, allow_nan=False))
+        for name in (SEQUENCES, META):
+            _fsync_file(tmp / name)
+        fsync_dir(tmp)
         if directory.exists():
-            shutil.rmtree(directory)
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=directory.parent))
+            os.replace(directory, old)
         os.replace(tmp, directory)
+        fsync_dir(directory.parent)
     except BaseException:
+        if old is not None and not directory.exists():
+            os.replace(old, directory)  # the new one did not land: put the previous dump back
+            old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return directory
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_dump(directory: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -25,6 +25,25 @@ class RunDirError(RLCheckError, OSError):
     """The run directory cannot be created, written or read."""
 
 
+class RecordWriteError(RunDirError):
+    """`Monitor.observe` could not record a step (metrics.jsonl or state.json failed mid-run, e.g. a
+    full disk). Raised after every other sink got the step and was flushed; the step's `StepReport`
+    rides on the error, so nothing computed is lost. The file is left holding whole lines only, and
+    state.json the last step that was recorded; the Monitor's detectors in memory have seen the step.
+
+    Attributes:
+        report: the `StepReport` of the step that could not be recorded.
+    """
+
+    def __init__(self, report: StepReport, cause: BaseException):
+        self.report = report
+        super().__init__(
+            f"rlcheck could not record step {report.step}: {cause}. The other sinks received it and its "
+            "report is on this error (.report); free space or fix the run directory, then observe the "
+            "next step (a new Monitor on the same run_dir resumes from the last recorded step)"
+        )
+
+
 class MismatchHalt(RLCheckError):
     """Raised by `Monitor.observe` after the halt policy fired; the sinks are flushed and the step's
     dump and the monitor state are on disk before it is raised.
@@ -32,12 +51,18 @@ class MismatchHalt(RLCheckError):
     Attributes:
         report: the `StepReport` of the step that halted.
         reason: one line naming the alarm or limit that halted the run.
-        dump_dir: where the step's forensic dump was written.
+        dump_dir: where the step's forensic dump was written (None: no dump, see `problems`).
+        problems: what could not be written (the step's record, the dump), one line each; the halt
+            is raised all the same, the cause chained.
     """
 
-    def __init__(self, report: StepReport, reason: str, dump_dir: str | None = None):
+    def __init__(self, report: StepReport, reason: str, dump_dir: str | None = None,
+                 problems: tuple[str, ...] = ()):
         self.report = report
         self.reason = reason
         self.dump_dir = dump_dir
+        self.problems = tuple(problems)
         where = f"; evidence in {dump_dir}" if dump_dir else ""
-        super().__init__(f"rlcheck halted the run at step {report.step}: {reason}{where}")
+        trouble = "".join(f"; {p}" for p in self.problems)
+        super().__init__(f"rlcheck halted the run at step {report.step}: {reason}{where}{trouble}")
+

@@ -7,94 +7,38 @@ alarms, logs and, when the run has gone wrong, a halt with the evidence on disk.
 `observe` validates, computes (`rlcheck.stats`), runs every detector, logs to every sink, saves the
 detector state atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies
 the halt policy: on halt it flushes the sinks, writes the step's dump and raises `MismatchHalt`.
+
+Crash safety (`rlcheck.rundir` has the fsync rules): each step's metrics.jsonl line is fsynced before
+state.json is saved; a new Monitor replays any line a killed process logged after its last state
+save, so the detectors' history continues exactly and no step is logged twice. A disk that fills
+mid-run raises `RecordWriteError` (with the step's report on it) after the other sinks got the step;
+on a halting step the halt is raised all the same, naming what could not be written.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlcheck import metrics as K
+from rlcheck import rundir
 from rlcheck.batch import StepBatch
-from rlcheck.detect import KINDS, SEVERITIES, Alarm, DetectorsConfig, build_detectors, severity_rank
-from rlcheck.dump import dump_dir, write_dump
-from rlcheck.errors import InputError, MismatchHalt, RunDirError
-from rlcheck.stats import Offender, PartialStats, StatsConfig, compute_partial, finalize
+from rlcheck.detect import Alarm, build_detectors, severity_rank
+from rlcheck.dump import dump_dir, remove_partial_dumps, write_dump
+from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
+from rlcheck.monitor_config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
+from rlcheck.rundir import STATE_FILE
+from rlcheck.stats import Offender, PartialStats, compute_partial, finalize
 
-STATE_FILE = "state.json"
+__all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
+
 STATE_VERSION = 1
-
-DEFAULT_HARD_LIMITS = {
-    K.NONFINITE_COUNT: 0.0,  # any NaN/inf logprob
-    K.MULT_PROB_ERROR: 2.0,  # mean exp|d|: probabilities off by 2x on average
-    K.ABS_DIFF_MEAN: 1.0,  # mean |d| of one nat
-    K.SEQ_CATASTROPHIC_FRAC: 0.25,  # a quarter of the sequences far off
-}
-
-
-@dataclass(frozen=True)
-class HaltConfig:
-    """When the Monitor stops the run (README, "Halting", states these defaults)."""
-
-    enabled: bool = True
-    kinds: tuple[str, ...] = KINDS
-    """Alarm kinds that may halt."""
-    min_severity: str = "critical"
-    """Alarms below this severity never halt."""
-    patience: int = 1
-    """Consecutive steps with a halting alarm before the run halts."""
-    hard_limits: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HARD_LIMITS))
-    """metric -> limit: exceeding one halts at once (a critical threshold alarm, patience ignored)."""
-    dump: bool = True
-    """Write the step's forensic dump before raising."""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.kinds) - set(KINDS)
-        if unknown:
-            raise ValueError(f"unknown alarm kinds {sorted(unknown)}; known: {KINDS}")
-        if self.min_severity not in SEVERITIES:
-            raise ValueError(f"min_severity must be one of {SEVERITIES}, got {self.min_severity!r}")
-        if self.patience < 1:
-            raise ValueError(f"patience must be >= 1, got {self.patience}")
-        bad = {k: v for k, v in self.hard_limits.items() if not isinstance(v, (int, float)) or math.isnan(v)}
-        if bad:
-            raise ValueError(f"hard limits must be numbers, got {bad}")
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    run_dir: str | os.PathLike
-    """Where metrics.jsonl, state.json, dumps/ and wandb/ go; created if missing."""
-    sinks: tuple[Any, ...] = ("jsonl", "console")
-    """Any of "jsonl", "console", "wandb", or your own `rlcheck.sinks.Sink` instances. JSONL is what
-    summarize, diagnose and report read."""
-    stats: StatsConfig = field(default_factory=StatsConfig)
-    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
-    halt: HaltConfig = field(default_factory=HaltConfig)
-    wandb: Any = None
-    """A `rlcheck.sinks.WandbConfig` for the "wandb" sink (defaults when None)."""
-    resume: bool = True
-    """Load state.json from run_dir when it exists, so the detectors keep their history; when False,
-    a run_dir that already holds a run is refused (nothing is overwritten)."""
-    redact: bool = False
-    """Leave prompt and response token ids out of dumps."""
-    context: Mapping[str, Any] = field(default_factory=dict)
-    """Model, engine and sampling settings, written into every dump's meta.json."""
-
-    def __post_init__(self) -> None:
-        if not str(self.run_dir):
-            raise ValueError("run_dir must be a directory path")
-        if isinstance(self.sinks, str):
-            raise ValueError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")
 
 
 @dataclass
@@ -129,18 +73,6 @@ def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = json.dumps(obj, allow_nan=False).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 class Monitor:
     """See the module docstring. Not thread-safe; one Monitor per run (on rank 0 when distributed)."""
 
@@ -161,6 +93,7 @@ class Monitor:
                     "or choose a new run_dir"
                 )
             self._load_state()
+        self._has_state = (self.run_dir / STATE_FILE).exists()
         self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
 
     # ---- public API ----------------------------------------------------------------------------
@@ -207,6 +140,9 @@ class Monitor:
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
                  extra: Mapping[str, float] | None = None) -> StepReport:
         extra = _check_extra(extra)
+        if not self._has_state:  # the fresh state, with the offset the first line will start at
+            self._save_state()
+            self._has_state = True
         if self.last_step is not None and step <= self.last_step:
             warnings.warn(
                 f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
@@ -223,14 +159,12 @@ class Monitor:
         metrics.update(extra)
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders)
+        self._advance(step, alarms)
         self._decide_halt(report, hard)
-        self.last_step = step
-        for a in alarms:
-            self.alarm_counts[a.kind] = self.alarm_counts.get(a.kind, 0) + 1
 
         hist = partial.hists["ad"]
         bins = np.flatnonzero(hist)
-        self.sinks.log(step, {
+        write_error = self._record(report, {
             "step": step,
             "time": time.time(),
             "metrics": metrics,
@@ -238,10 +172,30 @@ class Monitor:
             "offenders": [o.to_dict() for o in offenders],
             "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
         })
-        self._save_state()
         if report.halted:
-            self._halt(report, batch)
+            self._halt(report, batch, write_error)
+        if write_error is not None:
+            raise write_error
         return report
+
+    def _record(self, report: StepReport, record: dict[str, Any]) -> RecordWriteError | None:
+        """Log to every sink, then save the state; an I/O failure comes back as the error to raise."""
+        try:
+            self.sinks.log(report.step, record)
+            self._save_state()
+        except OSError as exc:
+            self._flush_quietly()
+            error = RecordWriteError(report, exc)
+            error.__cause__ = exc
+            return error
+        return None
+
+    def _flush_quietly(self) -> list[str]:
+        try:
+            self.sinks.flush()
+        except Exception as exc:  # the caller is already raising about this run directory
+            return [f"flushing the sinks failed ({exc})"]
+        return []
 
     def _hard_limit_alarms(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
         if not self.cfg.halt.enabled:
@@ -257,38 +211,48 @@ class Monitor:
                 ))
         return out
 
-    def _decide_halt(self, report: StepReport, hard: list[Alarm]) -> None:
+    def _qualifying(self, alarms: list[Alarm]) -> list[Alarm]:
         h = self.cfg.halt
-        if not h.enabled:
+        return [a for a in alarms if a.kind in h.kinds and severity_rank(a.severity) >= severity_rank(h.min_severity)]
+
+    def _advance(self, step: int, alarms: list[Alarm]) -> None:
+        """Bookkeeping of one observed step: the halting streak, the last step, alarm counts."""
+        if self.cfg.halt.enabled:
+            self.streak = self.streak + 1 if self._qualifying(alarms) else 0
+        self.last_step = step
+        for a in alarms:
+            self.alarm_counts[a.kind] = self.alarm_counts.get(a.kind, 0) + 1
+
+    def _decide_halt(self, report: StepReport, hard: list[Alarm]) -> None:
+        """After `_advance`: hard limits halt at once, other qualifying alarms after `patience` steps."""
+        if not self.cfg.halt.enabled:
             return
-        qualifying = [
-            a for a in report.alarms
-            if a.kind in h.kinds and severity_rank(a.severity) >= severity_rank(h.min_severity)
-        ]
-        self.streak = self.streak + 1 if qualifying else 0
         if hard:
             report.halted, report.halt_reason = True, hard[0].message
-        elif qualifying and self.streak >= h.patience:
+        elif self.streak >= self.cfg.halt.patience:
+            first = self._qualifying(report.alarms)[0]
             report.halted = True
-            report.halt_reason = f"{qualifying[0].kind} alarm on {qualifying[0].metric}: {qualifying[0].message}"
+            report.halt_reason = f"{first.kind} alarm on {first.metric}: {first.message}"
 
-    def _halt(self, report: StepReport, batch: StepBatch | None) -> None:
-        self.sinks.flush()
+    def _halt(self, report: StepReport, batch: StepBatch | None, write_error: RecordWriteError | None) -> None:
+        """Flush, dump, raise `MismatchHalt`: raised even when a write failed, naming what is missing."""
+        problems = [f"the step's record was not written ({write_error.__cause__})"] if write_error else []
+        cause: BaseException | None = write_error
+        problems += self._flush_quietly()
         where = None
         if self.cfg.halt.dump and batch is not None:
-            where = str(self.dump(report.step, batch, report, reason=report.halt_reason))
-        raise MismatchHalt(report, report.halt_reason, where)
+            try:
+                where = str(self.dump(report.step, batch, report, reason=report.halt_reason))
+            except Exception as exc:
+                problems.append(f"the dump could not be written ({type(exc).__name__}: {exc})")
+                cause = exc
+        raise MismatchHalt(report, report.halt_reason, where, tuple(problems)) from cause
 
     # ---- run directory and state ---------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".rlcheck-write-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            raise RunDirError(f"run directory {self.run_dir} is not writable: {exc}") from None
+        rundir.prepare(self.run_dir)
+        remove_partial_dumps(self.run_dir)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -300,16 +264,13 @@ class Monitor:
         }
 
     def _save_state(self) -> None:
-        _atomic_write_json(self.run_dir / STATE_FILE, self.state_dict())
+        state = self.state_dict()
+        state["jsonl_bytes"] = rundir.jsonl_bytes(self.run_dir)  # what this state has seen of metrics.jsonl
+        rundir.atomic_write_json(self.run_dir / STATE_FILE, state)
 
     def _load_state(self) -> None:
         path = self.run_dir / STATE_FILE
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise RunDirError(
-                f"{path} cannot be read ({exc}); move it away to start fresh, or pass resume=False"
-            ) from None
+        state = rundir.read_state(path)
         if state.get("version") != STATE_VERSION:
             raise RunDirError(f"{path} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
         self.last_step = state.get("last_step")
@@ -318,3 +279,27 @@ class Monitor:
         for kind, det_state in state.get("detectors", {}).items():
             if kind in self.detectors:
                 self.detectors[kind].load_state_dict(det_state)
+        self._catch_up(state.get("jsonl_bytes"))
+
+    def _catch_up(self, committed: int | None) -> None:
+        """Feed the detectors the metrics.jsonl lines a killed process logged after its last state
+        save (their metrics are exactly what its detectors saw), so no step is lost or repeated."""
+        records = rundir.uncommitted_records(self.run_dir, committed)
+        replayed = []
+        added_after = (K.ALARM_COUNT, K.MONITOR_SECONDS)  # and the caller's extra keys, outside the prefix
+        for rec in records:
+            if not isinstance(rec.get("step"), int) or not isinstance(rec.get("metrics"), dict):
+                continue
+            seen = {k: v for k, v in rec["metrics"].items() if k.startswith(K.PREFIX) and k not in added_after}
+            for det in self.detectors.values():
+                det.update(rec["step"], seen)
+            self._advance(rec["step"], [Alarm.from_dict(a) for a in rec.get("alarms") or ()])
+            replayed.append(rec["step"])
+        if replayed or records.num_skipped:
+            torn = f"; {records.num_skipped} line(s) cut short were skipped" if records.num_skipped else ""
+            warnings.warn(
+                f"rlcheck: resuming {self.run_dir}: metrics.jsonl held step(s) {replayed} logged after the "
+                f"last state save (the previous process stopped in between){torn}; the detectors caught up "
+                f"and resume after step {self.last_step}",
+                stacklevel=4,
+            )

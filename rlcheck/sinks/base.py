@@ -44,10 +44,13 @@ class Sink:
 class FanOut(Sink):
     """Forwards each call to every sink, in order; a failing non-essential sink is warned about once
     and dropped, the others keep receiving. Errors of essential sinks are raised after every sink
-    has had the call (the first one wins)."""
+    has had the call (the first one wins). A dropped sink is still closed with the others (quietly,
+    it was warned about already), so e.g. a W&B run whose `log` failed mid-run is finished at the
+    end of training, holding the steps it took, rather than never."""
 
     def __init__(self, sinks: Iterable[Sink] = ()):
         self._sinks: list[Sink] = list(sinks)
+        self._dropped: list[Sink] = []
 
     @property
     def sinks(self) -> tuple[Sink, ...]:
@@ -64,6 +67,12 @@ class FanOut(Sink):
         self._each(lambda s: s.flush(), "flush")
 
     def close(self) -> None:
+        dropped, self._dropped = self._dropped, []
+        for sink in dropped:
+            try:
+                sink.close()
+            except Exception:  # already warned about when it was dropped
+                pass
         self._each(lambda s: s.close(), "close")
 
     def _each(self, call: Callable[[Sink], None], what: str) -> None:
@@ -76,6 +85,8 @@ class FanOut(Sink):
                     first_error = first_error or e
                     continue
                 self._sinks.remove(sink)
+                if what != "close":
+                    self._dropped.append(sink)
                 warnings.warn(
                     f"rlcheck: sink {type(sink).__name__} failed in {what}() with {type(e).__name__}: {e}; "
                     "it is disabled for the rest of the run",

@@ -2,8 +2,11 @@
 
 Each line is written with a single `os.write` on an `O_APPEND` descriptor and fsynced before `log`
 returns, so a crash leaves only whole lines (at worst a truncated last one, which `read_jsonl`
-skips). If the file was left ending mid-line, opening it again starts a fresh line first, so a
-resumed run never glues its records onto a broken one.
+skips). A write that fails or comes up short (disk full) is truncated away before the error is
+raised, so a later line never glues onto a part. If the file was left ending mid-line (a kill in
+the middle of a large write), opening it again starts a fresh line first, so a resumed run never
+glues its records onto a broken one. The durability rules of the whole run directory are in
+`rlcheck.rundir`.
 
 Non-finite floats (anywhere in the record) are written as the JSON strings "NaN", "Infinity" and
 "-Infinity", so every line is strict JSON and NaN stays distinguishable from inf. `read_jsonl` turns
@@ -74,9 +77,11 @@ class JsonlSink(Sink):
         if self._fd is None:
             raise RunDirError(f"JsonlSink for {self.path} is closed; step {step} was not written")
         line = encode_line(record)
+        size = os.fstat(self._fd).st_size
         try:
             self._write(line)
         except OSError as e:
+            self._truncate(size)
             raise RunDirError(f"cannot append step {step} to {self.path}: {e}") from e
 
     def flush(self) -> None:
@@ -87,6 +92,14 @@ class JsonlSink(Sink):
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+    def _truncate(self, size: int) -> None:
+        """Cut the file back to `size` bytes (a part of a line a failed write left), best effort."""
+        try:
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        except OSError:
+            pass  # the reader skips a torn line, and reopening starts a fresh one
 
     def _write(self, data: bytes) -> None:
         written = os.write(self._fd, data)  # one write: O_APPEND puts the whole line at the end
@@ -112,10 +125,12 @@ class Records(list):
     num_skipped: int = 0
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Records:
-    """Every whole record of `path`, in file order; non-finite markers decoded (see module doc)."""
+def read_jsonl(path: str | os.PathLike[str], offset: int = 0) -> Records:
+    """Every whole record of `path` from byte `offset` on, in file order; non-finite markers decoded
+    (see module doc). A line cut short by a crash does not parse and counts as skipped."""
     out = Records()
     with open(path, "rb") as f:
+        f.seek(offset)
         for raw in f:
             if not raw.strip():
                 continue

@@ -1,28 +1,49 @@
-"""The Monitor with the W&B sink, offline, read back from disk; and with a user's own sink."""
+"""The Monitor with the W&B sink, offline, read back from disk: the logged values, what happens when
+W&B fails (at init, mid-run), redaction; and with a user's own sink."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from rlcheck import Monitor, MonitorConfig
+from rlcheck import HaltConfig, MismatchHalt, Monitor, MonitorConfig, StepBatch
 from rlcheck import metrics as K
-from rlcheck.sinks import read_jsonl
+from rlcheck.dump import read_dump
+from rlcheck.sinks import SinkWarning, WandbSink, read_jsonl
 from rlcheck.sinks.testing import RecordingSink, read_offline_run
+from rlcheck.sinks.wandb import OFFENDER_COLUMNS, OFFENDERS_KEY
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 SMALL = SyntheticConfig(num_sequences=400, mean_length=20, corrupt_every_step=1)
+CLEAN = SyntheticConfig(num_sequences=64, mean_length=20)
+NO_HALT = HaltConfig(enabled=False)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """Offline, silent wandb writing under tmp_path; returns the wandb module."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    return wandb
+
+
+def history(run_dir) -> dict[int, dict]:
+    """step -> logged row of the single offline run under run_dir/wandb."""
+    (offline_dir,) = list((run_dir / "wandb").glob("offline-run-*"))
+    records = read_offline_run(offline_dir)
+    assert [r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"] == [0]  # finished
+    return {r["history"]["step"].get("num", 0): r["history"]["item"] for r in records if r["type"] == "history"}
 
 
 @pytest.mark.slow
 class TestMonitorWandb:
-    def test_offline_run_matches_jsonl(self, tmp_path, monkeypatch):
+    def test_offline_run_matches_jsonl(self, tmp_path, offline):
         """Every step's metrics reach the offline W&B run under run_dir/wandb with the JSONL's values,
         and each alarm becomes an alert."""
-        pytest.importorskip("wandb")
-        monkeypatch.setenv("WANDB_MODE", "offline")
-        monkeypatch.setenv("WANDB_SILENT", "true")
-        for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
-            monkeypatch.setenv(var, str(tmp_path / var.lower()))
         run_dir = tmp_path / "run"
         with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"))) as mon:
             for step in range(3):
@@ -48,3 +69,93 @@ class TestMonitorWandb:
         with Monitor(MonitorConfig(run_dir=tmp_path / "r", sinks=(sink,))) as mon:
             mon.observe(0, synthetic_batch(SMALL, 0))
         assert sink.records[0]["step"] == 0 and sink.closed
+
+
+@pytest.mark.slow
+class TestMonitorWandbFailures:
+    def test_init_fails(self, tmp_path, offline, monkeypatch, capsys):
+        """wandb.init raising: one SinkWarning, and the run goes on with every step in JSONL and on the console."""
+
+        def refuse(**kwargs):
+            raise RuntimeError("wandb.init: network unreachable")
+
+        monkeypatch.setattr(offline, "init", refuse)
+        message = six_steps(tmp_path / "run", capsys)
+        assert "continuing without W&B" in message and "network unreachable" in message
+        assert not (tmp_path / "run" / "wandb").exists()
+
+    def test_log_fails_mid_run(self, tmp_path, offline, monkeypatch, capsys):
+        """The real offline run's log raising from step 3 of 6: one SinkWarning, all 6 steps in JSONL and
+        on the console, and the W&B run is still finished at close, holding steps 0-2."""
+
+        def break_log_at_step_3(mon):
+            (sink,) = [s for s in mon.sinks.sinks if isinstance(s, WandbSink)]
+            real_log = sink.run.log
+
+            def log(row, step=None, **kwargs):
+                if step >= 3:
+                    raise RuntimeError("W&B backend gone")
+                return real_log(row, step=step, **kwargs)
+
+            monkeypatch.setattr(sink.run, "log", log)
+
+        message = six_steps(tmp_path / "run", capsys, break_log_at_step_3)
+        assert "WandbSink failed in log()" in message and "W&B backend gone" in message
+        assert sorted(history(tmp_path / "run")) == [0, 1, 2]
+
+
+def six_steps(run_dir, capsys, on_start=None) -> str:
+    """Six clean steps through the jsonl, console and wandb sinks (`on_start(mon)` first); checks that all
+    six reached metrics.jsonl and the console, and returns the one SinkWarning's message."""
+    with pytest.warns(SinkWarning) as caught:
+        with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console", "wandb"), halt=NO_HALT)) as mon:
+            if on_start is not None:
+                on_start(mon)
+            for step in range(6):
+                mon.observe(step, synthetic_batch(CLEAN, step))
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, SinkWarning)]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+    out = capsys.readouterr().out
+    assert all(f"step {s} " in out for s in range(6))
+    return message
+
+
+@pytest.mark.slow
+class TestMonitorWandbRedact:
+    SECRET = "SECRET-PROMPT-TEXT"
+
+    def _batch(self, step):
+        b = synthetic_batch(CLEAN, step)
+        n = b.num_sequences
+        return StepBatch.from_packed(
+            b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens, b.request_ids, tokens=b.tokens,
+            prompt_tokens=[[1, 2, 3]] * n,
+            meta={"prompt_text": [f"{self.SECRET}-{i}" for i in range(n)], "vllm_request_id": [f"v{i}" for i in range(n)],
+                  "slot": list(range(n))},
+        )
+
+    def _run(self, run_dir, redact):
+        with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), redact=redact)) as mon:
+            with pytest.raises(MismatchHalt) as info:
+                mon.observe(0, self._batch(0))
+        return info.value.dump_dir
+
+    def test_no_text_or_tokens_anywhere(self, tmp_path, offline):
+        """With redact=True no file under the run dir (dump, JSONL, state, the W&B run) holds the prompt
+        text, the dump has no token ids, and the W&B offenders table has only id and number columns;
+        without redaction the same scan finds the text in the dump."""
+        rows, meta = read_dump(self._run(tmp_path / "red", redact=True))
+        assert meta["redacted"] and meta["redacted_columns"] == ["prompt_text"]
+        assert all(r["prompt_tokens"] is None and r["response_tokens"] is None for r in rows)
+        assert "prompt_text" not in rows[0] and rows[0]["vllm_request_id"] == "v0" and rows[0]["slot"] == 0
+        holding = [p for p in (tmp_path / "red").rglob("*") if p.is_file() and self.SECRET.encode() in p.read_bytes()]
+        assert holding == []
+        row = history(tmp_path / "red")[0]
+        table = json.loads((next((tmp_path / "red" / "wandb").glob("offline-run-*")) / "files"
+                            / row[OFFENDERS_KEY + ".path"]).read_text())
+        assert table["columns"] == list(OFFENDER_COLUMNS)
+        assert not [c for c in table["columns"] if any(w in c for w in ("token", "text", "prompt", "response"))]
+
+        rows, _ = read_dump(self._run(tmp_path / "plain", redact=False))
+        assert rows[0]["prompt_text"] == f"{self.SECRET}-0" and rows[0]["prompt_tokens"] == [1, 2, 3]
+        assert any(self.SECRET.encode() in p.read_bytes() for p in (tmp_path / "plain" / "dumps").rglob("*.parquet"))

@@ -153,7 +153,7 @@ class TestRunDirectory:
         """An unreadable state.json names the file and the way out."""
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "state.json").write_text("{not json")
-        with pytest.raises(RunDirError, match="resume=False"):
+        with pytest.raises(RunDirError, match="move it away"):
             monitor(tmp_path)
 
     def test_on_demand_dump_round_trip(self, tmp_path):

@@ -61,6 +61,19 @@ class TestFanOut:
         assert ok.steps == [0, 1, 2] and ok.closed
         assert fan.sinks == (ok,)
 
+    def test_dropped_sink_is_closed_at_the_end(self):
+        """A sink dropped after failing is still closed by FanOut.close (quietly: no second warning)."""
+        broken, ok = _Broken(), RecordingSink()
+        closed = []
+        broken.close = lambda: closed.append(True)
+        fan = FanOut([broken, ok])
+        with pytest.warns(SinkWarning) as caught:
+            fan.log(0, example_record(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fan.close()
+        assert len(caught) == 1 and closed == [True] and ok.closed
+
     def test_essential_error_propagates_after_others(self):
         """An essential sink's error is raised, after the other sinks got the call, with no warning."""
         broken, ok = _Broken(essential=True), RecordingSink()

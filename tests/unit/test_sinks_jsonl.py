@@ -85,6 +85,23 @@ class TestJsonlSink:
         with pytest.raises(RunDirError, match="run"):
             JsonlSink(blocker)
 
+    def test_failed_write_is_truncated_away(self, tmp_path, monkeypatch):
+        """A short write (disk full) is a RunDirError naming step and file; the part written is cut
+        away, so the file is as before and the next line starts clean."""
+        sink = JsonlSink(tmp_path)
+        sink.log(0, example_record(0))
+        before = (tmp_path / FILENAME).read_bytes()
+        real_write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, b: real_write(fd, bytes(b)[:10]))
+        with pytest.raises(RunDirError, match=r"step 1 to .*metrics\.jsonl.*short write"):
+            sink.log(1, example_record(1))
+        monkeypatch.undo()
+        assert (tmp_path / FILENAME).read_bytes() == before
+        sink.log(2, example_record(2))
+        sink.close()
+        back = read_jsonl(tmp_path / FILENAME)
+        assert [r["step"] for r in back] == [0, 2] and back.num_skipped == 0
+
     def test_reopen_after_torn_line(self, tmp_path):
         """Reopening a file that ends mid-line starts a new line, so only the torn one is lost."""
         path = _log_steps(tmp_path, [example_record(0), example_record(1)])
@@ -112,3 +129,10 @@ class TestReadJsonl:
         path.write_bytes(b"")
         back = read_jsonl(path)
         assert back == [] and back.num_skipped == 0
+
+    def test_from_offset(self, tmp_path):
+        """Reading from a byte offset returns the records after it (what a resumed Monitor replays)."""
+        path = _log_steps(tmp_path, [example_record(0)])
+        offset = path.stat().st_size
+        _log_steps(tmp_path, [example_record(1), example_record(2)])
+        assert [r["step"] for r in read_jsonl(path, offset=offset)] == [1, 2]

@@ -1,0 +1,80 @@
+"""The Monitor's configuration: where it writes (`MonitorConfig`) and when it halts (`HaltConfig`).
+Both are re-exported by `rlcheck.monitor` and `rlcheck`."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcheck import metrics as K
+from rlcheck.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.stats import StatsConfig
+
+DEFAULT_HARD_LIMITS = {
+    K.NONFINITE_COUNT: 0.0,  # any NaN/inf logprob
+    K.MULT_PROB_ERROR: 2.0,  # mean exp|d|: probabilities off by 2x on average
+    K.ABS_DIFF_MEAN: 1.0,  # mean |d| of one nat
+    K.SEQ_CATASTROPHIC_FRAC: 0.25,  # a quarter of the sequences far off
+}
+
+
+@dataclass(frozen=True)
+class HaltConfig:
+    """When the Monitor stops the run (README, "Halting", states these defaults)."""
+
+    enabled: bool = True
+    kinds: tuple[str, ...] = KINDS
+    """Alarm kinds that may halt."""
+    min_severity: str = "critical"
+    """Alarms below this severity never halt."""
+    patience: int = 1
+    """Consecutive steps with a halting alarm before the run halts."""
+    hard_limits: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HARD_LIMITS))
+    """metric -> limit: exceeding one halts at once (a critical threshold alarm, patience ignored)."""
+    dump: bool = True
+    """Write the step's forensic dump before raising."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown alarm kinds {sorted(unknown)}; known: {KINDS}")
+        if self.min_severity not in SEVERITIES:
+            raise ValueError(f"min_severity must be one of {SEVERITIES}, got {self.min_severity!r}")
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1, got {self.patience}")
+        bad = {k: v for k, v in self.hard_limits.items() if not isinstance(v, (int, float)) or math.isnan(v)}
+        if bad:
+            raise ValueError(f"hard limits must be numbers, got {bad}")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    run_dir: str | os.PathLike
+    """Where metrics.jsonl, state.json, dumps/ and wandb/ go; created if missing."""
+    sinks: tuple[Any, ...] = ("jsonl", "console")
+    """Any of "jsonl", "console", "wandb", or your own `rlcheck.sinks.Sink` instances. JSONL is what
+    summarize, diagnose and report read."""
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
+    halt: HaltConfig = field(default_factory=HaltConfig)
+    wandb: Any = None
+    """A `rlcheck.sinks.WandbConfig` for the "wandb" sink (defaults when None)."""
+    resume: bool = True
+    """Load state.json from run_dir when it exists, so the detectors keep their history; when False,
+    a run_dir that already holds a run is refused (nothing is overwritten)."""
+    redact: bool = False
+    """Keep prompt and response text out of the evidence: dumps get no token ids (prompt, response,
+    trainer) and no per-sequence text columns (string meta columns other than ids); meta.json says
+    `"redacted": true` and names the dropped columns. metrics.jsonl and W&B never carry tokens or
+    text either way (their offenders hold request ids and numbers); `context` is written as given."""
+    context: Mapping[str, Any] = field(default_factory=dict)
+    """Model, engine and sampling settings, written into every dump's meta.json."""
+
+    def __post_init__(self) -> None:
+        if not str(self.run_dir):
+            raise ValueError("run_dir must be a directory path")
+        if isinstance(self.sinks, str):
+            raise ValueError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")

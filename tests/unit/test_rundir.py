@@ -1,0 +1,109 @@
+"""Tests of rlcheck.rundir: atomic JSON, the start-up write probe, and the lines a crash left uncommitted."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from rlcheck import rundir as R
+from rlcheck.errors import RunDirError
+from rlcheck.sinks import JsonlSink
+from rlcheck.sinks.testing import example_record
+
+
+class TestWriteAll:
+    def test_loops_over_short_writes(self, tmp_path, monkeypatch):
+        """Short writes are continued until every byte is written."""
+        real_write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, b: real_write(fd, bytes(b)[:3]))
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        R.write_all(fd, b"0123456789")
+        os.close(fd)
+        assert (tmp_path / "f").read_bytes() == b"0123456789"
+
+    def test_no_progress_is_enospc(self, tmp_path, monkeypatch):
+        """A write that writes nothing is reported as ENOSPC, never an endless loop."""
+        monkeypatch.setattr(os, "write", lambda fd, b: 0)
+        with pytest.raises(OSError) as info:
+            R.write_all(0, b"x")
+        assert info.value.errno == errno.ENOSPC
+
+
+class TestAtomicWriteJson:
+    def test_replaces_and_fsyncs(self, tmp_path, monkeypatch):
+        """The new content replaces the old; the file and then its directory are fsynced."""
+        path = tmp_path / "state.json"
+        R.atomic_write_json(path, {"a": 1})
+        synced = []
+        real_fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.isdir(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+        R.atomic_write_json(path, {"a": 2})
+        assert json.loads(path.read_text()) == {"a": 2}
+        assert synced == [False, True]
+        assert sorted(os.listdir(tmp_path)) == ["state.json"]
+
+    def test_failure_keeps_old_file(self, tmp_path, monkeypatch):
+        """A failed write is a RunDirError naming the file; the old file stays whole, no temp file is left."""
+        path = tmp_path / "state.json"
+        R.atomic_write_json(path, {"a": 1})
+        monkeypatch.setattr(os, "write", _full)
+        with pytest.raises(RunDirError, match="state.json.*No space"):
+            R.atomic_write_json(path, {"a": 2})
+        monkeypatch.undo()
+        assert json.loads(path.read_text()) == {"a": 1} and sorted(os.listdir(tmp_path)) == ["state.json"]
+
+
+class TestPrepare:
+    def test_probe_is_fsynced_and_removed(self, tmp_path, monkeypatch):
+        """The start-up probe writes a block, fsyncs it and leaves nothing behind."""
+        calls = []
+        real_fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real_fsync(fd))
+        R.prepare(tmp_path / "run")
+        assert len(calls) == 1 and os.listdir(tmp_path / "run") == []
+
+    def test_not_writable(self, tmp_path):
+        """A run dir under a file is 'not writable', from prepare."""
+        (tmp_path / "f").write_text("")
+        with pytest.raises(RunDirError, match="not writable"):
+            R.prepare(tmp_path / "f" / "run")
+
+    @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+    def test_full(self, tmp_path, monkeypatch, code):
+        """No space or no quota at start is a RunDirError that says the directory is full."""
+        monkeypatch.setattr(os, "write", lambda fd, b: _full(fd, b, code))
+        with pytest.raises(RunDirError, match="is full"):
+            R.prepare(tmp_path / "run")
+
+
+class TestUncommittedRecords:
+    def _log(self, run_dir, steps):
+        sink = JsonlSink(run_dir)
+        for s in steps:
+            sink.log(s, example_record(s))
+        sink.close()
+        return R.jsonl_bytes(run_dir)
+
+    def test_none_when_in_step(self, tmp_path):
+        """A file exactly as long as state.json recorded has nothing uncommitted."""
+        assert R.uncommitted_records(tmp_path, self._log(tmp_path, [0, 1])) == []
+        assert R.uncommitted_records(tmp_path, None) == []
+
+    def test_lines_after_offset(self, tmp_path):
+        """Lines after the recorded length come back, in order."""
+        committed = self._log(tmp_path, [0])
+        self._log(tmp_path, [1, 2])
+        assert [r["step"] for r in R.uncommitted_records(tmp_path, committed)] == [1, 2]
+
+    def test_shorter_file_warns(self, tmp_path):
+        """A file shorter than recorded (truncated, replaced) warns and gives nothing to replay."""
+        size = self._log(tmp_path, [0])
+        with pytest.warns(UserWarning, match="shorter"):
+            assert R.uncommitted_records(tmp_path, size + 100) == []
+
+
+def _full(fd, data, code=errno.ENOSPC):
+    raise OSError(code, os.strerror(code))
