@@ -103,6 +103,16 @@ def _request_ids(ids: Any, num_sequences: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
+    """(sum(lens),) int64 indices of the tokens of segments [starts[i], starts[i] + lens[i]), in order;
+    equal to `np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])`, without the loop.
+    All offset arithmetic is int64, so offsets past 2**32 do not wrap."""
+    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)  # (N,) each
+    offs = np.zeros(lens.shape[0] + 1, dtype=np.int64)  # (N+1,) where segment i lands in the output
+    np.cumsum(lens, out=offs[1:])
+    return np.repeat(starts - offs[:-1], lens) + np.arange(offs[-1], dtype=np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class StepBatch:
     """One step's packed comparison data; see the module docstring for the layout."""
@@ -340,7 +350,7 @@ class StepBatch:
         lens = ends - starts
         cu = np.zeros(idx.shape[0] + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        tok = np.repeat(starts - cu[:-1], lens) + np.arange(cu[-1], dtype=np.int64)  # (M',)
+        tok = segment_token_indices(starts, lens)  # (M',)
 
         def take(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[tok]

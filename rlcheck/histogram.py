@@ -53,8 +53,10 @@ def abs_histogram(abs_values: np.ndarray) -> np.ndarray:
 def position_histogram(positions: np.ndarray) -> np.ndarray:
     """(NUM_POS_BINS,) int64 counts of non-negative integer positions."""
     pos = np.asarray(positions, dtype=np.int64)
-    code = pos.astype(np.float32).view(np.uint32) >> _SHIFT
-    big = np.clip(code.astype(np.int64), _POS_LO_CODE, _POS_HI_CODE) - _POS_LO_CODE + _POS_EXACT
+    # Exponent and top mantissa bits of the exact float64 value, re-biased to float32 codes (a float32
+    # would round 2**33 - 1 up to 2**33, one bin too high, for any position past 2**24).
+    code = (pos.astype(np.float64).view(np.int64) >> (52 - _SUB_BITS)) - ((1023 - 127) << _SUB_BITS)
+    big = np.clip(code, _POS_LO_CODE, _POS_HI_CODE) - _POS_LO_CODE + _POS_EXACT
     idx = np.where(pos < _POS_EXACT, pos, big)
     return np.bincount(idx, minlength=NUM_POS_BINS).astype(np.int64)
 

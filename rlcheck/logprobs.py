@@ -276,9 +276,11 @@ def _scored_rows(input_ids: torch.Tensor, targets: torch.Tensor | None, cu_seqle
 
 
 def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-    starts = torch.repeat_interleave(cu_seqlens[:-1].to(device), lens)
-    return (torch.arange(int(cu_seqlens[-1]), device=device) - starts)[None]  # (1, T)
+    """(1, T) int64 position of every token cu_seqlens[0]:cu_seqlens[-1] inside its sequence (int32
+    cu_seqlens, the flash-attn habit, are widened first)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])  # (T,)
+    return (torch.arange(int(cu[0]), int(cu[-1]), device=device) - starts)[None]
 
 
 def token_logprobs(

@@ -1,4 +1,10 @@
-"""finalize: metric dict (every value finite) and offenders from merged partial statistics."""
+"""finalize: metric dict (every value finite) and offenders from merged partial statistics.
+
+A metric that is undefined for the step is absent, never NaN: the token, ratio, slope and shift
+metrics and the seq/ means and maxima when no token is valid (every one masked or non-finite);
+seq/first_div_* when no sequence diverged; sig/token_mismatch_* without token ids on both sides.
+A slope or correlation whose variance is 0 or below rounding resolution is reported as 0.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +57,10 @@ def _token_metrics(p: PartialStats, cfg: StatsConfig) -> dict[str, float]:
     s, mx, mn = p.sums, p.maxima, p.minima
     n = s["n"]
     mean_e, mean_e2 = s["e"] / n, s["e2"] / n
-    sum_r, sum_r2 = s["e"] + n, s["e2"] + 2.0 * s["e"] + n
+    mean_r, mean_r2 = s["r"] / n, s["r2"] / n
+    # var r = var(r - 1), one-pass from the smaller second moment (less cancellation): e = r - 1 while
+    # r ~ 1, r itself once every r is far below 1 (there e ~ -1 and e's variance is lost to rounding)
+    var_r = mean_e2 - mean_e * mean_e if mean_e2 <= mean_r2 else mean_r2 - mean_r * mean_r
     ad_max = mx["ad"]
     out = {
         K.ABS_DIFF_MEAN: s["ad"] / n,
@@ -67,23 +76,17 @@ def _token_metrics(p: PartialStats, cfg: StatsConfig) -> dict[str, float]:
         K.PROB_ABS_DIFF_MEAN: s["pdiff"] / n,
         K.PROB_ABS_DIFF_MAX: mx["pdiff"],
         K.MULT_PROB_ERROR: 1.0 + s["mpe"] / n,
-        K.RATIO_MEAN: 1.0 + mean_e,
-        K.RATIO_STD: math.sqrt(max(mean_e2 - mean_e * mean_e, 0.0)),
+        K.RATIO_MEAN: mean_r,  # = 1 + mean_e, without the cancellation where r << 1
+        K.RATIO_STD: math.sqrt(max(var_r, 0.0)),
         K.RATIO_MIN: math.exp(max(min(mn["d"], RATIO_LOG_CAP), -700.0)),
         K.RATIO_MAX: math.exp(min(mx["d"], RATIO_LOG_CAP)),
-        K.RATIO_ESS: sum_r * sum_r / (n * sum_r2),
+        K.RATIO_ESS: s["r"] * s["r"] / (n * s["r2"]),  # s["r2"] > 0: r is floored (stats.partial)
         K.RATIO_FRAC_ABOVE_C: s["ratio_above"] / n,
     }
     for i, t in enumerate(p.thresholds):
         out[K.frac_abs_diff_above(t)] = s[f"thr{i}"] / n
 
-    mean_d, mean_lr = s["d"] / n, s["lr"] / n
-    var_lr = max(s["lr2"] / n - mean_lr * mean_lr, 0.0)
-    var_d = max(s["d2"] / n - mean_d * mean_d, 0.0)
-    cov = s["dlr"] / n - mean_d * mean_lr
-    out[K.SIG_SLOPE] = cov / var_lr if var_lr > 1e-12 else 0.0
-    out[K.SIG_SLOPE_CORR] = max(min(cov / math.sqrt(var_lr * var_d), 1.0), -1.0) if var_lr * var_d > 1e-24 else 0.0
-
+    out.update(_slope_metrics(s, n))
     sh_n = s["sh_n"]
     if sh_n > 0:
         base, ep, em = s["sh_e0"] / sh_n, s["sh_ep"] / sh_n, s["sh_em"] / sh_n
@@ -93,3 +96,23 @@ def _token_metrics(p: PartialStats, cfg: StatsConfig) -> dict[str, float]:
     else:
         out.update({K.SIG_SHIFT_BASE: 0.0, K.SIG_SHIFT_GAIN: 0.0, K.SIG_SHIFT_DIRECTION: 0.0})
     return out
+
+
+# A one-pass variance E[x^2] - E[x]^2 is known to about 1e-15 E[x^2]; below this fraction of E[x^2] it
+# is rounding noise (all logprobs ~ -9999 within 1e-5: a "slope" of noise over noise), reported as 0.
+_RESOLVED = 1e-10
+
+
+def _slope_metrics(s: dict[str, float], n: float) -> dict[str, float]:
+    """Least-squares slope of d on logp_rollout and their correlation; 0 where a variance is 0 or
+    below rounding resolution."""
+    mean_d, mean_lr = s["d"] / n, s["lr"] / n
+    var_lr = max(s["lr2"] / n - mean_lr * mean_lr, 0.0)
+    var_d = max(s["d2"] / n - mean_d * mean_d, 0.0)
+    cov = s["dlr"] / n - mean_d * mean_lr
+    lr_ok = var_lr > max(1e-12, _RESOLVED * s["lr2"] / n)
+    d_ok = var_d > _RESOLVED * s["d2"] / n and var_lr * var_d > 1e-24
+    return {
+        K.SIG_SLOPE: cov / var_lr if lr_ok else 0.0,
+        K.SIG_SLOPE_CORR: max(min(cov / math.sqrt(var_lr * var_d), 1.0), -1.0) if lr_ok and d_ok else 0.0,
+    }

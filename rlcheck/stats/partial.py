@@ -18,6 +18,8 @@ from rlcheck.stats.sums import sum64, sum_product
 from rlcheck.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
 
 _F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
+_R_FROM_E = -4.0  # every d above this: r^2 > e^-8, so sum e^2 + 2 sum e + n loses at most ~4 digits
+_R_FLOOR = -300.0  # d below this counts as this in sum r, sum r^2: r^2 stays a normal float64 (> 0)
 
 def _validity(batch: StepBatch, lr: np.ndarray, lt: np.ndarray, sum_d: float) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(valid, nonfinite) token masks, or None where every token qualifies / none is non-finite."""
@@ -36,6 +38,19 @@ def _validity(batch: StepBatch, lr: np.ndarray, lt: np.ndarray, sum_d: float) ->
     if nonfinite is None:
         return mask, None
     return (~nonfinite if mask is None else mask & ~nonfinite), nonfinite
+
+
+def _ratio_sums(d, d_min, n, valid, sums, scratch) -> tuple[float, float]:
+    """(sum r, sum r^2) over the valid tokens, for the ESS. From the sums of e = r - 1 while every d is
+    above _R_FROM_E; else from exp(d) itself, since 1 + e cancels (d = -40: 1 + (-1 + 4e-18) = 0, and
+    an ESS of 0 / 0)."""
+    if d_min >= _R_FROM_E:
+        return sums["e"] + n, sums["e2"] + 2.0 * sums["e"] + n
+    r = np.exp(np.clip(d, _R_FLOOR, RATIO_LOG_CAP, out=scratch), out=scratch)  # (M,)
+    if valid is not None:
+        r[~valid] = 0.0  # invalid tokens hold d = 0 (r = 1) but do not count
+    sum_r = sum64(r)
+    return sum_r, sum64(np.multiply(r, r, out=r))
 
 
 def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> PartialStats:
@@ -81,6 +96,7 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
         "ratio_above": float(np.count_nonzero(e > cfg.ratio_c - 1.0)),
         "clipped": float(clipped),
     }
+    sums["r"], sums["r2"] = _ratio_sums(d, d_min, n, valid, sums, scratch)
     # |exp(lt) - exp(lr)| = exp(lr) * |r - 1|, or exp(max) * (1 - exp(-|d|)) where r was capped
     pdiff = np.abs(e, out=scratch)
     pdiff *= np.exp(lr)

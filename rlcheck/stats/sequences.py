@@ -22,7 +22,12 @@ def segment_max(x: np.ndarray, cu: np.ndarray) -> np.ndarray:
 def first_positions(flags: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sequences, positions): every sequence of `cu` holding a True in `flags` (M,), ascending, and
     the position of its first True counted from the sequence start."""
-    pos = np.flatnonzero(flags)  # (F,) token indices, ascending
+    return first_in_segments(np.flatnonzero(flags), cu)
+
+
+def first_in_segments(pos: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`first_positions` from the flagged token indices `pos` (F,), ascending: int64 throughout."""
+    pos = np.asarray(pos, dtype=np.int64)
     seq_of = np.searchsorted(cu, pos, side="right") - 1
     seqs, first_idx = np.unique(seq_of, return_index=True)
     return seqs, pos[first_idx] - cu[seqs]

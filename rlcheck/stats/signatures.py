@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlcheck.batch import segment_token_indices
 from rlcheck.stats.sums import sum64, sum_product
 
 
@@ -19,9 +20,7 @@ def signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch) -> None:
     span = np.maximum(span, 0)
     total = int(span.sum())
     if total:
-        offs = np.zeros(span.shape[0], dtype=np.int64)
-        np.cumsum(span[:-1], out=offs[1:])
-        j = np.repeat(cu[:-1] - offs, span) + np.arange(total, dtype=np.int64)  # (P,)
+        j = segment_token_indices(cu[:-1], span)  # (P,) first token of every pair
         lt0, lr0, lt1, lr1 = lt[j], lr[j], lt[j + 1], lr[j + 1]  # (P,) each
         ok = None if valid is None else valid[j] & valid[j + 1]
 
