@@ -71,8 +71,10 @@ def frac_abs_diff_above(threshold: float) -> str:
     return f"rlcheck/token/frac_abs_diff_gt_{threshold:g}"
 
 
-# Keys the standard statistics always produce (the threshold fractions and first-divergence keys are
-# added per configuration / when a sequence diverged).
+# Keys the standard statistics produce for every step with at least one valid token (the threshold
+# fractions and first-divergence keys are added per configuration / when a sequence diverged). When no
+# token is valid (all masked or non-finite) only the counts are logged: an undefined metric is absent,
+# never NaN.
 ALWAYS = (
     TOKEN_COUNT, TOKEN_MASKED_COUNT, NONFINITE_COUNT, ABS_DIFF_MEAN, ABS_DIFF_P50, ABS_DIFF_P90,
     ABS_DIFF_P99, ABS_DIFF_MAX, DIFF_MEAN, KL_K1, KL_K2, KL_K3, CHI2, PROB_ABS_DIFF_MEAN,
