@@ -1,4 +1,9 @@
-"""The `rlcheck` command line. Each command maps onto the library; `rlcheck --help` lists them."""
+"""The `rlcheck` command line. Each command maps onto the library; `rlcheck --help` lists them.
+
+Every path argument is checked before any work starts (`rlcheck.cli_paths`, which says what may be
+written where); an error a user can cause (`RLCheckError`) prints as one `rlcheck: error:` line and
+exits 2. No command runs a shell or another program.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,26 @@ import time
 from pathlib import Path
 
 import typer
+from typer.core import TyperGroup
 
+from rlcheck.cli_paths import existing_dir, model_output, model_source, optional_dir, output_dir, output_file
 from rlcheck.errors import RLCheckError
 from rlcheck.forensics.replay import DEFAULT_TAU, DEFAULT_THRESHOLD
+
+EXIT_USAGE = 2
+"""Exit code of a bad argument or input (click's own usage errors use it too)."""
+
+
+class _Commands(TyperGroup):
+    """The command group: an `RLCheckError` from a command is one `rlcheck: error:` line and exit 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except RLCheckError as exc:
+            typer.echo(f"rlcheck: error: {exc}", err=True)
+            raise typer.Exit(EXIT_USAGE) from None
+
 
 app = typer.Typer(
     name="rlcheck",
@@ -18,6 +40,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_Commands,
 )
 
 
@@ -25,14 +48,6 @@ def _console():
     from rich.console import Console
 
     return Console(highlight=False)
-
-
-def _existing_dir(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise typer.BadParameter(f"{path} does not exist", param_hint=what)
-    if not path.is_dir():
-        raise typer.BadParameter(f"{path} is not a directory", param_hint=what)
-    return path
 
 
 @app.command()
@@ -45,7 +60,7 @@ def summarize(
     from rlcheck.summarize import render
     from rlcheck.summarize import summarize as summarize_run
 
-    summary = summarize_run(_existing_dir(run_dir, "RUN_DIR"), worst=worst)
+    summary = summarize_run(existing_dir(run_dir, "RUN_DIR"), worst=worst)
     if as_json:
         typer.echo(json.dumps(summary, indent=1))
     else:
@@ -62,7 +77,8 @@ def report(
     |d| histogram, offenders and links to the dumps."""
     from rlcheck.report import write_report
 
-    path = write_report(_existing_dir(run_dir, "RUN_DIR"), out)
+    existing_dir(run_dir, "RUN_DIR")
+    path = write_report(run_dir, output_file(out, "--out"))
     typer.echo(f"report: {path}")
     if open_page:
         import webbrowser
@@ -90,6 +106,9 @@ def demo(
     console = _console()
     if run_dir is None:
         run_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    output_dir(run_dir, "--run-dir")
+    if not synthetic:
+        model_source(model, "--model")
     if synthetic:
         from rlcheck.demo_synthetic import run_demo as run_synthetic
 
@@ -132,9 +151,7 @@ def diagnose(
     from rlcheck.forensics.diagnose import diagnose as run_diagnose
     from rlcheck.forensics.render import render_diagnosis
 
-    if not path.exists():
-        raise typer.BadParameter(f"{path} does not exist", param_hint="PATH")
-    result = run_diagnose(path)
+    result = run_diagnose(existing_dir(path, "PATH"))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
@@ -163,8 +180,8 @@ def replay(
     from rlcheck.forensics.render import render_replay
     from rlcheck.forensics.replay import replay as run_replay
 
-    if not dump.is_dir():
-        raise typer.BadParameter(f"{dump} is not a directory", param_hint="DUMP")
+    existing_dir(dump, "DUMP")
+    optional_dir(model, "--model")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the replay's own bar is enough
@@ -197,13 +214,13 @@ def make_model(
     arch: str = typer.Option(..., help="llama, mamba2 or hybrid (attention + Mamba2, GraniteMoeHybrid)."),
     seed: int = typer.Option(0, help="Seed of the weight init."),
     dtype: str = typer.Option("float32", help="Weight dtype: float32 or bfloat16."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it holds a model make-model built (nothing else is replaced)."),
 ) -> None:
     """Build a tiny random-weight model and its BPE tokenizer, offline and deterministically."""
     from rlcheck.modelzoo import build_model, describe
 
     start = time.perf_counter()
-    path = build_model(arch, out, seed=seed, dtype=dtype, force=force)
+    path = build_model(arch, model_output(out, force), seed=seed, dtype=dtype, force=force)
     info = describe(path)
     typer.echo(
         f"built {info['arch']}: {info['num_params']:,} params, vocab {info['vocab_size']}, "

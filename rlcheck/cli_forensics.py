@@ -12,9 +12,12 @@ from pathlib import Path
 
 import typer
 
-from rlcheck.cli import _console, _existing_dir, app
+from rlcheck.cli import _console, app
+from rlcheck.cli_paths import existing_dir, output_dir
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
 from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
+from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE
+from rlcheck.forensics.sweep import RESULT_FILE as SWEEP_FILE
 from rlcheck.forensics.sweep import SWEEP_REQUESTS
 
 
@@ -39,7 +42,7 @@ def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, ma
     # vLLM logs to stdout at INFO by default: keep stdout for the table or the JSON
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return StressConfig(model=str(_existing_dir(model, "--model")), num_requests=requests, samples_per_prompt=samples,
+    return StressConfig(model=str(existing_dir(model, "--model")), num_requests=requests, samples_per_prompt=samples,
                         max_tokens=max_tokens, max_num_seqs=max_num_seqs, kv_cache_bytes=parse_size(kv_cache),
                         max_num_batched_tokens=batched_tokens, dtype=dtype, seed=seed, fault=fault,
                         boundary=boundary, threshold=threshold)
@@ -76,7 +79,7 @@ def stress(
 
     cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                          inject, threshold)
-    out = out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S")
+    out = output_dir(out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S"), "--out", own_marker=STRESS_FILE)
     with _phases() as advance:
         result = run_stress(cfg, out, progress=advance)
     if as_json:
@@ -104,7 +107,7 @@ def sweep(
     knobs = [parse_knob(k) for k in knob]
     base = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                           inject, threshold)
-    out = out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    out = output_dir(out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S"), "--out", own_marker=SWEEP_FILE)
     with _phases() as advance:
         result = run_sweep(base, knobs, progress=advance)
     table, png = write_sweep(result, out)

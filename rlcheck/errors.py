@@ -66,3 +66,24 @@ class MismatchHalt(RLCheckError):
         trouble = "".join(f"; {p}" for p in self.problems)
         super().__init__(f"rlcheck halted the run at step {report.step}: {reason}{where}{trouble}")
 
+
+class ActorDiedError(RLCheckError, RuntimeError):
+    """A Ray actor of the loop (`rlcheck.loop`) died or stopped answering and the run cannot go on: a
+    trainer rank (its optimizer state died with it), or the rollout engine once
+    `LoopConfig.max_engine_restarts` fresh engines were used up or a restart failed. The loop has
+    stopped every actor by the time this is reported (on `LoopResult.error`).
+
+    Attributes:
+        actor: which actor, e.g. "rollout rollout0" or "trainer rank 1/2".
+        step: the step it was lost in; phase: the loop phase then (`rlcheck.loop.PHASES`).
+    """
+
+    def __init__(self, actor: str, step: int, phase: str, detail: str):
+        self.actor, self.step, self.phase = actor, step, phase
+        super().__init__(f"the {actor} actor was lost during {phase} at step {step}: {detail}")
+
+
+class PathError(InputError):
+    """A path given to rlcheck (a run directory, a dump, a model folder, an output) is missing, of the
+    wrong kind (a file where a directory is expected), not writable, or one rlcheck refuses to write
+    into (a non-empty directory that holds something else, a model folder)."""

@@ -9,6 +9,7 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck import metrics as K
+from rlcheck.dump import META
 from rlcheck.forensics.evidence import Evidence, load_evidence
 from rlcheck.stats import StatsConfig
 
@@ -31,6 +33,8 @@ CAUSES = {
     "unexplained": "alarms that match no known shape",
 }
 MAX_IDS = 50
+RESTART_AGE = "loop/steps_since_engine_restart"
+"""The loop's `rlcheck.loop.recovery.STEPS_SINCE_RESTART` (spelled here: diagnose does not import the loop)."""
 
 
 @dataclass
@@ -78,6 +82,7 @@ def diagnose(path: str | Path) -> Diagnosis:
     if not findings:
         findings = [_healthy_or_unexplained(ev)]
     findings.sort(key=lambda f: -f.confidence)
+    _note_restart(ev, findings[0])
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 
 
@@ -302,6 +307,20 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
     kinds = sorted({f"{a['kind']}:{a['metric'].removeprefix(K.PREFIX)}" for a in alarms})
     return Finding("unexplained", 0.3, [f"{len(alarms)} alarm(s) ({', '.join(kinds[:6])}) fit no known shape"],
                    _steps(alarms))
+
+
+def _note_restart(ev: Evidence, verdict: Finding) -> None:
+    """Alarms on the step a fresh rollout engine started, or the next: say so (empty caches, re-synced
+    weights) in the verdict's evidence."""
+    extra = {}
+    if ev.source == "dump":  # the loop's scalars are in the dump's meta, not in its recomputed record
+        extra = json.loads((ev.path / META).read_text()).get("metrics", {})
+    steps = [r["step"] for r in ev.records
+             if r.get("alarms") and 0 <= {**r["metrics"], **extra}.get(RESTART_AGE, math.inf) <= 1]
+    if steps:
+        verdict.evidence.append(f"alarm(s) at step(s) {', '.join(map(str, steps[:5]))} came right after the rollout "
+                                "engine was restarted (a fresh engine: empty caches, weights re-synced); loop.jsonl "
+                                "has the restart")
 
 
 RULES = (_slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)

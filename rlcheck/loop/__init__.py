@@ -1,9 +1,11 @@
 """The real loop: vLLM rollouts and a sharded trainer as Ray actors, with the monitor between them
-(`rlcheck.loop.driver` has the step; `recipes/` holds runnable configurations)."""
+(`rlcheck.loop.driver` has the step; `rlcheck.loop.recovery` what happens when an actor is lost;
+`recipes/` holds runnable configurations)."""
 
 from rlcheck.loop.driver import PHASES, GRPOLoop, LoopConfig, LoopResult, run_grpo
 from rlcheck.loop.placement import Placement, ray_session
+from rlcheck.loop.recovery import EngineRestart
 from rlcheck.loop.task import AdditionTask, reward
 
-__all__ = ["PHASES", "AdditionTask", "GRPOLoop", "LoopConfig", "LoopResult", "Placement", "ray_session",
-           "reward", "run_grpo"]
+__all__ = ["PHASES", "AdditionTask", "EngineRestart", "GRPOLoop", "LoopConfig", "LoopResult", "Placement",
+           "ray_session", "reward", "run_grpo"]

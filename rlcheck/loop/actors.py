@@ -44,6 +44,7 @@ class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.trainer: PolicyTrainer | None = None
+        self._weights = None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port for the group's rendezvous (asked of rank 0)."""
@@ -52,7 +53,11 @@ class TrainerWorker:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> str:
+    def setup(self, master_addr: str, master_port: int, collective_timeout_s: float = 600.0) -> str:
+        """Join the process group; a collective waiting longer than `collective_timeout_s` for a peer
+        (a dead rank) raises instead of blocking forever."""
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
@@ -62,7 +67,8 @@ class TrainerWorker:
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own visible GPU
         if self.cfg.backend != "hf":
             dist.init_process_group("nccl" if self.cfg.device.startswith("cuda") else "gloo",
-                                    rank=self.rank, world_size=self.world_size)
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=collective_timeout_s))
         self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size)
         return f"rank {self.rank}/{self.world_size} on {_node_ip()} ({self.cfg.backend})"
 
@@ -74,6 +80,17 @@ class TrainerWorker:
 
     def full_state_dict(self):
         return self.trainer.full_state_dict()
+
+    def gather_weights(self) -> int:
+        """Gather the full weights (every rank takes part); rank 0 keeps them for `take_weights`.
+        Returns the number of tensors kept (0 on the other ranks): a small answer to join on."""
+        self._weights = self.trainer.full_state_dict()
+        return len(self._weights or ())
+
+    def take_weights(self):
+        """The weights of the last `gather_weights` (rank 0), handed over once."""
+        weights, self._weights = self._weights, None
+        return weights
 
     def shutdown(self) -> None:
         import torch.distributed as dist

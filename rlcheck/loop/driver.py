@@ -9,7 +9,13 @@ unless a sync was missed); `monitor.observe` compares the two (and may raise `Mi
 rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
 gathered weights go to vLLM as version v + 1. A halt stops the actors and returns with the evidence
 (the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
-step: rewards, loss, and the time of each phase.
+step: rewards, loss, the time of each phase, and the step's engine restarts.
+
+Lost actors (`rlcheck.loop.recovery`): a dead or hung rollout engine is replaced by a fresh one with
+the trainer's weights, up to `max_engine_restarts` times, and the step goes on; a lost trainer rank,
+or an engine past that bound, stops the run: every actor is killed within seconds (no rank is left
+waiting in a collective), and the result comes back with `halted`, the `reason` naming the actor and
+phase, and `error` (an `ActorDiedError`). The Monitor's files hold every step observed until then.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any
 import numpy as np
 
 from rlcheck.engines.vllm import VLLMConfig, to_step_batch
-from rlcheck.errors import ConfigError, MismatchHalt
+from rlcheck.errors import ActorDiedError, ConfigError, MismatchHalt
 from rlcheck.faults import Fault
+from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlcheck.loop.placement import Placement
+from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import AdditionTask, encode_prompts, reward
 from rlcheck.monitor import Monitor, StepReport
 from rlcheck.trainers import Sequences, TrainerConfig, group_advantages
@@ -48,6 +56,17 @@ class LoopConfig:
     task: AdditionTask = field(default_factory=AdditionTask)
     placement: Placement = field(default_factory=Placement)
     fault: Fault = field(default_factory=Fault)
+    max_engine_restarts: int = 2
+    """Times a lost rollout engine is replaced by a fresh one (with the trainer's weights) before the
+    run stops; 0: the first loss stops it."""
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    """An actor call (generate, a trainer phase, a weight sync, an engine start) unanswered after this
+    long counts as a lost actor."""
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    """The trainer process group's timeout: a rank waiting this long in a collective raises."""
+    keep_reports: int = 10_000
+    """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
+    would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
 
     def context(self) -> dict[str, Any]:
         """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling."""
@@ -66,6 +85,10 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.group_size < 2 or self.world_size < 1:
             raise ConfigError("need steps >= 1, group_size >= 2 (GRPO compares samples) and world_size >= 1")
+        if self.max_engine_restarts < 0 or min(self.call_timeout_s, self.collective_timeout_s) <= 0:
+            raise ConfigError("need max_engine_restarts >= 0, call_timeout_s > 0 and collective_timeout_s > 0")
+        if self.keep_reports < 1:
+            raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:
             raise ConfigError(
                 f"rollout temperature {self.rollout.temperature} != trainer temperature "
@@ -78,14 +101,28 @@ class LoopConfig:
 @dataclass
 class LoopResult:
     steps_run: int = 0
+    """Steps run in all; `reports`, `timings` and `rewards` hold the last `LoopConfig.keep_reports`."""
     halted: bool = False
     reason: str | None = None
     dump_dir: str | None = None
     reports: list[StepReport] = field(default_factory=list)
+    """One per step, the halting step's included."""
     timings: list[dict[str, float]] = field(default_factory=list)
     """Seconds per phase (`PHASES`) and `total`, one dict per step."""
     rewards: list[float] = field(default_factory=list)
     """Mean reward per step."""
+    restarts: list[EngineRestart] = field(default_factory=list)
+    """Every replacement of the rollout engine."""
+    error: ActorDiedError | None = None
+    """Set when a lost actor stopped the run (`halted` is True, `reason` is its message)."""
+
+    def keep(self, report: StepReport, info: dict[str, Any], limit: int) -> None:
+        """Count a finished step and keep its report, timings and reward (the last `limit` of each)."""
+        self.steps_run += 1
+        for kept, item in ((self.reports, report), (self.timings, info["seconds"]), (self.rewards, info["reward_mean"])):
+            kept.append(item)
+            if len(kept) > limit:
+                del kept[0]
 
 
 StepCallback = Callable[[int, StepReport, dict[str, Any]], None]
@@ -97,20 +134,32 @@ class GRPOLoop:
     def __init__(self, cfg: LoopConfig, monitor: Monitor):
         from transformers import AutoTokenizer
 
-        from rlcheck.loop.group import TrainerGroup, start_rollout
+        from rlcheck.loop.group import TrainerGroup
+        from rlcheck.loop.recovery import RolloutSupervisor
 
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         self.log_path = Path(monitor.run_dir) / "loop.jsonl"
-        self.rollout = start_rollout(cfg.rollout, cfg.placement, cfg.fault.engine_fault())
+        self.engine = RolloutSupervisor(cfg.rollout, cfg.placement, cfg.fault.engine_fault(),
+                                        cfg.max_engine_restarts, cfg.call_timeout_s)
         try:
-            self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement)
+            self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement,
+                                      call_timeout_s=cfg.call_timeout_s,
+                                      collective_timeout_s=cfg.collective_timeout_s)
         except BaseException:
-            self._kill_rollout()
+            self.engine.kill()
             raise
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
         self.fault_touched: list[str] = []
+        self.phase = "start"
+        self._step_restarts: list[EngineRestart] = []
+        self._stopped = False
+
+    @property
+    def rollout(self):
+        """The current rollout actor (a new handle after each engine restart)."""
+        return self.engine.actor
 
     def run(self, on_step: StepCallback | None = None, start: int = 0) -> LoopResult:
         result = LoopResult()
@@ -120,28 +169,40 @@ class GRPOLoop:
             except MismatchHalt as halt:
                 result.halted, result.reason, result.dump_dir = True, halt.reason, halt.dump_dir
                 self._log({"step": step, "halted": True, "reason": halt.reason, "dump": halt.dump_dir,
-                           "fault_touched": self.fault_touched}, halt.report)
+                           "fault_touched": self.fault_touched, "engine_restarts": self._restart_log()},
+                          len(halt.report.alarms))
                 result.reports.append(halt.report)
                 result.steps_run += 1
                 if on_step:
                     on_step(step, halt.report, {"halted": True})
                 break
-            result.reports.append(report)
-            result.timings.append(info["seconds"])
-            result.rewards.append(info["reward_mean"])
-            result.steps_run += 1
+            except (ActorLost, ActorDiedError) as exc:
+                self._actor_died(step, exc, result)
+                break
+            finally:
+                result.restarts = list(self.engine.restarts)
+            result.keep(report, info, self.cfg.keep_reports)
             if on_step:
                 on_step(step, report, info)
         return result
 
-    def step(self, step: int) -> tuple[StepReport, dict[str, Any]]:
-        import ray
+    def _actor_died(self, step: int, exc: ActorLost | ActorDiedError, result: LoopResult) -> None:
+        """A lost trainer rank, or an engine past its restarts: kill every actor now, record the halt."""
+        if isinstance(exc, ActorLost):
+            exc = ActorDiedError(exc.actor, step, self.phase, f"{exc.detail}; a trainer rank is not restarted "
+                                 "(its optimizer state and weight shard died with it): the run stops")
+        self.close(graceful=False)
+        result.halted, result.reason, result.error = True, str(exc), exc
+        self._log({"step": step, "halted": True, "reason": str(exc), "event": "actor_died", "actor": exc.actor,
+                   "phase": exc.phase, "engine_restarts": self._restart_log()})
 
-        cfg, t = self.cfg, _Timer()
+    def step(self, step: int) -> tuple[StepReport, dict[str, Any]]:
+        cfg, t = self.cfg, _Timer(self)
+        self._step_restarts = []
         items = cfg.task.prompts(step)
         prompts = encode_prompts(self.tokenizer, [text for text, _ in items])
         with t("generate"):
-            rollouts = ray.get(self.rollout.generate.remote(prompts, step, cfg.group_size))
+            rollouts = self._generate(prompts, step)
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
         plan = self.group.plan(seqs)
         with t("recompute"):
@@ -151,6 +212,7 @@ class GRPOLoop:
             "loop/reward_mean": float(rewards.mean()),
             "loop/response_tokens_mean": seqs.num_response_tokens / len(seqs),
             "loop/weights_behind": float(self.version - self.synced),
+            **self.engine.metrics(step),
         }
         batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
         if self.version > self.synced:  # a left-out sync: every rollout of the step is stale
@@ -165,31 +227,61 @@ class GRPOLoop:
         skipped = cfg.fault.skip_sync(step)
         with t("sync"):
             if not skipped:
-                ray.get(self.rollout.sync_weights.remote(self.group.full_state_dict_ref(), self.version))
-                self.synced = self.version
+                self._sync(step)
         info = {"step": step, "reward_mean": extra["loop/reward_mean"], "train": train,
-                "sync_skipped": skipped, "fault_touched": faulted, "seconds": t.seconds}
-        self._log(info, report)
+                "sync_skipped": skipped, "fault_touched": faulted, "seconds": t.seconds,
+                "engine_restarts": self._restart_log()}
+        self._log(info, len(report.alarms))
         return report, info
 
-    def _log(self, info: dict[str, Any], report: StepReport) -> None:
-        line = dict(info, alarms=len(report.alarms))
+    def _generate(self, prompts: list[list[int]], step: int) -> list:
+        """The step's rollouts; a lost engine is replaced and asked again."""
+        while True:
+            try:
+                return self.engine.call(lambda actor: actor.generate.remote(prompts, step, self.cfg.group_size))
+            except ActorLost as lost:
+                self._restart_engine(lost, step)
+
+    def _sync(self, step: int) -> None:
+        """The trainer's weights into the engine; a lost engine is replaced (the fresh one gets them)."""
+        ref = self.group.full_state_dict_ref()
+        try:
+            self.engine.call(lambda actor: actor.sync_weights.remote(ref, self.version))
+        except ActorLost as lost:
+            self._restart_engine(lost, step)
+        self.synced = self.version
+
+    def _restart_engine(self, lost: ActorLost, step: int) -> None:
+        """Fresh engines until one holds the trainer's weights (or `ActorDiedError` past the bound)."""
+        while True:
+            try:
+                event = self.engine.restart(lost, step, self.phase,
+                                            lambda: (self.group.full_state_dict_ref(), self.version))
+                break
+            except ActorLost as again:
+                if again.actor != self.engine.name:
+                    raise  # a trainer rank, lost while gathering the weights
+                lost = again
+        self.synced = self.version
+        self._step_restarts.append(event)
+
+    def _restart_log(self) -> list[dict[str, Any]]:
+        """The engine restarts of the step under way, for its loop.jsonl line."""
+        return [e.to_dict() for e in self._step_restarts]
+
+    def _log(self, info: dict[str, Any], num_alarms: int = 0) -> None:
+        line = dict(info, alarms=num_alarms)
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
-    def close(self) -> None:
-        """Stop the trainer ranks (process groups destroyed) and the rollout engine."""
-        self.group.shutdown()
-        self._kill_rollout()
-
-    def _kill_rollout(self) -> None:
-        import ray
-
-        try:
-            ray.get(self.rollout.close.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - already dead: killing is enough
-            pass
-        ray.kill(self.rollout)
+    def close(self, graceful: bool = True) -> None:
+        """Stop the trainer ranks (process groups destroyed) and the rollout engine; once only.
+        graceful=False kills at once (after a lost actor, when a rank may be stuck in a collective)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.group.shutdown(graceful=graceful)
+        self.engine.kill(graceful=graceful)
 
 
 def run_grpo(cfg: LoopConfig, monitor: Monitor, on_step: StepCallback | None = None) -> LoopResult:
@@ -202,14 +294,17 @@ def run_grpo(cfg: LoopConfig, monitor: Monitor, on_step: StepCallback | None = N
 
 
 class _Timer:
-    """`with t("phase"):` records the phase's seconds, and `total` since the timer began."""
+    """`with t("phase"):` records the phase's seconds, and `total` since the timer began; the phase
+    under way is `owner.phase` (what a lost actor's report names)."""
 
-    def __init__(self):
+    def __init__(self, owner: GRPOLoop):
         self.seconds: dict[str, float] = {}
         self._t0 = time.perf_counter()
+        self.owner = owner
 
     @contextmanager
     def __call__(self, phase: str):
+        self.owner.phase = phase
         t = time.perf_counter()
         try:
             yield

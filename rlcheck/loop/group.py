@@ -1,5 +1,6 @@
-"""The Ray actors of a run: `TrainerGroup` (N ranks with torch.distributed inside) and the rollout
-actor. Every call goes to all ranks at once (their forwards are collectives) and is joined."""
+"""The trainer ranks of a run as Ray actors: `TrainerGroup` (N ranks with torch.distributed inside).
+Every call goes to all ranks at once (their forwards are collectives) and is joined with
+`rlcheck.loop.recovery.join`: a dead rank is noticed at once, not when the others time out."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.loop.placement import Placement
+from rlcheck.loop.recovery import join, start_rollout
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
+
+__all__ = ["TrainerGroup", "start_rollout"]
+
+DEFAULT_CALL_TIMEOUT_S = 600.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
 
 class TrainerGroup:
-    """`world_size` `TrainerWorker` actors in one placement group, rendezvoused on rank 0's node."""
+    """`world_size` `TrainerWorker` actors in one placement group, rendezvoused on rank 0's node.
+    `call_timeout_s` bounds every call (`ActorLost` past it); `collective_timeout_s` is the process
+    group's timeout, so a rank left alone in a collective raises instead of waiting forever."""
 
-    def __init__(self, cfg: TrainerConfig, world_size: int, placement: Placement | None = None):
+    def __init__(self, cfg: TrainerConfig, world_size: int, placement: Placement | None = None, *,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -25,7 +35,8 @@ class TrainerGroup:
         if cfg.backend == "hf" and world_size != 1:
             raise ValueError("the hf backend runs on one process: world_size must be 1 (use fsdp2 or deepspeed)")
         p = placement or Placement()
-        self.cfg, self.world_size = cfg, world_size
+        self.cfg, self.world_size, self.timeout_s = cfg, world_size, call_timeout_s
+        self.names = [f"trainer rank {r}/{world_size}" for r in range(world_size)]
         bundle = {"CPU": p.trainer_cpus} | ({"GPU": p.trainer_gpus} if p.trainer_gpus else {})
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=p.strategy)
         ray.get(self.pg.ready())
@@ -38,8 +49,16 @@ class TrainerGroup:
             ).remote(cfg, r, world_size)
             for r in range(world_size)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        self.describe = ray.get([w.setup.remote(addr, port) for w in self.workers])
+        try:
+            addr, port = ray.get(self.workers[0].address.remote())
+            self.describe = ray.get([w.setup.remote(addr, port, collective_timeout_s) for w in self.workers])
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def _all(self, call) -> list:
+        """`call(worker)` on every rank, joined (`ActorLost` naming the first rank lost)."""
+        return join([call(w) for w in self.workers], self.names, self.timeout_s)
 
     def plan(self, seqs: Sequences) -> MicroBatchPlan:
         return plan_micro_batches(seqs, self.world_size, self.cfg.micro_batch_tokens)
@@ -50,7 +69,7 @@ class TrainerGroup:
 
         ref = ray.put(seqs)
         merged: dict[int, np.ndarray] = {}
-        for part in ray.get([w.logprobs.remote(ref, plan) for w in self.workers]):
+        for part in self._all(lambda w: w.logprobs.remote(ref, plan)):
             merged.update(part)
         return [merged[i] for i in range(len(seqs))]
 
@@ -59,7 +78,7 @@ class TrainerGroup:
         import ray
 
         ref = ray.put(seqs)
-        parts = ray.get([w.train_step.remote(ref, plan) for w in self.workers])
+        parts = self._all(lambda w: w.train_step.remote(ref, plan))
         tokens = max(seqs.num_response_tokens, 1)
         return {
             "loss": sum(p["loss_sum"] for p in parts) / tokens,
@@ -69,36 +88,23 @@ class TrainerGroup:
         }
 
     def full_state_dict_ref(self) -> Any:
-        """An object ref to rank 0's gathered weights (every rank takes part in the gather)."""
-        import ray
+        """An object ref to rank 0's gathered weights (every rank takes part in the gather; the driver
+        joins on small answers, the weights go from rank 0 to whoever gets the ref)."""
+        self._all(lambda w: w.gather_weights.remote())
+        return self.workers[0].take_weights.remote()
 
-        refs = [w.full_state_dict.remote() for w in self.workers]
-        ray.wait(refs, num_returns=len(refs))
-        return refs[0]
-
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Destroy the process groups (`graceful`: ask each rank first, for at most 60 s) and kill the
+        ranks. After a lost rank pass graceful=False: the others may sit in a collective and would
+        answer only when it times out; killing them ends their process groups with them."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception:  # noqa: BLE001 - a dead rank: kill the rest regardless
-            pass
+        if graceful:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            except Exception:  # noqa: BLE001 - a dead rank: kill the rest regardless
+                pass
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)
-
-
-def start_rollout(cfg: VLLMConfig, placement: Placement | None = None, engine_fault=None):
-    """The rollout actor (a `RolloutWorker` with its vLLM engine loaded, and `engine_fault` injected)."""
-    import ray
-
-    from rlcheck.loop.actors import RolloutWorker
-
-    p = placement or Placement()
-    actor = ray.remote(RolloutWorker).options(
-        num_cpus=p.rollout_cpus, num_gpus=p.rollout_gpus,
-        runtime_env={"env_vars": p.actor_env("cuda" if p.rollout_gpus else "cpu")},
-    ).remote(cfg, engine_fault)
-    ray.get(actor.weight_version.remote())  # raise here if the engine failed to load
-    return actor
