@@ -155,8 +155,12 @@ def print_summary(result: LoopResult, run_dir: str) -> None:
         total = statistics.median(t["total"] for t in result.timings)
         monitor = statistics.median(t["monitor"] / t["total"] for t in result.timings)
         print(f"median step {total:.2f} s, of it the monitor {monitor:.2%}")
+    for r in result.restarts:
+        print(f"engine restarted at step {r.step} ({r.phase}: {r.cause}) in {r.seconds:.1f} s")
     if result.halted:
         print(f"HALTED: {result.reason}\nevidence: {result.dump_dir}")
+    if result.error is not None:
+        print(f"lost actor: {result.error}")
     print(f"inspect: rlcheck summarize {run_dir}")
 
 

@@ -112,7 +112,8 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
 
         result = loop.run(on_step)
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
-                 alarms=[a for r in result.reports for a in r.alarms], timings=result.timings)
+                 alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
+                 error=result.error, restarts=result.restarts)
 
 
 def _print_found(found: dict[str, Any], console: Any) -> None:
@@ -132,9 +133,13 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
     wandb_runs = sorted(found["run_dir"].glob("wandb/*run-*"))
     if wandb_runs:
         console.print(f"W&B run: {wandb_runs[-1]} (`wandb sync` it to upload)")
+    for r in found.get("restarts") or ():
+        console.print(f"[yellow]engine restarted[/] at step {r.step} ({r.phase}: {r.cause}) in {r.seconds:.1f} s, "
+                      f"weights version {r.weight_version}")
     if found["halted"]:
         console.print(f"halted after {found['steps_run']} steps: {found['reason']}")
-        console.print(f"evidence: {found['dump']}")
+        if found.get("dump"):
+            console.print(f"evidence: {found['dump']}")
     from rlcheck.forensics.diagnose import diagnose
 
     verdict = diagnose(found["run_dir"]).verdict
@@ -147,6 +152,8 @@ def demo_succeeded(found: dict[str, Any]) -> bool:
     """A clean demo raises no alarm; an injected skip-sync fault ends in a halt on a periodic alarm
     of the injected period; any other fault raises an alarm once it acts."""
     fault = found["fault"]
+    if found.get("error") is not None:  # an actor was lost: the demo did not show what it should
+        return False
     if isinstance(fault, SkipSync):
         periods = [a.details.get("period") for a in found["alarms"] if a.kind == "periodic"]
         return found["halted"] and fault.every in periods
