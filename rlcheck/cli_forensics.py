@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -70,15 +71,21 @@ def stress(
     out: Path = typer.Option(None, help="Where the dump and stress.json go (default: runs/stress-<time>)."),
     top: int = typer.Option(20, min=1, help="Failing requests to list in the table."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (failing_request_ids, num_requests, ...)."),
+    guard: bool = typer.Option(False, "--guard", help="Run the engine guard: lifecycle invariants checked at every "
+                                                      "engine step, violations named before the replay."),
 ) -> None:
     """vLLM at temperature 0 under memory pressure and load, every output replayed through the HF
-    reference; lists the failing requests with their scheduler context (arrival, step, state block).
-    Exit code 0 when none fails, 1 when one does, 2 on bad input. `rlcheck diagnose OUT` names the cause."""
+    reference; lists the failing requests with their scheduler context (arrival, step, state block),
+    and with --guard the engine guard's violations (invariant, request, engine step, slot).
+    Exit code 0 when none fails, 1 when one does (or the guard found a violation), 2 on bad input.
+    `rlcheck diagnose OUT` names the cause."""
     from rlcheck.forensics.stress import run_stress
     from rlcheck.forensics.stress_report import render_stress
 
     cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                          inject, threshold)
+    if guard:
+        cfg = replace(cfg, guard=True)
     out = output_dir(out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S"), "--out", own_marker=STRESS_FILE)
     with _phases() as advance:
         result = run_stress(cfg, out, progress=advance)
@@ -86,7 +93,7 @@ def stress(
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
         render_stress(result, _console(), top=top)
-    if result.failing:
+    if result.failing or (result.guard is not None and result.guard.violations):
         raise typer.Exit(1)
 
 

@@ -87,3 +87,24 @@ class PathError(InputError):
     """A path given to rlcheck (a run directory, a dump, a model folder, an output) is missing, of the
     wrong kind (a file where a directory is expected), not writable, or one rlcheck refuses to write
     into (a non-empty directory that holds something else, a model folder)."""
+
+
+class GuardViolation(RLCheckError):
+    """The engine guard (`rlcheck.engines.guard`) found a broken lifecycle invariant under its "raise"
+    policy; raised at the step, before that step's forward pass. Close the engine afterwards.
+
+    Attributes:
+        violations: the step's violations to raise (`rlcheck.engines.guard.Violation`), first named below.
+        report: every one of them, one line each (request, step, slot).
+        evidence: where the guard wrote its record (run_dir/guard), or None.
+    """
+
+    def __init__(self, violations: tuple | list, evidence: str | None = None):
+        self.violations = tuple(violations)
+        self.report = "\n".join(v.message for v in self.violations)
+        self.evidence = evidence
+        first = self.violations[0]
+        more = f" (+{len(self.violations) - 1} more in this step)" if len(self.violations) > 1 else ""
+        where = f"; evidence in {evidence}" if evidence else ""
+        super().__init__(f"rlcheck engine guard: invariant {first.invariant} {first.check} broken: "
+                         f"{first.message}{more}{where}")

@@ -19,6 +19,10 @@ Memory-pressure knobs (for stress reproduction): `kv_cache_bytes` (KV and Mamba 
 `gpu_memory_utilization`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`. On the CPU backend
 set `kv_cache_bytes`: otherwise vLLM reserves gpu_memory_utilization (0.92) of the machine's RAM and
 refuses to start when that much is not free. vllm is imported only when an engine is built.
+
+Engine guard: `guard=GuardConfig(...)` (or RLCHECK_BREAK_ON in the environment) installs
+`rlcheck.engines.guard` when the engine starts; `take_guard_violations()` hands its new violations
+over (with each rollout's `request_id`), `write_guard(dir)` writes its record into a dump.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.engines.guard import GuardConfig
 from rlcheck.errors import ConfigError, InputError
 
 LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")
@@ -68,6 +73,9 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Anything else for `vllm.LLM(...)`."""
+    guard: GuardConfig | None = None
+    """The engine guard (`rlcheck.engines.guard.GuardConfig`), installed when the engine starts; None: off
+    (unless RLCHECK_BREAK_ON is set, which installs one with the default config)."""
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROB_MODES:
@@ -89,6 +97,8 @@ class VLLMConfig:
             )
         if not self.engine_id or "/" in self.engine_id:
             raise ConfigError(f"engine_id must be non-empty without '/', got {self.engine_id!r}")
+        if self.guard is not None and not isinstance(self.guard, GuardConfig):
+            raise ConfigError(f"guard must be a rlcheck.engines.guard.GuardConfig or None, got {self.guard!r}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,12 @@ class VLLMEngine:
         self.cfg = cfg
         self.weight_version = 0
         self.llm = _build_llm(cfg)
+        self.guard = None
+        if cfg.guard is not None or os.environ.get("RLCHECK_BREAK_ON"):
+            from rlcheck.engines.guard import install_guard
+
+            self.guard = install_guard(self, cfg.guard)
+            self.guard.rollout_prefix = cfg.engine_id
 
     def sampling_params(self, n: int, seed: int | None):
         from vllm import SamplingParams
@@ -151,12 +167,26 @@ class VLLMEngine:
             if isinstance(p, str) or len(p) == 0:
                 raise InputError(f"prompt {i}: pass a non-empty list of token ids")
         seed = self.cfg.seed * 1_000_003 + step if seed is None else seed
+        found = 0 if self.guard is None else len(self.guard.violations)
+        if self.guard is not None:
+            self.guard.begin_call(step)
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(map(int, p))} for p in prompts],
             self.sampling_params(n, seed),
             use_tqdm=use_tqdm,
         )
+        if self.guard is not None and len(self.guard.violations) > found:
+            self.guard.flush()  # the trace around the new violations, on disk now
         return [r for i, out in enumerate(outputs) for r in self._rollouts(i, out, step)]
+
+    def take_guard_violations(self) -> list[dict[str, Any]]:
+        """The guard's violations since the previous call, as dicts with the rollout's id
+        (`rollout_request_id`: "{engine_id}/s{step}/{vLLM id}"); [] without a guard."""
+        return [] if self.guard is None else [v.to_dict() for v in self.guard.take_violations()]
+
+    def write_guard(self, directory: str | os.PathLike) -> str | None:
+        """Write the guard's record (summary, violations, trace) into DIR/guard, e.g. a dump; None without a guard."""
+        return None if self.guard is None else str(self.guard.write(directory))
 
     def _rollouts(self, prompt_index: int, out: Any, step: int) -> list[Rollout]:
         rollouts = []
@@ -219,7 +249,9 @@ class VLLMEngine:
         )
 
     def close(self) -> None:
-        """Release the engine (memory and threads)."""
+        """Release the engine (memory and threads); the guard's files are flushed first."""
+        if self.guard is not None:
+            self.guard.close()
         llm, self.llm = self.llm, None
         del llm
         gc.collect()

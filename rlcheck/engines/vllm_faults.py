@@ -41,7 +41,9 @@ The hook replaces `_build_attention_metadata` on that runner *instance* (no clas
 engines in the process are untouched) and rewrites the Mamba2 metadata it returns with
 dataclasses.replace on cloned index tensors (on CPU the block table tensor is vLLM's own buffer).
 `remove()` deletes the instance attribute. Remove between `generate` calls: a request running across
-it keeps the state the fault gave it. Refused: other vLLM versions, a multiprocess engine, tensor
+it keeps the state the fault gave it. The engine guard (`rlcheck.engines.guard`) hooks other methods
+of the same runner (`execute_model`, `_model_forward`) and reads the metadata after this rewrite, as
+the kernels do; the two may be installed in either order. Refused: other vLLM versions, a multiprocess engine, tensor
 parallelism, speculative decoding, full CUDA graphs, models without Mamba2 layers.
 """
 

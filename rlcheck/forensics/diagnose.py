@@ -233,6 +233,56 @@ def _slot_context(ev: Evidence) -> Finding | None:
     return None
 
 
+GUARD_CAUSE = {"slot_unique": "index_aliasing", "in_pool": "index_aliasing", "offset_fits": "index_aliasing",
+               "prefill_from_zero": "stale_state", "freed_reinit": "stale_state"}
+
+
+def _guard_violations(ev: Evidence) -> list[dict[str, Any]]:
+    """The engine guard's violations: DIR/guard/violations.jsonl (a run, a stress dump), else the
+    first violation of each guard alarm the loop logged (`rlcheck.engines.guard.violations_to_alarms`)."""
+    from rlcheck.engines._guard_io import load_guard
+
+    data = load_guard(ev.path)
+    if data is not None and data.violations:
+        return [v.to_dict() for v in data.violations]
+    return [{**a["details"]["first"], "request_ids": a["details"].get("request_ids", []), "alarm_step": a["step"]}
+            for a in _alarms(ev, kind="signature", signatures=("engine_guard",))]
+
+
+def _engine_guard(ev: Evidence) -> Finding | None:
+    """Lifecycle invariants the engine guard saw broken at the engine step where it happened: (ii)
+    shared slots (and (iii), (iv): ids past the pool or the offset range) are index aliasing; (i) a
+    first prefill from old state and (v) a read of a slot nobody reinitialised are stale state. The
+    cause with more broken requests is the finding."""
+    from rlcheck.engines._guard_record import INVARIANT
+
+    by_cause: dict[str, list[dict[str, Any]]] = {}
+    for v in _guard_violations(ev):
+        by_cause.setdefault(GUARD_CAUSE.get(v["check"], "unexplained"), []).append(v)
+    if not by_cause:
+        return None
+    cause, vs = max(by_cause.items(), key=lambda kv: len({v["request_id"] for v in kv[1]}))
+    known = {row["request_id"] for rows in ev.dump_rows.values() for row in rows}  # the ids the dumps use
+
+    def ids_of(v: dict[str, Any]) -> list[str]:
+        if v.get("request_ids"):
+            return v["request_ids"]
+        return [v["request_id"] if v["request_id"] in known else v.get("rollout_request_id") or v["request_id"]]
+
+    ids = list(dict.fromkeys(r for v in vs for r in ids_of(v)))
+    names = ", ".join(f"{INVARIANT[c]} {c}" for c in dict.fromkeys(v["check"] for v in vs))
+    evidence = [f"the engine guard saw invariant {names} broken by {len(ids)} request(s) over "
+                f"{len({v['step'] for v in vs})} engine step(s); first: {vs[0]['message']}",
+                "read from the scheduler's slot assignment and the Mamba metadata at that step, not inferred from logprobs"]
+    others = {c: len(o) for c, o in by_cause.items() if c != cause}
+    if others:
+        evidence.append("also " + ", ".join(f"{n} violation(s) pointing at {c}" for c, n in others.items()))
+    first_step = int(ev.records[0]["step"]) if ev.records else 0
+    steps = sorted({int(v.get("alarm_step", v.get("call_step") if v.get("call_step") is not None else first_step))
+                    for v in vs})
+    return Finding(cause, 0.97, evidence, steps, ids[:MAX_IDS])
+
+
 def _weights(ev: Evidence) -> Finding | None:
     periodic = _alarms(ev, kind="periodic")
     if periodic:
@@ -323,4 +373,4 @@ def _note_restart(ev: Evidence, verdict: Finding) -> None:
                                 "has the restart")
 
 
-RULES = (_slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)
+RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)

@@ -18,6 +18,11 @@ used, the request that held that block before it, and the live requests that use
 the same step. `fault` injects "stale-state" or "index-wrap" (with its `boundary`) through the same
 hook, so the tool can be shown to find what it claims. With `out_dir` the run is written as a dump
 (sequences.parquet with those columns, meta.json) plus stress.json: `rlcheck diagnose OUT` reads it.
+
+`guard=True` runs the engine guard (`rlcheck.engines.guard`, policy "record") during generation: its
+violations name the broken invariant, the requests, the engine step and the slot from the engine
+run alone, before any replay; they go into stress.json ("guard"), the dump's meta (context.guard),
+a per-request `guard_checks` column, and OUT/guard/ (summary, violations, trace).
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class StressConfig:
     """index-wrap: blocks at or past it wrap (None: max_num_seqs // 2)."""
     threshold: float | None = None
     """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
+    guard: bool = False
+    """Run the engine guard during generation (lifecycle invariants, policy "record")."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -133,6 +140,15 @@ class StressResult:
     trace: str  # "slot trace", or why there is none
     seconds: dict[str, float] = field(default_factory=dict)  # build, generate, score
     dump_dir: str | None = None
+    guard: Any = None  # the engine guard's `GuardOutput` (summary, violations, trace) with cfg.guard
+
+    @cached_property
+    def guard_checks(self) -> dict[str, list[str]]:
+        """Request id -> the guard checks it broke (empty without a guard)."""
+        out: dict[str, list[str]] = {}
+        for v in self.guard.violations if self.guard is not None else ():
+            out.setdefault(v.request_id, []).append(v.check)
+        return out
 
     @property
     def threshold(self) -> float:
@@ -172,11 +188,13 @@ class StressResult:
         return self.num_requests / max(sum(self.seconds.values()), 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
+        from rlcheck.forensics.stress_report import guard_dict
         from rlcheck.sinks.jsonl import to_jsonable
 
         wave = self.first_wave
         failing = [{"request_id": self.request_ids[i], "max_abs_diff": self.max_abs_diff[i],
                     "first_divergence": self.first_divergence[i], "slot_reused": self.contexts[i].slot_reused,
+                    "guard_checks": self.guard_checks.get(self.request_ids[i], []),
                     **asdict(self.contexts[i])} for i in self.failing]
         return to_jsonable({
             "num_requests": self.num_requests, "failing_request_ids": self.failing_request_ids,
@@ -188,6 +206,7 @@ class StressResult:
             "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace},
             "seconds": self.seconds, "requests_per_second": self.requests_per_second,
             "config": asdict(self.config), "dump_dir": self.dump_dir, "failing": failing,
+            "guard": None if self.guard is None else guard_dict(self.guard),
         })
 
 
@@ -247,12 +266,14 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
     """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on: the
     rollouts, and the StressResult fields that come from the engine."""
     from rlcheck.engines import vllm_faults
+    from rlcheck.engines.guard import GuardConfig
     from rlcheck.engines.vllm import VLLMConfig, VLLMEngine
 
     ecfg = VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
                       max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
                       max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      kv_cache_bytes=cfg.kv_cache_bytes)
+                      kv_cache_bytes=cfg.kv_cache_bytes,
+                      guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
     try:
         engine = VLLMEngine(ecfg)
     except (ValueError, RuntimeError) as exc:  # vLLM's own refusal of the settings (cache too small, ...)
@@ -281,6 +302,8 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
                 fields["trace"] = f"slot trace, cut at {handle.max_events} events"
             fields.update(contexts=tuple(slot_context(handle.events, fields["request_ids"])),
                           fault_affected=handle.affected_external(), num_steps=handle.step)
+        if engine.guard is not None:
+            fields["guard"] = engine.guard.output()
         return rollouts, fields
     finally:
         engine.close()

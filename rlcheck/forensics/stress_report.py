@@ -6,6 +6,8 @@ the HF reference's (the side that judges here), tokens, and per-sequence meta co
 `prompt_index`, `sample_index`, `failed`, and with the slot trace `first_step`, `last_step`,
 `batch_size`, `block`, `block_used`, `previous_holder`, `slot_reused`, `shared_with`
 (`rlcheck.forensics.slots`). `max_abs_diff` and `first_divergence` use the stress threshold.
+With the engine guard: a `guard_checks` column (the invariants each request broke), the guard's
+summary in the meta's context ("guard") and its files in OUT/guard/ (`rlcheck.engines._guard_io`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: lis
         meta["previous_holder"] = [c.previous for c in contexts]
         meta["slot_reused"] = [c.slot_reused for c in contexts]
         meta["shared_with"] = [list(c.shared_with) for c in contexts]
+    if result.guard is not None:
+        meta["guard_checks"] = [result.guard_checks.get(rid, []) for rid in result.request_ids]
     batch = StepBatch.from_ragged(
         logp_rollout=[r.logprobs for r in rollouts], logp_train=reference, request_ids=list(result.request_ids),
         tokens=[np.asarray(r.token_ids, dtype=np.int64) for r in rollouts],
@@ -55,8 +59,12 @@ def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: lis
                    "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                    "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace},
     }
+    if result.guard is not None:
+        context["guard"] = guard_dict(result.guard, max_violations=20)
     reason = f"stress: {len(failing)} of {n} requests over max |d| {result.threshold:g}"
     write_dump(out, batch, step=0, reason=reason, context=context, divergence_tau=result.threshold)
+    if result.guard is not None:
+        result.guard.write(out)  # after the dump: write_dump replaces the folder whole
     result = replace(result, dump_dir=str(out))
     (out / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
     return result
@@ -84,7 +92,7 @@ def render_stress(result: Any, console: Any, top: int = 20) -> None:
         t = Table(title=f"failing requests (first {min(top, len(failing))} of {len(failing)}, arrival order)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("request", "arrival", "max |d|", "1st div", "step", "batch", "block (used)", "held before by",
-                    "shared with"):
+                    "shared with", *(("guard",) if r.guard is not None else ())):
             t.add_column(col, overflow="fold")
         for i in failing[:top]:
             t.add_row(*(escape(cell) for cell in _cells(r, i)))
@@ -100,8 +108,44 @@ def render_stress(result: Any, console: Any, top: int = 20) -> None:
     else:
         console.print(f"[green]OK[/]: all {r.num_requests} requests within max |d| {r.threshold:g} of the reference"
                       f"{wave_line}")
+    if r.guard is not None:
+        _render_guard(r, console, top)
     if r.dump_dir:
         console.print(f"dump: {escape(r.dump_dir)} (rlcheck diagnose {escape(r.dump_dir)})")
+
+
+def guard_dict(output: Any, max_violations: int = 200) -> dict[str, Any]:
+    """The guard's part of stress.json (and, shorter, of the dump's meta): counts, every request id
+    per broken check, the first violations."""
+    s = output.summary
+    return {"num_violations": s["num_violations"], "counts": s["counts"], "request_ids": s["request_ids"],
+            "num_steps": s["num_steps"], "pool": s["pool"], "seconds": s["seconds"], "error": s["error"],
+            "violations": [v.to_dict() for v in output.violations[:max_violations]]}
+
+
+def _render_guard(r: Any, console: Any, top: int) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from rlcheck.engines._guard_record import INVARIANT
+
+    s, violations = r.guard.summary, r.guard.violations
+    if not violations:
+        console.print(f"[green]engine guard: OK[/]: no invariant broken over {s['num_steps']} engine steps"
+                      + (f" (guard error: {escape(s['error'])})" if s["error"] else ""))
+        return
+    t = Table(title=f"engine guard: {len(violations)} violations (first {min(top, len(violations))}, step order)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("request", "engine step", "invariant", "slot", "what"):
+        t.add_column(col, overflow="fold")
+    for v in violations[:top]:
+        t.add_row(escape(v.request_id), str(v.step), f"{v.invariant} {v.check}", "-" if v.slot is None else str(v.slot),
+                  escape(v.message.split(": ", 1)[-1]))
+    console.print(t)
+    per = "; ".join(f"{INVARIANT[c]} {c}: {len(ids)} requests" for c, ids in s["request_ids"].items())
+    console.print(f"[bold red]engine guard: FAIL[/]: {per}, over {s['num_steps']} engine steps "
+                  "(from the engine run alone, before any replay)")
 
 
 def _cells(r: Any, i: int) -> tuple[str, ...]:
@@ -109,6 +153,10 @@ def _cells(r: Any, i: int) -> tuple[str, ...]:
     block = "-" if c.block is None else str(c.block) + ("" if c.block_used == c.block else f" ({c.block_used})")
     shared = ", ".join(c.shared_with[:4]) + (f" +{len(c.shared_with) - 4}" if len(c.shared_with) > 4 else "")
     first = r.first_divergence[i]
+    from rlcheck.engines._guard_record import INVARIANT
+
+    checks = [] if r.guard is None else r.guard_checks.get(r.request_ids[i], [])
+    guard = () if r.guard is None else (" ".join(INVARIANT[c] for c in checks) or "-",)
     return (r.request_ids[i], str(c.arrival), f"{r.max_abs_diff[i]:.3g}", "-" if first is None else str(first),
             "-" if c.first_step is None else str(c.first_step), "-" if c.batch_size is None else str(c.batch_size),
-            block, c.previous or "-", shared or "-")
+            block, c.previous or "-", shared or "-", *guard)

@@ -4,9 +4,10 @@
     path = write_report("runs/exp1")          # runs/exp1/report.html
 
 The page holds the diagnosis, the run's context, the alarms, the metrics per step with the alarm
-steps marked, the periodic detector's periodogram, the |d| histogram, the offenders and links to the
-dumps. Modules: `data` collects the run (existing readers only), `periodogram` replays the periodic
-detector, `plots` draws inline SVG (matplotlib), `html` lays out the page.
+steps marked, the periodic detector's periodogram, the |d| histogram, the offenders, the engine
+guard's violations when the run directory holds guard output, and links to the dumps. Modules:
+`data` collects the run (existing readers only), `periodogram` replays the periodic detector, `plots`
+draws inline SVG (matplotlib), `guard` renders the engine guard's section, `html` lays out the page.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 `collect(run_dir)` reads metrics.jsonl (`rlcheck.sinks.jsonl.read_jsonl`), the summary
 (`rlcheck.summarize`), the verdict (`rlcheck.forensics.diagnose`), the dumps' meta.json, loop.jsonl
-when the GRPO loop wrote one, and rebuilds the periodic detector's periodogram. Nothing here draws.
+when the GRPO loop wrote one, the engine guard's output (run_dir/guard, `rlcheck.engines._guard_io`)
+when it ran, and rebuilds the periodic detector's periodogram. Nothing here draws.
 """
 
 from __future__ import annotations
@@ -90,10 +91,14 @@ class RunData:
     loop: list[dict[str, Any]] = field(default_factory=list)
     """loop.jsonl lines (reward, loss, sync_skipped, seconds per phase); [] without one."""
     periodograms: list[Periodogram] = field(default_factory=list)
+    guard: Any = None
+    """The engine guard's output (`rlcheck.engines._guard_io.GuardData`: summary, violations, break
+    snapshots); None when the run has no run_dir/guard."""
 
 
 def collect(run_dir: str | Path) -> RunData:
     """Read the run directory; a missing directory or one without metrics.jsonl is an InputError."""
+    from rlcheck.engines._guard_io import load_guard
     from rlcheck.forensics.diagnose import diagnose
     from rlcheck.summarize import summarize
 
@@ -114,7 +119,7 @@ def collect(run_dir: str | Path) -> RunData:
         hist_worst=None if worst is None else worst.get("abs_diff_hist"),
         offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
         dumps=dumps, context=_context(dumps), loop=_loop(run_dir),
-        periodograms=_periodograms(watched, steps, series, alarms),
+        periodograms=_periodograms(watched, steps, series, alarms), guard=load_guard(run_dir),
     )
 
 

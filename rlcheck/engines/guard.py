@@ -1,0 +1,321 @@
+"""The engine guard: request identity and lifecycle invariants inside vLLM's forward pass (vllm 0.32,
+in-process engine, opt-in).
+
+    engine = VLLMEngine(VLLMConfig(model=..., guard=GuardConfig(run_dir="runs/exp1")))
+    rollouts = engine.generate(prompts, step=3)
+    engine.guard.violations          # [Violation(check, step, request_id, slot, message, ...)]
+    engine.take_guard_violations()   # the new ones since the last call, as dicts (for the loop's alarms)
+    guard = install_guard(llm, GuardConfig(policy="raise"))   # any in-process vllm.LLM
+
+Logprob comparison sees the symptom; the guard sees the cause, at the step where it happens. For
+every forward step it records which requests ran, each one's phase (prefill, chunked prefill,
+decode), its computed-token count, and the state slot and block ids its Mamba and attention layers
+address, keyed by the id `LLM.generate` reports; a ring buffer keeps the last `capacity` steps. It
+checks five invariants on each step (`rlcheck.engines._guard_checks`: (i) a request with no computed
+tokens runs as prefill from zeros, (ii) no two live requests share a state slot, (iii) ids within the
+pool, (iv) slot x stride fits a 32-bit offset with room to spare, (v) a freed slot is reinitialised
+before it is read) and applies each check's policy: record, warn (a RuntimeWarning, the first
+MAX_WARNINGS) or raise (`rlcheck.errors.GuardViolation`, before the step's forward runs; close the
+engine afterwards, and drop a kept exception's `__traceback__`: its frames hold the in-process engine). `RLCHECK_BREAK_ON=<id>[,<id>...]` (or `GuardConfig.break_on`) writes a JSON
+snapshot of the scheduler output and the attention / Mamba metadata each step that request is
+scheduled, and with `RLCHECK_BREAK_PDB=1` (`break_pdb`) stops in pdb there. Files: `_guard_io`.
+
+Where it hooks: two instance attributes of the engine's model runner (no class is patched):
+`execute_model` (to hold the step's SchedulerOutput) and `_model_forward`, which vLLM calls inside
+`set_forward_context` (gpu_model_runner.py:4189-4213), so the guard reads the metadata the kernels
+are about to read. An injected fault (`rlcheck.engines.vllm_faults`) rewrites that metadata earlier,
+in `_build_attention_metadata` (:4142); the two compose in either order of installation and the
+guard sees the fault's rewrite, as the kernels do. What it reads: `rlcheck.engines._guard_vllm`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rlcheck.engines import _guard_io as gio
+from rlcheck.engines._guard_checks import InvariantChecker
+from rlcheck.engines._guard_record import CHECKS, INVARIANT, StepRecord, Violation
+from rlcheck.errors import ConfigError, GuardViolation
+
+POLICIES = ("record", "warn", "raise")
+MAX_WARNINGS = 20
+BREAK_ENV, BREAK_PDB_ENV = "RLCHECK_BREAK_ON", "RLCHECK_BREAK_PDB"
+GUARD_METRIC = "guard/violations"
+"""The metric a guard alarm is about (the loop may log it as an extra scalar: violations per step)."""
+SIGNATURE = "engine_guard"
+"""`details["signature"]` of the alarms `violations_to_alarms` makes."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    run_dir: str | None = None
+    """Where DIR/guard/ goes (violations.jsonl as they happen; trace.jsonl and summary.json on flush and
+    close; break snapshots). None: kept in memory (snapshots then go to runs/guard-break)."""
+    policy: str = "warn"
+    """What a violation does unless `policies` says otherwise: record, warn or raise (POLICIES)."""
+    policies: dict[str, str] = field(default_factory=dict)
+    """Per-check policy, {check: policy}; checks: prefill_from_zero, slot_unique, in_pool, offset_fits,
+    freed_reinit."""
+    capacity: int = 1024
+    """Forward steps kept in the ring buffer (the trace)."""
+    max_violations: int = 10_000
+    """Violations kept (the first per request and check); later ones are only counted."""
+    offset_limit: int = 2**31
+    """The offset integer's range, in elements (2**31: a signed 32-bit index)."""
+    offset_margin: float = 0.5
+    """Room to spare: an end offset past offset_margin * offset_limit breaks check (iv)."""
+    break_on: tuple[str, ...] = ()
+    """Request ids (as `LLM.generate` reports them) to snapshot each step they are scheduled;
+    RLCHECK_BREAK_ON adds to them."""
+    break_pdb: bool = False
+    """Stop in pdb after each snapshot (RLCHECK_BREAK_PDB=1 sets it)."""
+    max_snapshots: int = 16
+    """Snapshots per break request."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"guard policy must be one of {POLICIES}, got {self.policy!r}")
+        for check, policy in self.policies.items():
+            if check not in CHECKS or policy not in POLICIES:
+                raise ConfigError(f"guard policies: {check!r}: {policy!r}; checks are {sorted(CHECKS)}, "
+                                  f"policies {POLICIES}")
+        for name in ("capacity", "max_violations", "offset_limit", "max_snapshots"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"guard {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.offset_margin <= 1:
+            raise ConfigError(f"guard offset_margin must be in (0, 1], got {self.offset_margin}")
+        if isinstance(self.break_on, str) or not all(isinstance(r, str) and r for r in self.break_on):
+            raise ConfigError(f"guard break_on must be a tuple of request ids, got {self.break_on!r}")
+
+    def policy_for(self, check: str) -> str:
+        return self.policies.get(check, self.policy)
+
+    def with_env(self, environ: dict[str, str] | None = None) -> GuardConfig:
+        """This config with RLCHECK_BREAK_ON (comma-separated ids) and RLCHECK_BREAK_PDB=1 applied."""
+        env = os.environ if environ is None else environ
+        ids = tuple(r.strip() for r in env.get(BREAK_ENV, "").split(",") if r.strip())
+        pdb = env.get(BREAK_PDB_ENV, "").strip().lower() in ("1", "true", "yes")
+        return replace(self, break_on=tuple(dict.fromkeys(self.break_on + ids)), break_pdb=self.break_pdb or pdb)
+
+
+class Guard:
+    """The guard on one engine's model runner; see the module docstring."""
+
+    def __init__(self, runner: Any, cfg: GuardConfig):
+        from rlcheck.engines._guard_vllm import StepReader, layout, pool_info
+
+        self.cfg, self.runner = cfg, runner
+        self.pool = pool_info(runner)
+        self.reader = StepReader(runner, layout(runner))
+        self.checker = InvariantChecker(self.pool, cfg.offset_limit, cfg.offset_margin)
+        self.trace: deque[StepRecord] = deque(maxlen=cfg.capacity)
+        self.violations: list[Violation] = []
+        self.counts: Counter[str] = Counter()  # every occurrence, per check
+        self.step, self.call_step, self.seconds, self.dropped = 0, None, 0.0, 0
+        self.rollout_prefix: str | None = None  # VLLMEngine's engine_id: violations get the rollout's id
+        self.error: str | None = None
+        self.snapshots: list[Path] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._taken = self._warned = 0
+        self._snap_count: Counter[str] = Counter()
+        self._sched: Any = None
+        self._file = None
+        self.dir = Path(cfg.run_dir) / gio.GUARD_DIR if cfg.run_dir else None
+        self._execute, self._forward = runner.execute_model, runner._model_forward
+        runner.execute_model, runner._model_forward = self._execute_model, self._model_forward
+
+    # ---- public --------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.runner.__dict__.get("_model_forward") == self._model_forward
+
+    def begin_call(self, step: int | None) -> None:
+        """Tag the following forward steps with the caller's step (`VLLMEngine.generate` does)."""
+        self.call_step = step
+
+    def take_violations(self) -> list[Violation]:
+        """The violations kept since the previous call."""
+        new, self._taken = self.violations[self._taken:], len(self.violations)
+        return new
+
+    def summary(self) -> dict[str, Any]:
+        by_check: dict[str, list[str]] = {}
+        for v in self.violations:
+            by_check.setdefault(v.check, []).append(v.request_id)
+        return {
+            "num_steps": self.step, "num_violations": sum(self.counts.values()), "counts": dict(self.counts),
+            "request_ids": by_check, "num_kept": len(self.violations), "dropped": self.dropped,
+            "first": {c: next(v.to_dict() for v in self.violations if v.check == c) for c in by_check},
+            "checks": CHECKS, "policies": {c: self.cfg.policy_for(c) for c in CHECKS},
+            "pool": self.pool.to_dict(self.cfg.offset_limit, self.cfg.offset_margin),
+            "layout": {"mamba_groups": [g for g, _, _ in self.reader.layout.mamba],
+                       "attention_groups": list(self.reader.layout.attention), "mamba_cache_mode": self.reader.layout.mode},
+            "trace_steps": len(self.trace), "capacity": self.cfg.capacity, "seconds": self.seconds,
+            "snapshots": [str(p) for p in self.snapshots], "error": self.error,
+        }
+
+    def output(self) -> gio.GuardOutput:
+        return gio.GuardOutput(self.summary(), tuple(self.violations), tuple(self.trace))
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Write summary, violations and trace into DIR/guard (a dump, a stress run); returns it."""
+        return self.output().write(directory)
+
+    def flush(self) -> None:
+        """Bring run_dir/guard up to date (summary.json, trace.jsonl; violations.jsonl is always)."""
+        if self.dir is not None:
+            gio.write_summary(self.dir, self.summary())
+            gio.write_trace(self.dir, list(self.trace))
+
+    def remove(self) -> None:
+        """Unhook the runner (idempotent); the record stays readable."""
+        for name in ("execute_model", "_model_forward"):
+            self.runner.__dict__.pop(name, None)
+
+    def close(self) -> None:
+        """Flush and unhook."""
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.remove()
+
+    # ---- the hooks -----------------------------------------------------------------------------
+
+    def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self._sched = scheduler_output
+        try:
+            return self._execute(scheduler_output, *args, **kwargs)
+        finally:
+            self._sched = None
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        sched, self._sched = self._sched, None  # once per execute_model; dummy runs have none
+        if sched is not None and self.error is None:
+            self._on_step(sched)
+        return self._forward(*args, **kwargs)
+
+    def _on_step(self, sched: Any) -> None:
+        from vllm.forward_context import get_forward_context
+
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or not self.runner.input_batch.num_reqs:
+            return  # micro-batched steps (a list of dicts) are not traced
+        t0 = time.perf_counter()
+        self.step += 1
+        try:
+            rec = self.reader.read(self.step, sched, metadata, self.call_step)
+            found = self.checker.check(rec)
+        except Exception as exc:  # noqa: BLE001 - a guard bug must not take the engine down: stop guarding
+            self.error = f"step {self.step}: {type(exc).__name__}: {exc}"
+            warnings.warn(f"rlcheck engine guard stopped: {self.error}", RuntimeWarning, stacklevel=2)
+            return
+        self.trace.append(rec)
+        if self.cfg.break_on:
+            self._break(rec, sched, metadata, found)
+        raising = self._admit(found)
+        self.seconds += time.perf_counter() - t0
+        if raising:
+            self.flush()
+            raise GuardViolation(raising, None if self.dir is None else str(self.dir))
+
+    def _admit(self, found: list[Violation]) -> list[Violation]:
+        """Count, keep (the first per request and check), write, warn; the ones to raise."""
+        raising = []
+        for v in found:
+            self.counts[v.check] += 1
+            key = (v.check, v.request_id)
+            if key in self._seen:
+                continue
+            if len(self.violations) >= self.cfg.max_violations:
+                self.dropped += 1
+                continue
+            self._seen.add(key)
+            if self.rollout_prefix is not None and v.call_step is not None:
+                v = replace(v, rollout_request_id=f"{self.rollout_prefix}/s{v.call_step}/{v.request_id}")
+            self.violations.append(v)
+            self._append(v)
+            policy = self.cfg.policy_for(v.check)
+            if policy == "warn":
+                self._warn(v)
+            elif policy == "raise":
+                raising.append(v)
+        return raising
+
+    def _append(self, v: Violation) -> None:
+        if self.dir is None:
+            return
+        if self._file is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.dir / gio.VIOLATIONS, "a", encoding="utf-8")  # noqa: SIM115 - held open
+        self._file.write(gio.violation_line(v))
+        self._file.flush()
+
+    def _warn(self, v: Violation) -> None:
+        self._warned += 1
+        if self._warned <= MAX_WARNINGS:
+            more = "; further violations are recorded without a warning" if self._warned == MAX_WARNINGS else ""
+            warnings.warn(f"rlcheck engine guard {v.invariant} {v.check}: {v.message}{more}", RuntimeWarning,
+                          stacklevel=2)
+
+    def _break(self, rec: StepRecord, scheduler_output: Any, metadata: dict[str, Any], found: list[Violation]) -> None:
+        """A JSON snapshot for each break request of the step; then pdb if asked (its locals:
+        scheduler_output, metadata, rec, path)."""
+        from rlcheck.engines._guard_vllm import write_snapshot
+
+        root = (self.dir if self.dir is not None else Path("runs") / "guard-break") / gio.BREAK_DIR
+        pool = self.pool.to_dict(self.cfg.offset_limit, self.cfg.offset_margin)
+        for i, rid in enumerate(rec.request_ids):
+            if rid not in self.cfg.break_on or self._snap_count[rid] >= self.cfg.max_snapshots:
+                continue
+            self._snap_count[rid] += 1
+            path = root / gio.safe_name(rid) / f"step_{rec.step:06d}.json"
+            write_snapshot(path, rec, i, scheduler_output, metadata, found, pool)
+            self.snapshots.append(path)
+            print(f"rlcheck engine guard: request {rid} scheduled at step {rec.step}: snapshot {path}", file=sys.stderr)
+            if self.cfg.break_pdb:
+                import pdb
+
+                pdb.set_trace()
+
+
+def install_guard(engine: Any, cfg: GuardConfig | None = None) -> Guard:
+    """Guard `engine` (a `VLLMEngine` or an in-process `vllm.LLM`) until `guard.close()`; the config's
+    break settings are merged with RLCHECK_BREAK_ON / RLCHECK_BREAK_PDB. Refused like a fault
+    (`vllm_faults._model_runner`): other vLLM versions, multiprocess engines, TP > 1, full CUDA graphs."""
+    from rlcheck.engines.vllm_faults import _model_runner
+
+    runner = _model_runner(engine)
+    if "_model_forward" in runner.__dict__:
+        raise ConfigError("this engine already has a guard; close it first")
+    return Guard(runner, (cfg or GuardConfig()).with_env())
+
+
+def violations_to_alarms(step: int, violations: list[Any], severity: str = "critical") -> list[Any]:
+    """The Monitor alarms of one step's guard violations (`Violation`s or their dicts): one per check,
+    kind "signature" (signature SIGNATURE), its evidence in `details`."""
+    from rlcheck.detect.base import Alarm
+
+    by_check: dict[str, list[dict[str, Any]]] = {}
+    for v in violations:
+        d = v.to_dict() if isinstance(v, Violation) else dict(v)
+        by_check.setdefault(d["check"], []).append(d)
+    alarms = []
+    for check, ds in by_check.items():
+        ids = list(dict.fromkeys(d.get("rollout_request_id") or d["request_id"] for d in ds))
+        first, invariant = ds[0], INVARIANT[check]
+        alarms.append(Alarm("signature", GUARD_METRIC, step, severity, (
+            f"engine guard {invariant} {check}: {len(ids)} request(s), first {first['message']}"), {
+            "signature": SIGNATURE, "check": check, "invariant": invariant, "request_ids": ids[:50],
+            "engine_steps": sorted({d["step"] for d in ds})[:50],
+            "slots": sorted({d["slot"] for d in ds if d.get("slot") is not None})[:50],
+            "num_violations": len(ds), "first": first}))
+    return alarms
