@@ -95,6 +95,7 @@ def demo(
     inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, and in the vLLM engine stale-state, index-wrap=B (see rlcheck.faults)."),
     model: Path = typer.Option(Path("runs/models/hybrid"), help="Tiny model folder, built there if missing."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
+    guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
@@ -125,7 +126,7 @@ def demo(
     if trainer not in BACKENDS:
         raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
-                       inject=inject, wandb=wandb, seed=seed)
+                       inject=inject, wandb=wandb, seed=seed, guard=guard)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, console)
     render(summarize(run_dir), console)

@@ -37,6 +37,8 @@ class DemoOptions:
     inject: str | None = None
     wandb: bool = True
     seed: int = 0
+    guard: bool = False
+    """Run the rollout engine with the engine guard (rlcheck.engines.guard)."""
 
     @property
     def fault(self) -> Fault:
@@ -68,7 +70,7 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
     model = ensure_model(opts.model, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
-                   fault=fault, seed=opts.seed)
+                   fault=fault, seed=opts.seed, guard=opts.guard)
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
     with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "

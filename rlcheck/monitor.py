@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,17 @@ def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
+def _check_alarms(alarms: Sequence[Alarm], step: int) -> list[Alarm]:
+    """Alarms found outside the Monitor for `step`: Alarm objects of this step."""
+    out = list(alarms)
+    for a in out:
+        if not isinstance(a, Alarm):
+            raise InputError(f"alarms must be rlcheck Alarm objects, got {type(a).__name__}")
+        if a.step != step:
+            raise InputError(f"an alarm for step {a.step} was passed with step {step}")
+    return out
+
+
 class Monitor:
     """See the module docstring. Not thread-safe; one Monitor per run (on rank 0 when distributed)."""
 
@@ -98,23 +109,26 @@ class Monitor:
 
     # ---- public API ----------------------------------------------------------------------------
 
-    def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None) -> StepReport:
+    def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None,
+                alarms: Sequence[Alarm] = ()) -> StepReport:
         """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
         `extra`: the caller's own scalars for this step (reward, timings; keys outside `rlcheck/`),
-        logged beside the metrics to every sink, never seen by the detectors."""
+        logged beside the metrics to every sink, never seen by the detectors. `alarms`: found
+        outside the Monitor for this step (the engine guard's), logged and judged by the halt policy
+        like the detectors' own."""
         if not isinstance(batch, StepBatch):
             raise InputError(
                 f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra)
+        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
-                        extra: Mapping[str, float] | None = None) -> StepReport:
+                        extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given."""
-        return self._observe(_check_step(step), partial, batch, time.perf_counter(), extra)
+        return self._observe(_check_step(step), partial, batch, time.perf_counter(), extra, alarms)
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -138,8 +152,9 @@ class Monitor:
     # ---- one step ------------------------------------------------------------------------------
 
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
-                 extra: Mapping[str, float] | None = None) -> StepReport:
+                 extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = ()) -> StepReport:
         extra = _check_extra(extra)
+        outside = _check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
             self._save_state()
             self._has_state = True
@@ -153,6 +168,7 @@ class Monitor:
         alarms: list[Alarm] = []
         for det in self.detectors.values():
             alarms += det.update(step, metrics)
+        alarms += outside
         hard = self._hard_limit_alarms(step, metrics)
         alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))

@@ -34,6 +34,13 @@ class RolloutWorker:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def guard_violations(self) -> list[dict[str, Any]]:
+        """The engine guard's violations since the last call (none when the guard is off)."""
+        return self.engine.take_guard_violations()
+
+    def write_guard(self, directory: str) -> str | None:
+        return self.engine.write_guard(directory)
+
     def close(self) -> None:
         self.engine.close()
 

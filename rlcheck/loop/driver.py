@@ -140,7 +140,9 @@ class GRPOLoop:
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         self.log_path = Path(monitor.run_dir) / "loop.jsonl"
-        self.engine = RolloutSupervisor(cfg.rollout, cfg.placement, cfg.fault.engine_fault(),
+        from rlcheck.loop.guarding import with_run_dir
+
+        self.engine = RolloutSupervisor(with_run_dir(cfg.rollout, monitor.run_dir), cfg.placement, cfg.fault.engine_fault(),
                                         cfg.max_engine_restarts, cfg.call_timeout_s)
         try:
             self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement,
@@ -168,6 +170,10 @@ class GRPOLoop:
                 report, info = self.step(step)
             except MismatchHalt as halt:
                 result.halted, result.reason, result.dump_dir = True, halt.reason, halt.dump_dir
+                if self.cfg.rollout.guard is not None:
+                    from rlcheck.loop.guarding import into_dump
+
+                    into_dump(self.engine, halt.dump_dir)
                 self._log({"step": step, "halted": True, "reason": halt.reason, "dump": halt.dump_dir,
                            "fault_touched": self.fault_touched, "engine_restarts": self._restart_log()},
                           len(halt.report.alarms))
@@ -203,6 +209,11 @@ class GRPOLoop:
         prompts = encode_prompts(self.tokenizer, [text for text, _ in items])
         with t("generate"):
             rollouts = self._generate(prompts, step)
+        guard_alarms, guard_extra = [], {}
+        if cfg.rollout.guard is not None:  # the engine guard's view of this step's forward passes
+            from rlcheck.loop.guarding import step_alarms
+
+            guard_alarms, guard_extra = step_alarms(self.engine, step)
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
         plan = self.group.plan(seqs)
         with t("recompute"):
@@ -213,13 +224,14 @@ class GRPOLoop:
             "loop/response_tokens_mean": seqs.num_response_tokens / len(seqs),
             "loop/weights_behind": float(self.version - self.synced),
             **self.engine.metrics(step),
+            **guard_extra,
         }
         batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
         if self.version > self.synced:  # a left-out sync: every rollout of the step is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
-            report = self.monitor.observe(step, batch, extra=extra)
+            report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms)
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)
             train = self.group.train_step(seqs.with_update_inputs(adv, logp_train), plan)

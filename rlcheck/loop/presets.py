@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlcheck.engines.guard import GuardConfig
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.faults import Fault
 from rlcheck.loop.driver import LoopConfig
@@ -14,13 +15,14 @@ TINY_KV_CACHE_BYTES = 64 * 2**20
 
 
 def tiny_cpu(model: str | Path, *, trainer: str = "fsdp2", world_size: int = 2, steps: int = 20,
-             fault: Fault | None = None, seed: int = 0, zero_stage: int = 3) -> LoopConfig:
+             fault: Fault | None = None, seed: int = 0, zero_stage: int = 3, guard: bool = False) -> LoopConfig:
     """GRPO on the addition task with a tiny local model on CPU: 8 prompts x 8 samples of up to 32
-    tokens per step, fp32 on both sides (vLLM and the trainer agree to ~1e-6 then), AdamW at 1e-5."""
+    tokens per step, fp32 on both sides (vLLM and the trainer agree to ~1e-6 then), AdamW at 1e-5.
+    guard: run the rollout engine with the engine guard (violations recorded, then alarms that halt)."""
     model = str(model)
     return LoopConfig(
         rollout=VLLMConfig(model=model, dtype="float32", seed=seed, engine_id="rollout0", max_tokens=32,
-                           kv_cache_bytes=TINY_KV_CACHE_BYTES),
+                           kv_cache_bytes=TINY_KV_CACHE_BYTES, guard=GuardConfig(policy="record") if guard else None),
         trainer=TrainerConfig(model=model, backend=trainer, zero_stage=zero_stage, dtype="float32", lr=1e-5,
                               seed=seed, micro_batch_tokens=2048),
         world_size=1 if trainer == "hf" else world_size,

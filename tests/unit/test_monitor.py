@@ -109,6 +109,26 @@ class TestMonitorAPI:
         assert [o.request_id for o in b.offenders] == [o.request_id for o in a.offenders]
 
 
+    def test_outside_alarms_are_logged_and_halt(self, tmp_path):
+        """An alarm found outside the Monitor (the engine guard's) is logged and halts under the policy;
+        a wrong step or a non-Alarm is an InputError."""
+        from rlcheck.detect import Alarm
+
+        mon = monitor(tmp_path)
+        rng = np.random.default_rng(0)
+        mon.observe(0, ragged(rng))
+        with pytest.raises(InputError, match="step 5"):
+            mon.observe(1, ragged(rng), alarms=[Alarm("signature", "guard/violations", 5, "critical", "x")])
+        with pytest.raises(InputError, match="Alarm objects"):
+            mon.observe(1, ragged(rng), alarms=[{"kind": "signature"}])
+        guard = Alarm("signature", "guard/violations", 2, "critical", "engine guard: slot shared", {"signature": "engine_guard"})
+        with pytest.raises(MismatchHalt) as info:
+            mon.observe(2, ragged(rng), alarms=[guard])
+        assert info.value.report.alarms == [guard] and "slot shared" in info.value.reason
+        last = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+        assert last["step"] == 2 and last["alarms"][0]["details"]["signature"] == "engine_guard"
+
+
 class TestRunDirectory:
     def test_state_saved_atomically_every_step(self, tmp_path):
         """state.json is whole JSON after each step and no temporary file is left behind."""
