@@ -24,17 +24,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, batch, cfgs: list[StatsConfig], out_dir: str) -> None:
+def _rank_main(rank: int, port: int, batch, cfgs: list[StatsConfig], out_dir: str, empty_rank: int = -1) -> None:
     """One rank: its share of the sequences under `cfgs[rank]`, reduced over gloo, finalized; the
-    result (or the error raised) pickled to `out_dir/rank<r>.pkl`."""
+    result (or the error raised) pickled to `out_dir/rank<r>.pkl`. Rank `empty_rank` has no sequence
+    this step and contributes `empty_partial`; the others split the batch."""
     import torch.distributed as dist
 
     from rlcheck.distributed import all_reduce_partial
+    from rlcheck.stats import empty_partial
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
-        share = np.array_split(np.arange(batch.num_sequences), WORLD_SIZE)[rank]
-        reduced = all_reduce_partial(compute_partial(batch.select(share), cfgs[rank]))
+        if rank == empty_rank:
+            partial = empty_partial(cfgs[rank])
+        else:
+            holders = [r for r in range(WORLD_SIZE) if r != empty_rank]
+            share = np.array_split(np.arange(batch.num_sequences), len(holders))[holders.index(rank)]
+            partial = compute_partial(batch.select(share), cfgs[rank])
+        reduced = all_reduce_partial(partial)
         result = (finalize(reduced, cfgs[rank]), reduced.hists, reduced.num_sequences)
     except ConfigError as exc:
         result = exc
@@ -44,11 +51,11 @@ def _rank_main(rank: int, port: int, batch, cfgs: list[StatsConfig], out_dir: st
         pickle.dump(result, f)
 
 
-def _run(batch, cfgs: list[StatsConfig], out_dir) -> list:
+def _run(batch, cfgs: list[StatsConfig], out_dir, empty_rank: int = -1) -> list:
     """Results of every rank, in rank order."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), batch, cfgs, str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_rank_main, args=(_free_port(), batch, cfgs, str(out_dir), empty_rank), nprocs=WORLD_SIZE, join=True)
     results = []
     for rank in range(WORLD_SIZE):
         with open(out_dir / f"rank{rank}.pkl", "rb") as f:
@@ -78,3 +85,12 @@ class TestAllReducePartial:
         cfgs = [StatsConfig(), StatsConfig(thresholds=(0.2,))]
         for result in _run(make_skewed_batch(), cfgs, tmp_path):
             assert isinstance(result, ConfigError)
+
+    @pytest.mark.parametrize("empty_rank", [0, 1])
+    def test_a_rank_with_nothing_to_compare(self, make_skewed_batch, assert_stats_equal, tmp_path, empty_rank):
+        """A rank without sequences joins with empty_partial: no hang, every rank gets the other's statistics."""
+        batch, cfg = make_skewed_batch(), StatsConfig()
+        want = compute(batch, cfg)
+        for got, _hists, num_sequences in _run(batch, [cfg] * WORLD_SIZE, tmp_path, empty_rank):
+            assert_stats_equal(got, want, 1e-9)
+            assert num_sequences == batch.num_sequences

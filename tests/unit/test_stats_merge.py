@@ -7,7 +7,7 @@ import pytest
 
 from rlcheck import StepBatch
 from rlcheck import metrics as K
-from rlcheck.stats import StatsConfig, compute, compute_partial, finalize, merge
+from rlcheck.stats import StatsConfig, compute, compute_partial, empty_partial, finalize, merge
 
 
 class TestMerge:
@@ -36,6 +36,22 @@ class TestMerge:
         assert metrics["rlcheck/token/nonfinite_count"] == 1
         assert metrics["rlcheck/sig/early_div_count"] >= 1
         assert offenders[0].nonfinite and offenders[0].request_id == "req-0250"
+
+
+class TestEmptyPartial:
+    @pytest.mark.parametrize(("dtype", "rtol"), [(np.float64, 1e-12), (np.float32, 1e-12)])
+    def test_merging_nothing_changes_nothing(self, make_skewed_batch, assert_stats_equal, dtype, rtol):
+        """A rank with no sequence contributes empty_partial: before, between or after, the result is unchanged."""
+        batch, cfg = make_skewed_batch(dtype), StatsConfig(thresholds=(0.2, 3.0), top_k=4)
+        whole = compute_partial(batch, cfg)
+        empty = empty_partial(cfg)
+        assert empty.num_sequences == 0 and empty.offenders == ()
+        assert (empty.sums.keys(), empty.maxima.keys(), empty.hists.keys()) == (
+            whole.sums.keys(), whole.maxima.keys(), whole.hists.keys())
+        for parts in ([empty, whole], [whole, empty], [empty, whole, empty]):
+            merged = merge(parts)
+            assert_stats_equal(finalize(merged, cfg), finalize(whole, cfg), rtol)
+            assert [o.request_id for o in merged.offenders] == [o.request_id for o in whole.offenders]
 
 
 class TestMergeEdgeCases:
