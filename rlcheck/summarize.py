@@ -13,7 +13,7 @@ import numpy as np
 
 from rlcheck import metrics as K
 from rlcheck.errors import InputError
-from rlcheck.sinks.jsonl import FILENAME, read_jsonl
+from rlcheck.sinks.jsonl import FILENAME, Records, read_jsonl
 
 RANGE_KEYS = (
     K.ABS_DIFF_MEAN, K.ABS_DIFF_P99, K.ABS_DIFF_MAX, K.KL_K3, K.MULT_PROB_ERROR, K.PROB_ABS_DIFF_MEAN,
@@ -21,7 +21,9 @@ RANGE_KEYS = (
 )
 
 
-def summarize(run_dir: str | Path, worst: int = 5) -> dict[str, Any]:
+def read_records(run_dir: str | Path) -> Records:
+    """The step records of a run directory's metrics.jsonl, in file order; InputError when there is
+    none. Read once and pass to `summarize` and `diagnose` when a caller needs both."""
     run_dir = Path(run_dir)
     path = run_dir / FILENAME
     if not path.is_file():
@@ -29,6 +31,13 @@ def summarize(run_dir: str | Path, worst: int = 5) -> dict[str, Any]:
     records = read_jsonl(path)
     if not records:
         raise InputError(f"{path} holds no complete step record")
+    return records
+
+
+def summarize(run_dir: str | Path, worst: int = 5, records: Records | None = None) -> dict[str, Any]:
+    """`records`: the run's `read_records(run_dir)` when already read."""
+    run_dir = Path(run_dir)
+    records = read_records(run_dir) if records is None else records
     steps = [int(r["step"]) for r in records]
     alarms: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in records:

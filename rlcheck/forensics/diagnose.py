@@ -75,9 +75,10 @@ class Diagnosis:
                 "verdict": self.verdict.to_dict(), "findings": [f.to_dict() for f in self.findings]}
 
 
-def diagnose(path: str | Path) -> Diagnosis:
-    """Diagnose a run directory or a dump (see the module docstring)."""
-    ev = load_evidence(path)
+def diagnose(path: str | Path, records: list[dict[str, Any]] | None = None) -> Diagnosis:
+    """Diagnose a run directory or a dump (see the module docstring); `records`: the run's step
+    records when already read (`rlcheck.summarize.read_records`)."""
+    ev = load_evidence(path, records)
     findings = [f for rule in RULES if (f := rule(ev)) is not None]
     if not findings:
         findings = [_healthy_or_unexplained(ev)]

@@ -15,7 +15,7 @@ import numpy as np
 
 from rlcheck.dump import META, SEQUENCES, read_dump
 from rlcheck.errors import InputError
-from rlcheck.sinks.jsonl import FILENAME, read_jsonl
+from rlcheck.sinks.jsonl import FILENAME
 
 
 @dataclass
@@ -29,13 +29,14 @@ class Evidence:
     """step -> the sequences of that step's dump (request_id, max_abs_diff, first_divergence, ...)."""
 
 
-def load_evidence(path: str | Path) -> Evidence:
-    """A run directory (holds metrics.jsonl; its dumps are read too) or one dump directory."""
+def load_evidence(path: str | Path, records: list[dict[str, Any]] | None = None) -> Evidence:
+    """A run directory (holds metrics.jsonl; its dumps are read too) or one dump directory.
+    `records`: the run's `rlcheck.summarize.read_records(path)` when already read."""
+    from rlcheck.summarize import read_records
+
     path = Path(path)
-    if (path / FILENAME).is_file():
-        records = read_jsonl(path / FILENAME)
-        if not records:
-            raise InputError(f"{path / FILENAME} holds no complete step record")
+    if records is not None or (path / FILENAME).is_file():
+        records = read_records(path) if records is None else records
         ev = Evidence("run", path, sorted(records, key=lambda r: r["step"]))
         for d in sorted((path / "dumps").glob("step_*")):
             if (d / SEQUENCES).is_file() and (d / META).is_file():

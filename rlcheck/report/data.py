@@ -1,9 +1,10 @@
 """Everything the report shows, collected from a run directory with the existing readers.
 
-`collect(run_dir)` reads metrics.jsonl (`rlcheck.sinks.jsonl.read_jsonl`), the summary
-(`rlcheck.summarize`), the verdict (`rlcheck.forensics.diagnose`), the dumps' meta.json, loop.jsonl
-when the GRPO loop wrote one, the engine guard's output (run_dir/guard, `rlcheck.engines._guard_io`)
-when it ran, and rebuilds the periodic detector's periodogram. Nothing here draws.
+`collect(run_dir)` reads metrics.jsonl once (`rlcheck.summarize.read_records`) and hands the records
+to the summary (`rlcheck.summarize`) and the verdict (`rlcheck.forensics.diagnose`); it also reads
+the dumps' meta.json, loop.jsonl when the GRPO loop wrote one, the engine guard's output
+(run_dir/guard, `rlcheck.engines._guard_io`) when it ran, and rebuilds the periodic detector's
+periodogram. Nothing here draws.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rlcheck.detect.periodic import PeriodicConfig
 from rlcheck.dump import META, SEQUENCES
 from rlcheck.errors import InputError
 from rlcheck.report.periodogram import Periodogram, periodogram, watched_metrics
-from rlcheck.sinks.jsonl import FILENAME, read_jsonl
+from rlcheck.sinks.jsonl import read_jsonl
 
 LOOP_FILE = "loop.jsonl"
 REWARD = "loop/reward_mean"
@@ -100,13 +101,14 @@ def collect(run_dir: str | Path) -> RunData:
     """Read the run directory; a missing directory or one without metrics.jsonl is an InputError."""
     from rlcheck.engines._guard_io import load_guard
     from rlcheck.forensics.diagnose import diagnose
-    from rlcheck.summarize import summarize
+    from rlcheck.summarize import read_records, summarize
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir} does not exist or is not a directory: pass an rlcheck run directory")
-    summary = summarize(run_dir)  # raises InputError without metrics.jsonl or records
-    records = sorted(read_jsonl(run_dir / FILENAME), key=lambda r: int(r["step"]))
+    raw = read_records(run_dir)  # raises InputError without metrics.jsonl or records; read once
+    summary, diagnosis = summarize(run_dir, records=raw), diagnose(run_dir, raw)
+    records = sorted(raw, key=lambda r: int(r["step"]))
     steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
     watched = watched_metrics(run_dir, PeriodicConfig())
     series = _series(records, {k for p in PANELS for k in p.keys} | set(watched))
@@ -114,7 +116,7 @@ def collect(run_dir: str | Path) -> RunData:
     worst = _worst_record(records)
     dumps = _dumps(run_dir)
     return RunData(
-        run_dir=run_dir, summary=summary, diagnosis=diagnose(run_dir), steps=steps, series=series,
+        run_dir=run_dir, summary=summary, diagnosis=diagnosis, steps=steps, series=series,
         alarms=alarms, hist_run=_sum_hists(records), worst_step=None if worst is None else int(worst["step"]),
         hist_worst=None if worst is None else worst.get("abs_diff_hist"),
         offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
