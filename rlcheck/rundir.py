@@ -67,22 +67,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Replace `path` with `obj` as JSON: temp file, fsync, rename, fsync of the directory. Readers
-    see the old file or the new one, never a part; a failure leaves the old one and no temp file."""
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """Replace `path` with `text`: temp file, rename (with `durable`, an fsync of the file before and
+    of the directory after). Readers see the old file or the new one, never a part; a failure leaves
+    the old one and no temp file, and its OSError goes on."""
     tmp = path.with_name(f".{path.name}.tmp")
-    data = json.dumps(obj, allow_nan=False).encode()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, data)
-            os.fsync(fd)
+            write_all(fd, text.encode())
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
+        if durable:
+            fsync_dir(path.parent)
+    except OSError:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """`atomic_write_text` of `obj` as JSON, durable; a failure is a RunDirError."""
+    try:
+        atomic_write_text(path, json.dumps(obj, allow_nan=False))
+    except OSError as exc:
         raise RunDirError(f"cannot save {path}: {exc}") from exc
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.engines._guard_record import CHECKS, StepRecord, Violation
+from rlcheck.rundir import atomic_write_text
 
 GUARD_DIR = "guard"
 SUMMARY = "summary.json"
@@ -52,21 +53,20 @@ def row_of(rec: StepRecord, i: int) -> dict[str, Any]:
             "attention_blocks": {str(gid): r.row(i).tolist() for gid, r in zip(rec.attn_groups, rec.blocks, strict=True)}}
 
 
-def _dumps(x: Any) -> str:
+def _dumps(x: Any, indent: int | None = None) -> str:
     from rlcheck.sinks.jsonl import to_jsonable
 
-    return json.dumps(to_jsonable(x), allow_nan=False, default=str)
+    return json.dumps(to_jsonable(x), allow_nan=False, default=str, indent=indent)
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Replace `path` whole; not fsynced (the guard flushes inside the engine's step)."""
+    atomic_write_text(path, text, durable=False)
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / SUMMARY, json.dumps(json.loads(_dumps(summary)), indent=1))
+    _atomic_write(directory / SUMMARY, _dumps(summary, indent=1))
 
 
 def write_trace(directory: Path, trace: list[StepRecord]) -> None:

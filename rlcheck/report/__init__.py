@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from rlcheck.errors import RunDirError
+from rlcheck.rundir import atomic_write_text
 
 FILENAME = "report.html"
 
@@ -29,11 +30,9 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     data = collect(run_dir)
     out = Path(out) if out is not None else data.run_dir / FILENAME
     page = render(data, out.parent)
-    tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, out)
+        atomic_write_text(out, page, durable=False)
     except OSError as exc:
         raise RunDirError(f"cannot write the report to {out}: {exc}") from None
     return out
