@@ -10,13 +10,17 @@ torch are imported by the modules that need them.
 
 from rlcheck.batch import StepBatch
 from rlcheck.detect import Alarm, DetectorsConfig
-from rlcheck.errors import InputError, MismatchHalt, RLCheckError
+from rlcheck.errors import (
+    ActorDiedError, ConfigError, GuardViolation, InputError, MismatchHalt, PathError, RecordWriteError,
+    RLCheckError, RunDirError, SinkInitError, UnsupportedVLLMError,
+)
 from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
 from rlcheck.stats import Offender, StatsConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Alarm", "DetectorsConfig", "HaltConfig", "InputError", "MismatchHalt", "Monitor", "MonitorConfig",
-    "Offender", "RLCheckError", "StatsConfig", "StepBatch", "StepReport", "__version__",
+    "ActorDiedError", "Alarm", "ConfigError", "DetectorsConfig", "GuardViolation", "HaltConfig", "InputError",
+    "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "RLCheckError", "RecordWriteError",
+    "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
 ]

@@ -21,6 +21,14 @@ class ConfigError(RLCheckError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class UnsupportedVLLMError(ConfigError):
+    """The installed vLLM (or the engine's setup) is not one rlcheck's engine faults know how to hook."""
+
+
+class SinkInitError(RLCheckError):
+    """A sink could not be constructed (e.g. `wandb.init` failed); the original error is the cause."""
+
+
 class RunDirError(RLCheckError, OSError):
     """The run directory cannot be created, written or read."""
 

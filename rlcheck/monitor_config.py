@@ -12,6 +12,7 @@ from typing import Any
 from rlcheck import metrics as K
 from rlcheck.detect import KINDS, SEVERITIES, DetectorsConfig
 from rlcheck.stats import StatsConfig
+from rlcheck.errors import ConfigError
 
 DEFAULT_HARD_LIMITS = {
     K.NONFINITE_COUNT: 0.0,  # any NaN/inf logprob
@@ -40,14 +41,14 @@ class HaltConfig:
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(KINDS)
         if unknown:
-            raise ValueError(f"unknown alarm kinds {sorted(unknown)}; known: {KINDS}")
+            raise ConfigError(f"unknown alarm kinds {sorted(unknown)}; known: {KINDS}")
         if self.min_severity not in SEVERITIES:
-            raise ValueError(f"min_severity must be one of {SEVERITIES}, got {self.min_severity!r}")
+            raise ConfigError(f"min_severity must be one of {SEVERITIES}, got {self.min_severity!r}")
         if self.patience < 1:
-            raise ValueError(f"patience must be >= 1, got {self.patience}")
+            raise ConfigError(f"patience must be >= 1, got {self.patience}")
         bad = {k: v for k, v in self.hard_limits.items() if not isinstance(v, (int, float)) or math.isnan(v)}
         if bad:
-            raise ValueError(f"hard limits must be numbers, got {bad}")
+            raise ConfigError(f"hard limits must be numbers, got {bad}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,6 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         if not str(self.run_dir):
-            raise ValueError("run_dir must be a directory path")
+            raise ConfigError("run_dir must be a directory path")
         if isinstance(self.sinks, str):
-            raise ValueError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")
+            raise ConfigError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlcheck.batch import StepBatch
+from rlcheck.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         if self.num_sequences < 1 or self.mean_length < 1:
-            raise ValueError("num_sequences and mean_length must be >= 1")
+            raise ConfigError("num_sequences and mean_length must be >= 1")
         if self.spike_every is not None and self.spike_every < 2:
-            raise ValueError(f"spike_every must be >= 2, got {self.spike_every}")
+            raise ConfigError(f"spike_every must be >= 2, got {self.spike_every}")
 
 
 def is_spike(cfg: SyntheticConfig, step: int) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlcheck import metrics as K
+from rlcheck.errors import ConfigError
 
 NOISES = ("gaussian", "t5", "contaminated")
 
@@ -27,7 +28,7 @@ def heavy_tailed_noise(rng: np.random.Generator, size: int | tuple[int, ...], ki
     if kind == "contaminated":
         x = rng.standard_normal(size)
         return np.where(rng.random(size) < 0.02, 8.0 * x, x)
-    raise ValueError(f"noise kind must be one of {NOISES}, got {kind!r}")
+    raise ConfigError(f"noise kind must be one of {NOISES}, got {kind!r}")
 
 
 @dataclass
@@ -103,7 +104,7 @@ def tiny_causal_lm(arch: str, *, vocab_size: int = 512, seed: int = 0, **overrid
     import transformers
 
     if arch not in _TINY:
-        raise ValueError(f"arch must be one of {sorted(_TINY)}, got {arch!r}")
+        raise ConfigError(f"arch must be one of {sorted(_TINY)}, got {arch!r}")
     config_cls, model_cls, sizes = _TINY[arch]
     config = getattr(transformers, config_cls)(vocab_size=vocab_size, **{**sizes, **overrides})
     torch.manual_seed(seed)

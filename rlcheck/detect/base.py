@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from rlcheck.errors import ConfigError
 
 KINDS = ("threshold", "robust_z", "drift", "periodic", "signature")
 SEVERITIES = ("info", "warn", "critical")
@@ -31,9 +32,9 @@ class Alarm:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"alarm kind must be one of {KINDS}, got {self.kind!r}")
+            raise ConfigError(f"alarm kind must be one of {KINDS}, got {self.kind!r}")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"alarm severity must be one of {SEVERITIES}, got {self.severity!r}")
+            raise ConfigError(f"alarm severity must be one of {SEVERITIES}, got {self.severity!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -26,6 +26,7 @@ import numpy as np
 from rlcheck import metrics as K
 from rlcheck.detect.base import SEVERITIES, Alarm, Detector
 from rlcheck.detect.rolling import RollingBaseline
+from rlcheck.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -62,15 +63,15 @@ class PeriodicConfig:
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_period <= self.max_period:
-            raise ValueError(f"need 2 <= min_period <= max_period, got {self.min_period}, {self.max_period}")
+            raise ConfigError(f"need 2 <= min_period <= max_period, got {self.min_period}, {self.max_period}")
         if not self.folds or min(self.folds) < 2:
-            raise ValueError(f"folds must be integers >= 2, got {self.folds}")
+            raise ConfigError(f"folds must be integers >= 2, got {self.folds}")
         if self.window < 8 or not 1 <= self.warmup <= self.window:
-            raise ValueError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
+            raise ConfigError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
         if not 0 < self.min_hit_frac <= 1 or self.threshold <= 0 or self.clip <= 0:
-            raise ValueError("need 0 < min_hit_frac <= 1, threshold > 0 and clip > 0")
+            raise ConfigError("need 0 < min_hit_frac <= 1, threshold > 0 and clip > 0")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {SEVERITIES}")
+            raise ConfigError(f"severity must be one of {SEVERITIES}")
 
     @property
     def history(self) -> int:

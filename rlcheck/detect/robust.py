@@ -12,6 +12,7 @@ from typing import Any
 from rlcheck import metrics as K
 from rlcheck.detect.base import SEVERITIES, Alarm, Detector
 from rlcheck.detect.rolling import RollingBaseline
+from rlcheck.errors import ConfigError
 
 WATCHED = (K.ABS_DIFF_MEAN, K.KL_K3, K.ABS_DIFF_P99)
 
@@ -32,11 +33,11 @@ class RobustZConfig:
 
     def __post_init__(self) -> None:
         if self.window < 8 or not 1 <= self.warmup <= self.window:
-            raise ValueError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
+            raise ConfigError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
         if self.z_threshold <= 0:
-            raise ValueError(f"z_threshold must be positive, got {self.z_threshold}")
+            raise ConfigError(f"z_threshold must be positive, got {self.z_threshold}")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {SEVERITIES}")
+            raise ConfigError(f"severity must be one of {SEVERITIES}")
 
 
 class RobustZDetector(Detector):
@@ -90,11 +91,11 @@ class DriftConfig:
 
     def __post_init__(self) -> None:
         if self.window < 8 or not 1 <= self.warmup <= self.window:
-            raise ValueError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
+            raise ConfigError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
         if self.threshold <= 0 or self.slack < 0 or self.clip <= self.slack:
-            raise ValueError("need threshold > 0, slack >= 0 and clip > slack")
+            raise ConfigError("need threshold > 0, slack >= 0 and clip > slack")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {SEVERITIES}")
+            raise ConfigError(f"severity must be one of {SEVERITIES}")
 
 
 class DriftDetector(Detector):

@@ -18,6 +18,7 @@ from typing import Any
 
 from rlcheck import metrics as K
 from rlcheck.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ class SignatureConfig:
     def __post_init__(self) -> None:
         for name, sev in (self.severity or {}).items():
             if name not in DEFAULT_SEVERITY:
-                raise ValueError(f"unknown signature {name!r}; known: {sorted(DEFAULT_SEVERITY)}")
+                raise ConfigError(f"unknown signature {name!r}; known: {sorted(DEFAULT_SEVERITY)}")
             if sev not in SEVERITIES:
-                raise ValueError(f"severity must be one of {SEVERITIES}, got {sev!r}")
+                raise ConfigError(f"severity must be one of {SEVERITIES}, got {sev!r}")
         if not 0 < self.sparse_max_frac <= 1:
-            raise ValueError("sparse_max_frac must be in (0, 1]")
+            raise ConfigError("sparse_max_frac must be in (0, 1]")
 
 
 DEFAULT_SEVERITY = {

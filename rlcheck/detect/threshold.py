@@ -7,6 +7,7 @@ from typing import Any
 
 from rlcheck import metrics as K
 from rlcheck.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class ThresholdRule:
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+            raise ConfigError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
 
 
 # Gates that other RL stacks publish as their healthy range (README, metrics glossary).

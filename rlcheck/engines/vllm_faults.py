@@ -52,14 +52,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from rlcheck.errors import ConfigError
+from rlcheck.errors import ConfigError, UnsupportedVLLMError
 
 SUPPORTED_VLLM = ("0.32.",)
 FAULTS = ("none", "stale-state", "index-wrap")
-
-
-class UnsupportedVLLMError(ConfigError):
-    """The installed vLLM (or the engine's setup) is not one these faults know how to hook."""
 
 
 class SlotEvent(NamedTuple):

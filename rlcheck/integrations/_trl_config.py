@@ -30,9 +30,9 @@ class TRLOptions:
 
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:
-            raise ValueError(f"vllm_sync must be one of {METHODS}, got {self.vllm_sync!r}")
+            raise ConfigError(f"vllm_sync must be one of {METHODS}, got {self.vllm_sync!r}")
         if isinstance(self.trainer_metrics, str) or isinstance(self.forward_prefixes, str):
-            raise ValueError("trainer_metrics and forward_prefixes are tuples of strings")
+            raise ConfigError("trainer_metrics and forward_prefixes are tuples of strings")
 
 
 def check_fault(inject: str | Fault | None) -> Fault:

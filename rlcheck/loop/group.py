@@ -11,6 +11,7 @@ import numpy as np
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import join, start_rollout
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
+from rlcheck.errors import ConfigError
 
 __all__ = ["TrainerGroup", "start_rollout"]
 
@@ -33,7 +34,7 @@ class TrainerGroup:
         from rlcheck.loop.actors import TrainerWorker
 
         if cfg.backend == "hf" and world_size != 1:
-            raise ValueError("the hf backend runs on one process: world_size must be 1 (use fsdp2 or deepspeed)")
+            raise ConfigError("the hf backend runs on one process: world_size must be 1 (use fsdp2 or deepspeed)")
         p = placement or Placement()
         self.cfg, self.world_size, self.timeout_s = cfg, world_size, call_timeout_s
         self.names = [f"trainer rank {r}/{world_size}" for r in range(world_size)]

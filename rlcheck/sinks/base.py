@@ -14,15 +14,13 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlcheck.errors import RLCheckError
+from rlcheck.errors import SinkInitError
+
+__all__ = ["FanOut", "Sink", "SinkInitError", "SinkWarning"]
 
 
 class SinkWarning(UserWarning):
     """An optional sink failed or could not start; rlcheck carries on without it."""
-
-
-class SinkInitError(RLCheckError):
-    """A sink could not be constructed (e.g. `wandb.init` failed); the original error is the cause."""
 
 
 class Sink:

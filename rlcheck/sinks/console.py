@@ -14,6 +14,7 @@ from typing import Any
 
 from rlcheck import metrics as K
 from rlcheck.sinks.base import Sink
+from rlcheck.errors import ConfigError
 
 # (label, key) of the step line, in order
 COLUMNS = (
@@ -38,7 +39,7 @@ class ConsoleSink(Sink):
 
     def __init__(self, every: int = 1, console: Any = None):
         if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+            raise ConfigError(f"every must be >= 1, got {every}")
         if console is None:
             from rich.console import Console
 

@@ -26,6 +26,7 @@ from rlcheck import histogram as H
 from rlcheck import metrics as K
 from rlcheck.sinks.base import Sink, SinkInitError, SinkWarning
 from rlcheck.stats import Offender
+from rlcheck.errors import ConfigError
 
 MODES = ("online", "offline", "disabled", "shared")
 OFFENDERS_KEY = "rlcheck/offenders"
@@ -68,18 +69,18 @@ class WandbConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.project, str) or not self.project:
-            raise ValueError(f"project must be a non-empty string, got {self.project!r}")
+            raise ConfigError(f"project must be a non-empty string, got {self.project!r}")
         for name in ("entity", "name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
+                raise ConfigError(f"{name} must be None or a non-empty string, got {value!r}")
         if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"mode must be None or one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"mode must be None or one of {MODES}, got {self.mode!r}")
         if isinstance(self.tags, str) or not all(isinstance(t, str) for t in self.tags):
-            raise ValueError(f"tags must be a sequence of strings, got {self.tags!r}")
+            raise ConfigError(f"tags must be a sequence of strings, got {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
         if not isinstance(self.table_every, int) or self.table_every < 1:
-            raise ValueError(f"table_every must be an integer >= 1, got {self.table_every!r}")
+            raise ConfigError(f"table_every must be an integer >= 1, got {self.table_every!r}")
 
 
 def histogram_args(hist: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray] | None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from rlcheck.errors import ConfigError
 
 RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
 MIN_LOGPROB = -1e4  # below this a "logprob" is a stand-in for -inf (-1e9, finfo.min): counted as non-finite
@@ -33,20 +34,20 @@ class StatsConfig:
 
     def __post_init__(self) -> None:
         if any(not (t > 0 and math.isfinite(t)) for t in self.thresholds):
-            raise ValueError(f"thresholds must be positive and finite, got {self.thresholds}")
+            raise ConfigError(f"thresholds must be positive and finite, got {self.thresholds}")
         for name in ("divergence_tau", "catastrophic_tau"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.ratio_c > 1:
-            raise ValueError(f"ratio_c must be > 1, got {self.ratio_c}")
+            raise ConfigError(f"ratio_c must be > 1, got {self.ratio_c}")
         if self.catastrophic_tau < self.divergence_tau:
-            raise ValueError("catastrophic_tau must be >= divergence_tau (a catastrophic sequence has diverged)")
+            raise ConfigError("catastrophic_tau must be >= divergence_tau (a catastrophic sequence has diverged)")
         keys = [f"{t:g}" for t in self.thresholds]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"thresholds must differ in their first 6 significant digits, got {self.thresholds}")
+            raise ConfigError(f"thresholds must differ in their first 6 significant digits, got {self.thresholds}")
         for name in ("early_window", "top_k", "shift_window"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialSta
     """Combine partial statistics of disjoint sequence sets, given in batch order (rank 0 first):
     offender indices are shifted so they count from the start of the combined batch."""
     if not parts:
-        raise ValueError("merge needs at least one PartialStats")
+        raise ConfigError("merge needs at least one PartialStats")
     first = parts[0]
     offenders: list[Offender] = []
     offset = 0

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from rlcheck.errors import ConfigError
 from rlcheck.trainers.config import TrainerConfig
 
 Weights = list[tuple[str, torch.Tensor]]
@@ -23,7 +24,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a transformers causal LM (Llama, Mamba2, GraniteMoeHybrid, ...)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
-        raise TypeError(f"{type(model).__name__}: no decoder .layers to shard")
+        raise ConfigError(f"{type(model).__name__}: no decoder .layers to shard")
     return list(layers)
 
 

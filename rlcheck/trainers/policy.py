@@ -17,6 +17,7 @@ from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
 from rlcheck.trainers.config import TrainerConfig
 from rlcheck.trainers.loss import clipped_surrogate
+from rlcheck.errors import InputError
 
 
 class PolicyTrainer:
@@ -51,7 +52,7 @@ class PolicyTrainer:
         every response token of the step (each rank divides its sum by the global count; the backends
         average gradients over ranks, so the sum is scaled back by the world size)."""
         if seqs.advantages is None or seqs.old_logp is None:
-            raise ValueError("train_step needs Sequences with advantages and old_logp")
+            raise InputError("train_step needs Sequences with advantages and old_logp")
         c, batches = self.cfg, self._my_batches(plan)
         scale = self.world_size / max(seqs.num_response_tokens, 1)
         loss_sum = clipped = 0.0
@@ -83,7 +84,7 @@ class PolicyTrainer:
 
     def _my_batches(self, plan: MicroBatchPlan) -> tuple[tuple[int, ...], ...]:
         if plan.world_size != self.world_size:
-            raise ValueError(f"plan is for {plan.world_size} ranks, this trainer group has {self.world_size}")
+            raise InputError(f"plan is for {plan.world_size} ranks, this trainer group has {self.world_size}")
         return plan.ranks[self.rank]
 
     def _forward(self, seqs: Sequences, mb: tuple[int, ...]) -> list[torch.Tensor]:
