@@ -9,7 +9,8 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
     tokens, tokens_train      (M,) int64   optional: sampled ids, and the ids the trainer scored
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
-mask, as verl and TRL hold them) or `from_packed`. Every constructor validates and raises
+mask, as verl and TRL hold them) or `from_packed`; `concat_batches` joins several (the ranks' batches
+of one step, for its dump). Every constructor validates and raises
 `rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout.
 """
 
@@ -366,3 +367,33 @@ class StepBatch:
             prompt_tokens=None if self.prompt_tokens is None else tuple(self.prompt_tokens[i] for i in idx),
             meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
         )
+
+
+def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
+    """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
+    indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
+    A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
+    tokens, prompts and meta columns are kept when every batch has them; request ids must stay
+    unique across the batches."""
+    if not batches:
+        raise InputError("concat_batches needs at least one batch")
+    if len(batches) == 1:
+        return batches[0]
+    offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])  # (K,) first token of each batch
+    cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(b, name) for b in batches]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    masks = [np.ones(b.num_tokens, dtype=bool) if b.mask is None else b.mask for b in batches]
+    any_mask = any(b.mask is not None for b in batches)
+    prompts = [b.prompt_tokens for b in batches]
+    keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
+    return StepBatch.from_packed(
+        cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
+        [r for b in batches for r in b.request_ids],
+        mask=np.concatenate(masks) if any_mask else None, tokens=cat("tokens"), tokens_train=cat("tokens_train"),
+        prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
+        meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
+    )

@@ -9,17 +9,39 @@ gives every rank the metrics of the whole batch, as if one process had seen it: 
 with SUM and divided once in `finalize` (never an average of per-rank means), extrema with MAX / MIN,
 histograms with SUM. The small parts (offenders, sequence counts, key layout) travel with
 `all_gather_object` and are combined by `rlcheck.stats.merge`, so offender indices count from the
-start of the global batch in rank order (rank 0's sequences first). torch is imported lazily here.
+start of the global batch in rank order (rank 0's sequences first).
+
+One Monitor step over every rank, the way a distributed trainer should call it:
+
+    monitor = Monitor(cfg) if rank == 0 else None          # one Monitor per run, on rank 0
+    report = observe_across_ranks(monitor, step, batch, cfg.stats)   # every rank, every step
+
+`observe_across_ranks` is a collective: it reduces the ranks' statistics, rank 0's Monitor judges the
+step, and its verdict is broadcast, so every rank returns the same `StepReport` or raises together
+(a rank that went on training alone would hang in its next collective). On a halt every rank's
+sequences are gathered to rank 0, which writes one dump of the whole step, and every rank raises
+`MismatchHalt` (same report, reason and dump dir). An error in rank 0's Monitor reaches every rank
+too: rank 0 raises it, the others raise it as well when it can be sent (an `RLCheckError`), otherwise
+an `RLCheckError` naming it. A rank with nothing to compare passes `batch=None`. `all_ranks_agree`
+is the one-flag vote for deciding together whether to observe at all. torch is imported lazily here.
 """
 
 from __future__ import annotations
 
+import pickle
+import warnings
+from collections.abc import Mapping
 from dataclasses import fields, replace
+from typing import Any
 
 import numpy as np
 
-from rlcheck.errors import ConfigError
-from rlcheck.stats import PartialStats, merge
+from rlcheck.batch import StepBatch, concat_batches
+from rlcheck.errors import ConfigError, MismatchHalt, RLCheckError
+from rlcheck.monitor import Monitor, StepReport
+from rlcheck.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
+
+__all__ = ["all_ranks_agree", "all_reduce_partial", "observe_across_ranks"]
 
 _PER_RANK = ("sums", "maxima", "minima", "hists", "offenders", "num_sequences")
 
@@ -87,3 +109,100 @@ def all_reduce_partial(partial: PartialStats, group=None, top_k: int | None = No
         minima=_reduce(partial.minima, dist.ReduceOp.MIN, group, device),
         hists=_reduce_hists(partial.hists, group, device),
     )
+
+
+# ---- one Monitor step over every rank ------------------------------------------------------------
+
+
+def all_ranks_agree(flag: bool, device: Any = "cpu", group: Any = None) -> bool:
+    """True when `flag` holds on every rank (one MIN all-reduce; `device` cuda under NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def _broadcast(obj: Any, group: Any = None) -> Any:
+    """Rank 0's `obj` on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _sendable(exc: Exception) -> Exception | None:
+    """`exc` itself when the other ranks can raise it too (an RLCheckError that pickles), else None."""
+    if not isinstance(exc, RLCheckError):
+        return None
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc if type(copy) is type(exc) and str(copy) == str(exc) else None
+
+
+def _verdict(monitor: Monitor | None, step: int, partial: PartialStats,
+             extra: Mapping[str, float] | None) -> tuple[tuple, MismatchHalt | Exception | None]:
+    """Rank 0: what its Monitor said of the step, as the message every rank receives, and the
+    exception it raised (None when the step passed)."""
+    if monitor is None:
+        error = ConfigError("observe_across_ranks: rank 0 must pass the run's Monitor, it passed None")
+        return ("error", None, str(error)), error
+    try:
+        return ("ok", monitor.observe_partial(step, partial, None, extra)), None
+    except MismatchHalt as halt:
+        return ("halt", halt.report, halt.reason, halt.problems), halt
+    except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
+        return ("error", _sendable(exc), f"{type(exc).__name__}: {exc}"), exc
+
+
+def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, report: StepReport,
+              reason: str, group: Any = None) -> tuple[str | None, tuple[str, ...]]:
+    """Every rank's sequences gathered to rank 0, which writes the step's one dump: (its path, what
+    went wrong), the same on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    batches: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(batch, batches, dst=0, group=group)
+    where, problems = None, ()
+    if rank == 0 and monitor is not None and monitor.cfg.halt.dump:
+        held = [b for b in batches if b is not None]
+        try:
+            where = str(monitor.dump(step, concat_batches(held), report, reason=reason)) if held else None
+        except Exception as exc:  # the halt matters more than its evidence
+            problems = (f"the dump could not be written ({type(exc).__name__}: {exc})",)
+            warnings.warn(f"rlcheck: the dump of step {step} failed ({exc})", RuntimeWarning, stacklevel=3)
+    return _broadcast((where, problems), group)
+
+
+def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | None, stats: StatsConfig,
+                         extra: Mapping[str, float] | None = None, group: Any = None) -> StepReport:
+    """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
+    `batch`, None when it has nothing to compare). `monitor`: rank 0's Monitor (the other ranks pass
+    None; theirs is not used); `stats`: the same `StatsConfig` on every rank (the Monitor's
+    `cfg.stats`); `extra`: rank 0's scalars for the step. Returns rank 0's `StepReport` on every
+    rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts, after one dump of every
+    rank's sequences; raises on every rank when rank 0's Monitor fails."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    partial = compute_partial(batch, stats) if batch is not None else empty_partial(stats)
+    partial = all_reduce_partial(partial, group, top_k=stats.top_k)
+    said, raised = _verdict(monitor, step, partial, extra) if rank == 0 else (None, None)
+    said = _broadcast(said, group)
+    if said[0] == "ok":
+        return said[1]
+    if said[0] == "error":
+        _, sent, message = said
+        if raised is not None:
+            raise raised
+        if sent is not None:
+            raise sent
+        raise RLCheckError(f"rlcheck stopped on rank 0 at step {step}: {message}")
+    _, report, reason, problems = said
+    where, more = _dump_all(monitor if rank == 0 else None, step, batch, report, reason, group)
+    raise MismatchHalt(report, reason, where, tuple(problems) + tuple(more)) from raised

@@ -103,30 +103,6 @@ def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: 
     )
 
 
-def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
-    """One batch of several processes' batches, in the given (rank) order."""
-    if not batches:
-        raise InputError("concat_batches needs at least one batch")
-    if len(batches) == 1:
-        return batches[0]
-    offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])
-    cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
-
-    def cat(name: str) -> np.ndarray | None:
-        parts = [getattr(b, name) for b in batches]
-        return None if any(p is None for p in parts) else np.concatenate(parts)
-
-    prompts = [b.prompt_tokens for b in batches]
-    keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
-    return StepBatch.from_packed(
-        cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
-        [r for b in batches for r in b.request_ids],
-        mask=cat("mask"), tokens=cat("tokens"), tokens_train=cat("tokens_train"),
-        prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
-        meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
-    )
-
-
 def new_scalars(before: Mapping[str, int], metrics: Mapping[str, Sequence[float]],
                 prefixes: Iterable[str] = FORWARD_PREFIXES) -> dict[str, float]:
     """The mean of the values TRL appended to `metrics` (its `_metrics[mode]` lists) since `before`

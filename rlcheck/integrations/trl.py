@@ -24,7 +24,7 @@ of `trainer.train()` unchanged.
 
 Several processes (accelerate): statistics are reduced over torch.distributed and rank 0 alone runs
 the Monitor; a halt stops every rank together and the dump holds every rank's sequences
-(`rlcheck.integrations._trl_ranks`). Pass a `MonitorConfig` (or nothing) there, so that only rank 0
+(`rlcheck.distributed.observe_across_ranks`). Pass a `MonitorConfig` (or nothing) there, so that only rank 0
 opens sinks. The vLLM 0.32 weight-sync fix (colocate mode) is `rlcheck.integrations._trl_sync`.
 trl is imported when `RLCheckGRPOTrainer` is first used.
 """
@@ -64,7 +64,8 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "s
 
 class RLCheckHook:
     """The Monitor's side of one GRPOTrainer: `run` wraps each generation; see the module docstring.
-    `last_report` is rank 0's latest `StepReport`, `halt` the `MismatchHalt` that stopped the run."""
+    `last_report` is the latest `StepReport` (rank 0's, the same on every rank), `halt` the
+    `MismatchHalt` that stopped the run."""
 
     def __init__(self, trainer: Any, monitor: Monitor | MonitorConfig | None = None,
                  options: TRLOptions | None = None):
@@ -114,7 +115,7 @@ class RLCheckHook:
         return output
 
     def observe(self, output: dict, extra: dict[str, float] | None = None) -> StepReport | None:
-        """Compare one generation's logprobs; rank 0's report, None elsewhere or when nothing counts."""
+        """Compare one generation's logprobs; the step's report (on every rank), None when nothing counts."""
         step = self.trainer.state.global_step
         if not self._every_rank_has_tokens(output):
             warnings.warn(f"rlcheck: step {step} has a process without a completion token that counts "
@@ -140,7 +141,7 @@ class RLCheckHook:
         has = bool(response_mask(output).any())
         if self.world_size == 1:
             return has
-        from rlcheck.integrations._trl_ranks import all_ranks_agree
+        from rlcheck.distributed import all_ranks_agree
 
         return all_ranks_agree(has, self.trainer.accelerator.device)
 
@@ -169,7 +170,7 @@ class RLCheckHook:
     def _observe(self, step: int, batch, extra) -> StepReport | None:
         if self.world_size == 1:
             return self.monitor.observe(step, batch, extra=extra)
-        from rlcheck.integrations._trl_ranks import observe_across_ranks
+        from rlcheck.distributed import observe_across_ranks
 
         return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra)
 

