@@ -1,7 +1,19 @@
-"""The TRL integration's options, and what it checks of a trainer before attaching to it."""
+"""The TRL integration's options, and what it checks of a trainer before attaching to it.
+
+Sampling settings: TRL asks vLLM for `logprobs_mode="processed_logprobs"`, the logprobs of the
+distribution each token was sampled from, after temperature and after any top-p / top-k / min-p
+filter (renormalised) or repetition penalty; the trainer scores `log_softmax(logits / T)`. With
+any of those set, every step shows a mismatch that is the sampler's, not a bug (a token inside
+top_p=0.9 gains -log(0.9) ~ 0.1 nats at least), so attaching refuses them (`ConfigError` naming each
+GRPOConfig field, `generation_kwargs` entries included), as rlcheck's own `VLLMConfig` does, unless
+`TRLOptions(allow_logit_processing=True)`: then a warning, and the settings go into the context
+every dump's meta.json carries (`logit_processing`).
+"""
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +24,15 @@ from rlcheck.integrations._trl_batch import FORWARD_PREFIXES
 from rlcheck.integrations._trl_sync import METHODS
 
 TRAINER_METRICS = (K.ABS_DIFF_MEAN, K.ABS_DIFF_MAX, K.KL_K3, K.RATIO_ESS, K.ALARM_COUNT)
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty")
+"""GRPOConfig fields that change the distribution vLLM samples from (and reports logprobs of)."""
+SAMPLING_KWARGS = SAMPLING_FIELDS + ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+                                     "allowed_token_ids")
+"""The same, as `vllm.SamplingParams` keys that `GRPOConfig.generation_kwargs` may set (they win)."""
+_NEUTRAL = {"top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
+            "presence_penalty": (0,), "frequency_penalty": (0,)}  # None, and empty containers, too
+
+
 @dataclass(frozen=True)
 class TRLOptions:
     """How rlcheck sits inside a GRPOTrainer."""
@@ -27,6 +48,10 @@ class TRLOptions:
     """rlcheck metrics appended to TRL's logged metrics every step (rank 0)."""
     forward_prefixes: tuple[str, ...] = FORWARD_PREFIXES
     """TRL step metrics logged beside rlcheck's, as `trl/<name>`."""
+    allow_logit_processing: bool = False
+    """Attach even when GRPOConfig sets top_p < 1, top_k > 0, min_p > 0 or repetition_penalty != 1
+    (or `generation_kwargs` a filter or penalty): a warning instead of a ConfigError, and the settings
+    recorded in the Monitor's context. The mismatch they cause is then real and counted."""
 
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:
@@ -77,6 +102,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
         "top_k": trainer.top_k,
         "min_p": trainer.min_p,
         "repetition_penalty": trainer.repetition_penalty,
+        "logit_processing": logit_processing(args),
         "trainer_bf16": bool(args.bf16),
         "trainer_fp16": bool(args.fp16),
         "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
@@ -87,3 +113,55 @@ def trl_context(trainer: Any) -> dict[str, Any]:
     if llm is not None:
         ctx["vllm_dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     return ctx
+
+
+def _is_neutral(key: str, value: Any) -> bool:
+    if value is None:
+        return True
+    if key in _NEUTRAL:
+        return value in _NEUTRAL[key]
+    return not value  # logit_bias, bad_words, allowed_token_ids: empty
+
+
+def _generation_kwargs(args: Any) -> dict[str, Any]:
+    kwargs = getattr(args, "generation_kwargs", None) or {}
+    if isinstance(kwargs, str):  # GRPOConfig takes a JSON string from the command line
+        kwargs = json.loads(kwargs)
+    return dict(kwargs)
+
+
+def logit_processing(args: Any) -> dict[str, Any]:
+    """The sampling settings of a GRPOConfig that make vLLM's logprobs differ from the trainer's, as
+    {field: value} ("generation_kwargs['k']" for an entry there, which overrides the field)."""
+    kwargs = _generation_kwargs(args)
+    found = {}
+    for key in SAMPLING_KWARGS:
+        if key in kwargs:
+            name, value = f"generation_kwargs[{key!r}]", kwargs[key]
+        else:
+            name, value = key, getattr(args, key, None)
+        if not _is_neutral(key, value):
+            found[name] = value
+    return found
+
+
+def check_sampling(args: Any, allow: bool = False, *, warn: bool = True) -> dict[str, Any]:
+    """The logit-processing settings of `args` (a GRPOConfig): ConfigError naming each unless `allow`,
+    then a RuntimeWarning (when `warn`). See the module docstring for why."""
+    found = logit_processing(args)
+    if not found:
+        return found
+    named = ", ".join(f"{k}={v!r}" for k, v in found.items())
+    why = ("vLLM then reports the logprobs of the filtered or penalised distribution it sampled from "
+           "(TRL asks for processed_logprobs) while the trainer scores log_softmax(logits / T), so every "
+           "step shows a mismatch that is the sampler's, not a bug")
+    if not allow:
+        raise ConfigError(
+            f"GRPOConfig sets {named}: {why}. Use TRL's defaults (top_p=1.0, top_k=0, min_p=None, "
+            "repetition_penalty=1.0, no filter or penalty in generation_kwargs), or pass "
+            "TRLOptions(allow_logit_processing=True) to monitor anyway (the mismatch is then counted)"
+        )
+    if warn:
+        warnings.warn(f"rlcheck: GRPOConfig sets {named} (allow_logit_processing=True): {why}; the "
+                      "settings are recorded in the dumps' context", RuntimeWarning, stacklevel=3)
+    return found

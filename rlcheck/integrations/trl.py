@@ -15,7 +15,10 @@ at generation, the number of optimizer updates behind the rollouts (TRL logs tha
 step + 1). TRL's own `sampling/*` and reward scalars of the step go along as `trl/*` extras, and a few
 rlcheck metrics (`TRLOptions.trainer_metrics`) are appended to TRL's logs, so they reach TRL's
 reporters (W&B, TensorBoard, console) on TRL's steps. Eval generations are not observed. Request ids
-and per-row meta: `rlcheck.integrations._trl_batch`.
+and per-row meta: `rlcheck.integrations._trl_batch`. Sampling settings that make vLLM's logprobs differ
+from the trainer's (top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1) are refused when
+attaching, each GRPOConfig field named (`TRLOptions.allow_logit_processing` to go on; see
+`rlcheck.integrations._trl_config`).
 
 Halting: the Monitor flushes its sinks, writes the step's dump and raises `MismatchHalt`; before it
 leaves the trainer, TRL gets a last log row (`rlcheck/halted` = 1 and the step's rlcheck metrics)
@@ -51,6 +54,7 @@ from rlcheck.integrations._trl_config import (
     TRAINER_METRICS,
     TRLOptions,
     check_fault,
+    check_sampling,
     check_trainer,
     trl_context,
 )
@@ -72,6 +76,7 @@ class RLCheckHook:
         check_trainer(trainer)
         self.trainer = trainer
         self.options = options or TRLOptions()
+        check_sampling(trainer.args, self.options.allow_logit_processing)
         self.fault = check_fault(self.options.inject)
         if monitor is None:
             monitor = MonitorConfig(run_dir=Path(trainer.args.output_dir) / "rlcheck")
@@ -222,6 +227,9 @@ def _trainer_class() -> type:
         def __init__(self, *args: Any, monitor: Monitor | MonitorConfig | None = None,
                      rlcheck_options: TRLOptions | None = None, **kwargs: Any):
             self.rlcheck = None
+            config = kwargs.get("args", args[2] if len(args) > 2 else None)
+            if config is not None:  # refuse the sampling settings before vLLM starts
+                check_sampling(config, (rlcheck_options or TRLOptions()).allow_logit_processing, warn=False)
             super().__init__(*args, **kwargs)
             RLCheckHook(self, monitor, rlcheck_options)
 

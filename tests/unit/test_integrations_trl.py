@@ -1,5 +1,5 @@
 """The TRL integration's pure logic: TRL's padded step tensors to a StepBatch, request ids and row meta,
-TRL's scalars, the options, the faults it accepts and the weight-sync wrapper."""
+TRL's scalars, the options, the sampling settings and faults it accepts, and the weight-sync wrapper."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rlcheck.integrations._trl_batch import (
     to_step_batch,
 )
 from rlcheck.integrations._trl_config import check_fault as _fault
+from rlcheck.integrations._trl_config import check_sampling, logit_processing, trl_context
 from rlcheck.integrations._trl_sync import WeightSync, resolve_method
 from rlcheck.integrations.trl import TRLOptions
 
@@ -129,6 +130,75 @@ class TestTRLOptions:
         """trainer_metrics is a tuple of keys, not one key."""
         with pytest.raises(ValueError, match="tuples"):
             TRLOptions(trainer_metrics="rlcheck/token/abs_diff_mean")
+
+
+@pytest.fixture(scope="module")
+def grpo_config(tmp_path_factory):
+    """`grpo_config(**fields) -> trl.GRPOConfig`: real TRL configs (CPU, no reporters)."""
+    trl = pytest.importorskip("trl")
+    out = str(tmp_path_factory.mktemp("grpo"))
+    return lambda **kw: trl.GRPOConfig(output_dir=out, use_cpu=True, report_to=[], use_vllm=True, **kw)
+
+
+class TestSamplingSettings:
+    def test_trls_defaults_pass(self, grpo_config):
+        """GRPOConfig's defaults (top_p 1, top_k 0, min_p None, repetition_penalty 1) sample the raw
+        distribution: nothing to refuse; so do the explicit neutral values."""
+        assert check_sampling(grpo_config()) == {}
+        assert check_sampling(grpo_config(top_k=-1, min_p=0.0, generation_kwargs={"presence_penalty": 0.0})) == {}
+
+    @pytest.mark.parametrize(("fields", "named"), [
+        ({"top_p": 0.9}, "top_p=0.9"),
+        ({"top_k": 50}, "top_k=50"),
+        ({"min_p": 0.05}, "min_p=0.05"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"generation_kwargs": {"frequency_penalty": 0.5}}, "generation_kwargs['frequency_penalty']=0.5"),
+    ])
+    def test_each_setting_is_named_with_the_way_out(self, grpo_config, fields, named):
+        """Each logit-processing setting is a ConfigError that names the field and the opt-out."""
+        with pytest.raises(ConfigError) as err:
+            check_sampling(grpo_config(**fields))
+        assert named in str(err.value) and "allow_logit_processing=True" in str(err.value)
+
+    def test_all_offenders_are_named_together(self, grpo_config):
+        """Several settings are named in one error, so one edit fixes the config."""
+        with pytest.raises(ConfigError, match="top_p=0.95, top_k=20, min_p=0.1, repetition_penalty=1.05"):
+            check_sampling(grpo_config(top_p=0.95, top_k=20, min_p=0.1, repetition_penalty=1.05))
+
+    def test_generation_kwargs_override_the_field(self, grpo_config):
+        """vLLM takes generation_kwargs over the field (TRL updates its SamplingParams with them):
+        a neutral override clears the field, a filter there is named as the kwargs entry, also from
+        the JSON string a command line gives."""
+        assert logit_processing(grpo_config(top_p=0.9, generation_kwargs={"top_p": 1.0})) == {}
+        got = logit_processing(grpo_config(generation_kwargs='{"top_k": 5}'))
+        assert got == {"generation_kwargs['top_k']": 5}
+
+    def test_opt_out_warns_and_returns_the_settings(self, grpo_config):
+        """allow_logit_processing=True: a RuntimeWarning naming the settings, which are returned."""
+        with pytest.warns(RuntimeWarning, match="top_p=0.9"):
+            assert check_sampling(grpo_config(top_p=0.9), allow=True) == {"top_p": 0.9}
+        assert TRLOptions(allow_logit_processing=True).allow_logit_processing
+
+    def test_recorded_in_the_context(self, grpo_config):
+        """The monitor's context (every dump's meta.json) records the settings, {} when none."""
+        from types import SimpleNamespace
+
+        def trainer(args):
+            return SimpleNamespace(args=args, model=SimpleNamespace(config=SimpleNamespace()), temperature=1.0,
+                                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                   repetition_penalty=args.repetition_penalty, vllm_importance_sampling_correction=False,
+                                   vllm_generation=None)
+
+        assert trl_context(trainer(grpo_config(top_k=8)))["logit_processing"] == {"top_k": 8}
+        assert trl_context(trainer(grpo_config()))["logit_processing"] == {}
+
+    def test_drop_in_trainer_refuses_before_starting_vllm(self, grpo_config):
+        """RLCheckGRPOTrainer raises the ConfigError before GRPOTrainer loads anything (the model
+        path does not exist)."""
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer
+
+        with pytest.raises(ConfigError, match="top_p=0.5"):
+            RLCheckGRPOTrainer(model="/nonexistent/model", reward_funcs=len, args=grpo_config(top_p=0.5))
 
 
 class TestFault:
