@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow bench lint lint-docker clean
+.PHONY: install demo test test-fast test-slow chromium bench lint lint-docker clean
 
 install: $(STAMP)
 
@@ -28,14 +28,24 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/rlcheck demo
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) chromium
 	$(PY) -m pytest -q -m slow tests
+
+# The report's browser test (tests/integration/test_report_browser.py, slow) drives the system Chromium
+# through playwright (`playwright install` is never run): apt-get installs it when it is missing (as
+# root, or through sudo); silent when it is there.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || test -x /usr/bin/chromium || \
+	  { echo "make: installing Chromium for the report's browser test (apt-get)"; \
+	    $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_stats.py
