@@ -2,15 +2,32 @@
 injection), and fixed for vLLM 0.32 in colocate mode.
 
 The fix: TRL 1.16 pushes each parameter with
-`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)])`.
-vLLM 0.32 strips the `weight_loader` attribute from the parameters of its linear layers once the model
-is loaded (weights are reloaded layer by layer through `reload_weights`, which restores them), so that
-call fails with "'Parameter' object has no attribute 'weight_loader'" at the first sync. The
-replacement streams the same (name, tensor) pairs through
-`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, then resets the prefix
-cache as TRL does. It is used only when needed: `method="auto"` probes the engine's linear layers
-(`llm.apply_model`) and keeps TRL's own sync whenever they still carry their weight loaders, and
-always in server mode (the server has its own update path).
+`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)])`,
+which calls each parameter's `weight_loader`. Whether the engine's linear layers still have one
+depends on the CPU and the dtype. On CPU, vLLM 0.32's `UnquantizedLinearMethod
+.process_weights_after_loading` hands every linear layer to `dispatch_cpu_unquantized_gemm`
+(vllm/model_executor/layers/utils.py) with `remove_weight=True`. When a CPU kernel takes the weight
+into its own packed copy (the AMX kernel, `convert_weight_packed`, on CPUs with AMX tiles for
+bf16/fp16 weights up to 1 MiB; zentorch on vLLM's Zen platform; otherwise oneDNN, `create_onednn_mm`),
+the layer's `weight` is replaced by an empty `Parameter` with no `weight_loader`, and TRL's call fails
+with "'Parameter' object has no attribute 'weight_loader'" at the first sync. When no kernel
+takes it, vLLM falls back to `torch.nn.functional.linear` on the Parameter, which keeps its loader,
+and TRL's own sync works. oneDNN builds a bf16 matmul only where it has bf16 code: AVX-512
+(avx512_core and later: Intel Xeon since Skylake-SP, AMD Zen 4 and later), AVX2-VNNI-2 or AMX. On an
+AVX2-only CPU (the AMD EPYC here, no AVX-512) it fails ("could not create a primitive descriptor for
+the matmul primitive"; vLLM logs "Failed to create oneDNN linear, fallback to torch linear"). Measured
+here on the tiny Llama: a bf16 engine keeps every loader, a float32 engine has none (oneDNN has fp32
+code for AVX2), so TRL's defaults (vLLM in bf16) take TRL's own sync on this machine and the reload
+on an AVX-512 one.
+
+The replacement streams the same (name, tensor) pairs through
+`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (it restores each layer's
+Parameters, loads them and runs `process_weights_after_loading` again, so the kernel packs the new
+weights), then resets the prefix cache as TRL does. It is used only when needed: `method="auto"`
+probes the engine's linear layers (`llm.apply_model`) and keeps TRL's own sync whenever they still
+carry their weight loaders, and always in server mode (the server has its own update path).
+tests/integration/test_trl.py runs the fire drill on the branch this CPU takes and again with vLLM's
+dispatch made to take the other one.
 """
 
 from __future__ import annotations

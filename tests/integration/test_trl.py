@@ -3,7 +3,12 @@ the tiny llama (the cross-rank step TRL uses is tested in test_distributed.py).
 
 One fire-drill run serves several tests (a vLLM start costs ~25 s here): two clean steps, then
 `stale-weights@2` leaves out TRL's real vLLM weight sync from step 2 on, while a reward with spread in
-every group (completion length) and a large learning rate move the weights every step.
+every group (completion length) and a large learning rate move the weights every step, so a sync
+that did not move the engine's weights shows at step 1 as the fault does at step 2. The drill runs
+twice, once per weight-sync branch (`rlcheck.integrations._trl_sync`): the one this CPU takes, and
+the other with vLLM's CPU linear dispatch made to do what it does on the other kind of CPU (on an
+AVX2-only CPU a bf16 linear layer keeps its Parameter and loader: TRL's sync; with AVX-512 or AMX a
+packing kernel replaces it: the reload sync), so both are tested on either kind.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,18 +59,32 @@ def _metrics_lines(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def drill(tiny_model, tmp_path_factory):
-    """A 5-step `RLCheckGRPOTrainer` run with stale-weights@2: (trainer, halt or None, seconds)."""
+@dataclass
+class Drill:
+    """One fire-drill run: the trainer, the halt (None: it did not halt), its wall time, and which
+    linear dispatch the engine had ("host", or the branch simulated: "keeps-loader", "strips-loader")."""
+
+    trainer: Any
+    halt: MismatchHalt | None
+    seconds: float
+    dispatch: str
+
+    def engine_lacks_loaders(self) -> bool:
+        from rlcheck.integrations._trl_sync import linear_params_lack_loader
+
+        return any(self.trainer.vllm_generation.llm.apply_model(linear_params_lack_loader))
+
+
+def _run_drill(model: str, out, dispatch: str) -> Drill:
+    """A 5-step `RLCheckGRPOTrainer` run with stale-weights@2, vLLM in bf16 (TRL's default)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
     from rlcheck.monitor import MonitorConfig
 
-    out = tmp_path_factory.mktemp("trl-drill")
     t0 = time.perf_counter()
     trainer = RLCheckGRPOTrainer(
-        model=str(tiny_model("llama")), reward_funcs=_length_reward, args=_grpo_args(out, 5, 5e-2, fp32=False),
+        model=model, reward_funcs=_length_reward, args=_grpo_args(out, 5, 5e-2, fp32=False),
         train_dataset=_dataset(), monitor=MonitorConfig(run_dir=out / "rlcheck", sinks=("jsonl",)),
         rlcheck_options=TRLOptions(inject=f"stale-weights@{ONSET}"),
     )
@@ -71,24 +93,79 @@ def drill(tiny_model, tmp_path_factory):
         trainer.train()
     except MismatchHalt as exc:
         halt = exc
-    return trainer, halt, time.perf_counter() - t0
+    return Drill(trainer, halt, time.perf_counter() - t0, dispatch)
+
+
+def _linear_dispatch(strip: bool) -> Callable:
+    """vLLM's CPU dispatch of 2-D weights (`dispatch_cpu_unquantized_gemm`, run by every linear
+    layer's `process_weights_after_loading` at load and again inside `reload_weights`) as the other
+    kind of CPU runs it. `strip`: as oneDNN or AMX do, the kernel keeps its own copy of the weight
+    and the layer's Parameter is replaced by an empty one without `weight_loader`; otherwise as on an
+    AVX2-only CPU in bf16, torch's linear on the Parameter, which keeps its loader. Conv and meta
+    weights go to vLLM's own dispatch."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2:
+            return vllm_dispatch(layer, remove_weight)
+        if not (strip and remove_weight):
+            layer.cpu_linear = lambda x, w, bias: torch.nn.functional.linear(x, w, bias)
+            return
+        packed = weight.detach().clone()  # the kernel's copy, as oneDNN's handler holds its own
+        layer.cpu_linear = lambda x, w, bias: torch.nn.functional.linear(x, packed, bias)
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                          requires_grad=False)
+
+    return dispatch
+
+
+@pytest.fixture(scope="module")
+def host_drill(tiny_model, tmp_path_factory) -> Drill:
+    """The drill on this CPU's own branch."""
+    return _run_drill(str(tiny_model("llama")), tmp_path_factory.mktemp("trl-drill-host"), "host")
+
+
+@pytest.fixture(scope="module")
+def other_drill(host_drill, tiny_model, tmp_path_factory):
+    """The drill on the branch this CPU does not take, vLLM's linear dispatch patched for the run."""
+    from vllm.model_executor.layers import utils
+
+    strip = host_drill.trainer.rlcheck.sync.method == "trl"  # the host kept the loaders
+    with pytest.MonkeyPatch.context() as patch:  # for the run only: later tests get vLLM's own
+        patch.setattr(utils, "dispatch_cpu_unquantized_gemm", _linear_dispatch(strip))
+        return _run_drill(str(tiny_model("llama")), tmp_path_factory.mktemp("trl-drill-other"),
+                          "strips-loader" if strip else "keeps-loader")
+
+
+@pytest.fixture(scope="module", params=["host", "other"])
+def drill(request) -> Drill:
+    """Each test on both branches: the host's, then the other one simulated."""
+    return request.getfixturevalue(f"{request.param}_drill")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 class TestRLCheckGRPOTrainer:
-    def test_vllm_032_sync_goes_through_reload_weights(self, drill):
-        """On vLLM 0.32 the hook picks the reload_weights sync, which ran before steps 0 and 1 only."""
-        trainer, _, _ = drill
-        assert trainer.rlcheck.sync.method == "reload"
-        assert trainer.rlcheck.sync.synced_step == ONSET - 1
-        assert trainer.rlcheck.sync.skipped[0] == ONSET
+    def test_sync_follows_the_engines_linear_layers(self, drill):
+        """vllm_sync="auto" takes vLLM's reload_weights where the engine's linear layers lost their
+        weight loaders and TRL's own sync where they kept them; the simulated run is on the branch
+        the host did not take; on both the syncs ran before steps 0 and 1 only."""
+        sync, lacks = drill.trainer.rlcheck.sync, drill.engine_lacks_loaders()
+        assert sync.method == ("reload" if lacks else "trl")
+        if drill.dispatch != "host":
+            assert lacks == (drill.dispatch == "strips-loader")
+        assert sync.synced_step == ONSET - 1
+        assert sync.skipped[0] == ONSET
 
     def test_clean_steps_match_trl(self, drill):
         """Before the fault every step is observed, alarm-free at critical level, and rlcheck's mean
-        |d| is TRL's own sampling_logp_difference of the same step."""
-        trainer, _, _ = drill
-        lines = _metrics_lines(trainer.rlcheck.monitor_config.run_dir)
+        |d| is TRL's own sampling_logp_difference of the same step; step 1 came after an update at a
+        large learning rate, so its small |d| shows the sync moved the engine's weights."""
+        lines = _metrics_lines(drill.trainer.rlcheck.monitor_config.run_dir)
         clean = [line for line in lines if line["step"] < ONSET]
         assert [line["step"] for line in clean] == list(range(ONSET))
         for line in clean:
@@ -101,13 +178,15 @@ class TestRLCheckGRPOTrainer:
     def test_halts_at_or_after_onset_with_dump(self, drill):
         """The stale sync halts the run at or after its onset; the exception leaves train() with the
         dump on disk, and the dump's rollouts carry the stale weight version."""
-        trainer, halt, seconds = drill
-        lines = _metrics_lines(trainer.rlcheck.monitor_config.run_dir)
-        print(f"\ndrill: halt at step {halt and halt.report.step} after {seconds:.1f} s; mean |d| per step:",
+        halt = drill.halt
+        lines = _metrics_lines(drill.trainer.rlcheck.monitor_config.run_dir)
+        print(f"\ndrill ({drill.dispatch}, sync {drill.trainer.rlcheck.sync.method}): halt at step "
+              f"{halt and halt.report.step} after {drill.seconds:.1f} s; mean |d| per step:",
               [f"{line['step']}: {line['metrics'][K.ABS_DIFF_MEAN]:.3g}" for line in lines])
         assert halt is not None, "the stale-weights fault did not halt the run"
         assert halt.report.step >= ONSET
-        assert trainer.rlcheck.halt is halt
+        assert halt.report.metrics[K.ABS_DIFF_MEAN] > 1
+        assert drill.trainer.rlcheck.halt is halt
         assert os.path.isfile(os.path.join(halt.dump_dir, "sequences.parquet"))
         import pyarrow.parquet as pq
 
@@ -116,15 +195,26 @@ class TestRLCheckGRPOTrainer:
         assert dump["request_id"][0] == f"s{halt.report.step}-r0-0"
         meta = json.load(open(os.path.join(halt.dump_dir, "meta.json")))
         assert meta["context"]["framework"] == "trl" and meta["context"]["vllm_dtype"] == "bfloat16"
+        assert meta["context"]["logit_processing"] == {}
 
     def test_halt_reaches_trl_logs_and_jsonl(self, drill):
         """TRL's log history ends with the halt row; metrics.jsonl holds the halting step."""
-        trainer, halt, _ = drill
+        trainer, halt = drill.trainer, drill.halt
         assert trainer.state.log_history[-1].get("rlcheck/halted") == 1.0
         assert K.ABS_DIFF_MEAN in trainer.state.log_history[0]
         lines = _metrics_lines(trainer.rlcheck.monitor_config.run_dir)
         assert lines[-1]["step"] == halt.report.step
         assert trainer.rlcheck._monitor is None  # the Monitor rlcheck opened is closed
+
+    def test_trls_own_sync_needs_the_loaders(self, drill):
+        """Why auto chooses as it does: TRL's own sync (`load_weights`) fails on an engine whose
+        linear layers lost their loaders, and runs on one that kept them. (Last: it loads weights.)"""
+        trl_sync = drill.trainer.rlcheck.sync._trl_sync
+        if drill.engine_lacks_loaders():
+            with pytest.raises(AttributeError, match="weight_loader"):
+                trl_sync()
+        else:
+            trl_sync()
 
 
 @pytest.mark.slow
