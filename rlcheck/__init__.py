@@ -11,8 +11,17 @@ torch are imported by the modules that need them.
 from rlcheck.batch import StepBatch
 from rlcheck.detect import Alarm, DetectorsConfig
 from rlcheck.errors import (
-    ActorDiedError, ConfigError, GuardViolation, InputError, MismatchHalt, PathError, RecordWriteError,
-    RLCheckError, RunDirError, SinkInitError, UnsupportedVLLMError,
+    ActorDiedError,
+    ConfigError,
+    GuardViolation,
+    InputError,
+    MismatchHalt,
+    PathError,
+    RecordWriteError,
+    RLCheckError,
+    RunDirError,
+    SinkInitError,
+    UnsupportedVLLMError,
 )
 from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
 from rlcheck.stats import Offender, StatsConfig

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
 from rlcheck.errors import ConfigError
 
 KINDS = ("threshold", "robust_z", "drift", "periodic", "signature")

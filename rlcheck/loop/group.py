@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.errors import ConfigError
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import join, start_rollout
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
-from rlcheck.errors import ConfigError
 
 __all__ = ["TrainerGroup", "start_rollout"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlcheck import metrics as K
-from rlcheck.sinks.base import Sink
 from rlcheck.errors import ConfigError
+from rlcheck.sinks.base import Sink
 
 # (label, key) of the step line, in order
 COLUMNS = (

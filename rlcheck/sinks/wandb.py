@@ -24,9 +24,9 @@ import numpy as np
 
 from rlcheck import histogram as H
 from rlcheck import metrics as K
+from rlcheck.errors import ConfigError
 from rlcheck.sinks.base import Sink, SinkInitError, SinkWarning
 from rlcheck.stats import Offender
-from rlcheck.errors import ConfigError
 
 MODES = ("online", "offline", "disabled", "shared")
 OFFENDERS_KEY = "rlcheck/offenders"
