@@ -322,11 +322,8 @@ class StepBatch:
             a = getattr(self, name)
             if a is not None and a.shape != lr.shape:
                 raise InputError(f"{name} has shape {a.shape}, the logprobs have {lr.shape}")
-        if self.mask is not None and lr.shape[0] > 0 and not self.mask.any():
-            raise InputError("every token is masked out: nothing to compare")
-        if lr.shape[0] == 0:
-            raise InputError("no tokens: every sequence is empty")
-        for name, a in (("logp_rollout", lr), ("logp_train", lt)):
+        # every token masked out, or no token at all, is allowed: the Monitor logs such a step as empty
+        for name, a in (("logp_rollout", lr), ("logp_train", lt)) if lr.shape[0] else ():
             top = a.max()  # NaN when a NaN is present: then look token by token
             if top > MAX_LOGPROB or (np.isnan(top) and (a > MAX_LOGPROB).any()):
                 i = int(np.flatnonzero(a > MAX_LOGPROB)[0])

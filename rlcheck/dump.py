@@ -6,6 +6,9 @@
                                           plus the batch's per-sequence meta columns
     dumps/step_NNNNNN/meta.json           step, reason, metrics, alarms, offenders, versions, context
 
+`max_abs_diff` and `first_divergence` are the statistics' own (`rlcheck.stats`): over the tokens they
+compare, so masked-out tokens never count and a dump agrees with the step's offenders in metrics.jsonl.
+
 Atomic: both files are written and fsynced in a hidden temp dir (`dumps/.step_NNNNNN.*`), which is
 renamed into place and the parent fsynced; a crash mid-dump leaves only the hidden dir, which no
 reader takes for a dump and the next Monitor removes (`remove_partial_dumps`). A dump written again
@@ -33,7 +36,7 @@ from rlcheck.batch import StepBatch
 from rlcheck.errors import InputError
 from rlcheck.rundir import fsync_dir
 from rlcheck.sinks.jsonl import to_jsonable
-from rlcheck.stats.sequences import divergence
+from rlcheck.stats import StatsConfig, compute_partial
 
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
@@ -76,9 +79,17 @@ def _list_column(values: np.ndarray, cu: np.ndarray):
 
 
 def _per_sequence(batch: StepBatch, tau: float) -> tuple[np.ndarray, list[int | None]]:
-    """(N,) max |d| over finite tokens, and the first position with |d| > tau or non-finite."""
-    d = batch.logp_train.astype(np.float64) - batch.logp_rollout.astype(np.float64)
-    return divergence(d, batch.cu_seqlens, tau)
+    """(N,) max |d| and first divergence (|d| > tau or non-finite) of every sequence, exactly as the
+    step's offenders have them: over the tokens the statistics compare (masked-out tokens never count),
+    computed by the statistics themselves with every sequence kept as an offender."""
+    num = batch.num_sequences
+    seq_max, first = np.zeros(num, dtype=np.float64), [None] * num
+    if batch.num_tokens == 0:
+        return seq_max, first
+    cfg = StatsConfig(divergence_tau=tau, catastrophic_tau=max(tau, StatsConfig.catastrophic_tau), top_k=num)
+    for o in compute_partial(batch, cfg).offenders:
+        seq_max[o.index], first[o.index] = o.max_abs_diff, o.first_divergence
+    return seq_max, first
 
 
 def versions() -> dict[str, str]:

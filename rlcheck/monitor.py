@@ -7,6 +7,14 @@ alarms, logs and, when the run has gone wrong, a halt with the evidence on disk.
 `observe` validates, computes (`rlcheck.stats`), runs every detector, logs to every sink, saves the
 detector state atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies
 the halt policy: on halt it flushes the sinks, writes the step's dump and raises `MismatchHalt`.
+Hard limits alarm (critical) whether or not halting is on, and a NaN/inf logprob always does, whatever
+`hard_limits` holds; halting off only skips the halt. A step with no token to compare (every token
+masked, e.g. TRL's `mask_truncated_completions`, or no sequence on any rank) is logged as empty
+(`"empty": true`, counts only) with a warning and skipped by the detectors, never an exception.
+
+One live Monitor per run dir (`rundir.RunDirLock`, released by `close()` and on process death); a
+Monitor that resumes a run warns naming the step it resumes after, counts the resume in state.json
+(`resumes`) and marks its first record (`"resumed": {"after_step": ..., "count": ...}`).
 
 Crash safety (`rlcheck.rundir` has the fsync rules): each step's metrics.jsonl line is fsynced before
 state.json is saved; a new Monitor replays any line a killed process logged after its last state
@@ -20,7 +28,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,7 @@ from rlcheck.dump import dump_dir, remove_partial_dumps, write_dump
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
 from rlcheck.monitor_config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
 from rlcheck.rundir import STATE_FILE
-from rlcheck.stats import Offender, PartialStats, compute_partial, finalize
+from rlcheck.stats import Offender, PartialStats, compute_partial, empty_partial, finalize
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
@@ -73,6 +81,21 @@ def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
+def _step_partial(batch: StepBatch, cfg) -> PartialStats:
+    """`compute_partial`, or for a batch without a single token (every sequence empty: what
+    `from_padded` makes of an all-zero mask) the statistics of no token that count its sequences."""
+    if batch.num_tokens:
+        return compute_partial(batch, cfg)
+    none = empty_partial(cfg)
+    n = float(batch.num_sequences)
+    return replace(none, sums={**none.sums, "seq_total": n, "seq_empty": n}, num_sequences=batch.num_sequences)
+
+
+def _is_empty_step(metrics: Mapping[str, float]) -> bool:
+    """No token left to compare (every one masked out, or no sequence at all) and none non-finite."""
+    return metrics.get(K.TOKEN_COUNT, 0.0) == 0 and metrics.get(K.NONFINITE_COUNT, 0.0) == 0
+
+
 def _check_alarms(alarms: Sequence[Alarm], step: int) -> list[Alarm]:
     """Alarms found outside the Monitor for `step`: Alarm objects of this step."""
     out = list(alarms)
@@ -92,20 +115,28 @@ class Monitor:
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self._prepare_run_dir()
-        self.detectors = build_detectors(cfg.detectors)
-        self.last_step: int | None = None
-        self.streak = 0
-        self.alarm_counts: dict[str, int] = {}
-        if (self.run_dir / STATE_FILE).exists():
-            if not cfg.resume:
-                raise RunDirError(
-                    f"{self.run_dir} already holds a run (state.json); pass resume=True to continue it, "
-                    "or choose a new run_dir"
-                )
-            self._load_state()
-        self._has_state = (self.run_dir / STATE_FILE).exists()
-        self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
+        rundir.prepare(self.run_dir)
+        self._lock = rundir.RunDirLock(self.run_dir)  # before anything in the run dir is read or changed
+        try:
+            remove_partial_dumps(self.run_dir)
+            self.detectors = build_detectors(cfg.detectors)
+            self.last_step: int | None = None
+            self.streak = 0
+            self.alarm_counts: dict[str, int] = {}
+            self.resumes = 0
+            self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
+            if (self.run_dir / STATE_FILE).exists():
+                if not cfg.resume:
+                    raise RunDirError(
+                        f"{self.run_dir} already holds a run (state.json); pass resume=True to continue it, "
+                        "or choose a new run_dir"
+                    )
+                self._load_state()
+            self._has_state = (self.run_dir / STATE_FILE).exists()
+            self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
+        except BaseException:
+            self._lock.release()
+            raise
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -122,7 +153,7 @@ class Monitor:
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
+        return self._observe(_check_step(step), _step_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
@@ -141,7 +172,11 @@ class Monitor:
         )
 
     def close(self) -> None:
-        self.sinks.close()
+        """Close the sinks and release the run dir (a second call does nothing more)."""
+        try:
+            self.sinks.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Monitor:
         return self
@@ -165,8 +200,16 @@ class Monitor:
                 stacklevel=3,
             )
         metrics, offenders = finalize(partial, self.cfg.stats)
+        empty = _is_empty_step(metrics)
+        if empty:
+            warnings.warn(
+                f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} sequences, "
+                f"{metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as an empty step, "
+                "skipped by the detectors",
+                stacklevel=3,
+            )
         alarms: list[Alarm] = []
-        for det in self.detectors.values():
+        for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)
         alarms += outside
         hard = self._hard_limit_alarms(step, metrics)
@@ -175,24 +218,36 @@ class Monitor:
         metrics.update(extra)
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders)
-        self._advance(step, alarms)
+        self._advance(step, alarms, empty)
         self._decide_halt(report, hard)
 
-        hist = partial.hists["ad"]
-        bins = np.flatnonzero(hist)
-        write_error = self._record(report, {
-            "step": step,
-            "time": time.time(),
-            "metrics": metrics,
-            "alarms": [a.to_dict() for a in alarms],
-            "offenders": [o.to_dict() for o in offenders],
-            "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
-        })
+        write_error = self._record(report, self._step_record(report, partial, empty))
+        if write_error is None:
+            self._resumed = None
         if report.halted:
             self._halt(report, batch, write_error)
         if write_error is not None:
             raise write_error
         return report
+
+    def _step_record(self, report: StepReport, partial: PartialStats, empty: bool) -> dict[str, Any]:
+        """The step's metrics.jsonl record; `empty` and `resumed` only where they apply, so older
+        readers see the schema they know."""
+        hist = partial.hists["ad"]
+        bins = np.flatnonzero(hist)
+        record = {
+            "step": report.step,
+            "time": time.time(),
+            "metrics": report.metrics,
+            "alarms": [a.to_dict() for a in report.alarms],
+            "offenders": [o.to_dict() for o in report.offenders],
+            "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
+        }
+        if empty:
+            record["empty"] = True
+        if self._resumed is not None:
+            record["resumed"] = self._resumed
+        return record
 
     def _record(self, report: StepReport, record: dict[str, Any]) -> RecordWriteError | None:
         """Log to every sink, then save the state; an I/O failure comes back as the error to raise."""
@@ -214,10 +269,19 @@ class Monitor:
         return []
 
     def _hard_limit_alarms(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
-        if not self.cfg.halt.enabled:
-            return []
+        """Critical alarms of the hard limits, and of any NaN/inf logprob whatever `hard_limits` holds
+        (a NaN is never a matter of taste); raised with halting on or off, they halt at once when on."""
         out = []
+        nonfinite = metrics.get(K.NONFINITE_COUNT, 0.0)
+        if nonfinite > 0:
+            out.append(Alarm(
+                "threshold", K.NONFINITE_COUNT, step, "critical",
+                f"{K.NONFINITE_COUNT} = {nonfinite:.4g}: NaN/inf logprobs, always critical",
+                {"value": nonfinite, "limit": 0.0, "hard_limit": True},
+            ))
         for key, limit in self.cfg.halt.hard_limits.items():
+            if key == K.NONFINITE_COUNT and nonfinite > 0:
+                continue  # the alarm above says it
             value = metrics.get(key)
             if value is not None and value > limit:
                 out.append(Alarm(
@@ -231,10 +295,14 @@ class Monitor:
         h = self.cfg.halt
         return [a for a in alarms if a.kind in h.kinds and severity_rank(a.severity) >= severity_rank(h.min_severity)]
 
-    def _advance(self, step: int, alarms: list[Alarm]) -> None:
-        """Bookkeeping of one observed step: the halting streak, the last step, alarm counts."""
+    def _advance(self, step: int, alarms: list[Alarm], empty: bool = False) -> None:
+        """Bookkeeping of one observed step: the halting streak (an empty step without a halting alarm
+        neither extends nor breaks it), the last step, alarm counts."""
         if self.cfg.halt.enabled:
-            self.streak = self.streak + 1 if self._qualifying(alarms) else 0
+            if self._qualifying(alarms):
+                self.streak += 1
+            elif not empty:
+                self.streak = 0
         self.last_step = step
         for a in alarms:
             self.alarm_counts[a.kind] = self.alarm_counts.get(a.kind, 0) + 1
@@ -245,7 +313,7 @@ class Monitor:
             return
         if hard:
             report.halted, report.halt_reason = True, hard[0].message
-        elif self.streak >= self.cfg.halt.patience:
+        elif self.streak >= self.cfg.halt.patience and self._qualifying(report.alarms):
             first = self._qualifying(report.alarms)[0]
             report.halted = True
             report.halt_reason = f"{first.kind} alarm on {first.metric}: {first.message}"
@@ -266,16 +334,13 @@ class Monitor:
 
     # ---- run directory and state ---------------------------------------------------------------
 
-    def _prepare_run_dir(self) -> None:
-        rundir.prepare(self.run_dir)
-        remove_partial_dumps(self.run_dir)
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
             "last_step": self.last_step,
             "streak": self.streak,
             "alarm_counts": self.alarm_counts,
+            "resumes": self.resumes,
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
         }
 
@@ -292,14 +357,20 @@ class Monitor:
         self.last_step = state.get("last_step")
         self.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
+        self.resumes = int(state.get("resumes", 0)) + 1
         for kind, det_state in state.get("detectors", {}).items():
             if kind in self.detectors:
                 self.detectors[kind].load_state_dict(det_state)
-        self._catch_up(state.get("jsonl_bytes"))
+        caught_up = self._catch_up(state.get("jsonl_bytes"))
+        self._resumed = {"after_step": self.last_step, "count": self.resumes}
+        after = "before any step" if self.last_step is None else f"after step {self.last_step}"
+        warnings.warn(f"rlcheck: resuming {self.run_dir} (resume {self.resumes} of this run){caught_up}; "
+                      f"the detectors resume {after}", stacklevel=4)
 
-    def _catch_up(self, committed: int | None) -> None:
+    def _catch_up(self, committed: int | None) -> str:
         """Feed the detectors the metrics.jsonl lines a killed process logged after its last state
-        save (their metrics are exactly what its detectors saw), so no step is lost or repeated."""
+        save (their metrics are exactly what its detectors saw), so no step is lost or repeated; say
+        what was replayed (for the resume warning)."""
         records = rundir.uncommitted_records(self.run_dir, committed)
         replayed = []
         added_after = (K.ALARM_COUNT, K.MONITOR_SECONDS)  # and the caller's extra keys, outside the prefix
@@ -307,15 +378,13 @@ class Monitor:
             if not isinstance(rec.get("step"), int) or not isinstance(rec.get("metrics"), dict):
                 continue
             seen = {k: v for k, v in rec["metrics"].items() if k.startswith(K.PREFIX) and k not in added_after}
-            for det in self.detectors.values():
+            empty = rec.get("empty") is True
+            for det in self.detectors.values() if not empty else ():
                 det.update(rec["step"], seen)
-            self._advance(rec["step"], [Alarm.from_dict(a) for a in rec.get("alarms") or ()])
+            self._advance(rec["step"], [Alarm.from_dict(a) for a in rec.get("alarms") or ()], empty)
             replayed.append(rec["step"])
-        if replayed or records.num_skipped:
-            torn = f"; {records.num_skipped} line(s) cut short were skipped" if records.num_skipped else ""
-            warnings.warn(
-                f"rlcheck: resuming {self.run_dir}: metrics.jsonl held step(s) {replayed} logged after the "
-                f"last state save (the previous process stopped in between){torn}; the detectors caught up "
-                f"and resume after step {self.last_step}",
-                stacklevel=4,
-            )
+        if not (replayed or records.num_skipped):
+            return ""
+        torn = f"; {records.num_skipped} line(s) cut short were skipped" if records.num_skipped else ""
+        return (f": metrics.jsonl held step(s) {replayed} logged after the last state save (the previous "
+                f"process stopped in between){torn}; the detectors caught up")

@@ -12,6 +12,12 @@ What is fsynced (every write the Monitor makes):
     start           a probe file is created, written, fsynced and deleted, so an unwritable or full
                     run directory is a `RunDirError` from the constructor, not from step 500
     W&B, console    not ours to fsync (wandb writes its own files; the console is flushed)
+    .lock           not written durably: it holds the pid of the live Monitor (`RunDirLock`)
+
+One live Monitor per run directory: `RunDirLock` takes an exclusive `flock` on `.lock` through a
+descriptor the Monitor keeps open, so the kernel releases it on `close()` and on process death of any
+kind (SIGKILL included); a second Monitor, in this process or another, gets a `RunDirError` naming the
+holder. The file itself stays (deleting it would let two processes lock two different files).
 
 Commit order per step: the metrics.jsonl line first, then state.json, which records how long
 metrics.jsonl was when it was saved (`jsonl_bytes`). A step is recorded once its line is on disk.
@@ -23,10 +29,13 @@ neither loses that step from the detectors' history nor logs it twice.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ from rlcheck.sinks.jsonl import FILENAME as JSONL_FILE
 from rlcheck.sinks.jsonl import Records, read_jsonl
 
 STATE_FILE = "state.json"
+LOCK_FILE = ".lock"
 PROBE_FILE = ".rlcheck-write-probe"
 PROBE_BYTES = 4096  # one filesystem block: a full disk refuses it
 LOW_SPACE_BYTES = 256 * 2**20
@@ -156,3 +166,45 @@ def uncommitted_records(run_dir: Path, committed: int | None) -> Records:
                       stacklevel=3)
         return Records()
     return read_jsonl(run_dir / JSONL_FILE, offset=committed)
+
+
+class RunDirLock:
+    """The exclusive lock of one live Monitor on `run_dir` (an existing directory), held from
+    construction to `release()`; a lock nobody references any more is released with its descriptor,
+    and the kernel releases it when the process dies. Raises `RunDirError` when another holder (this
+    process or another) has it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise RunDirError(f"cannot open the lock file {self.path}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise RunDirError(f"cannot lock {self.path}: {exc}") from None
+            raise RunDirError(
+                f"{run_dir} is in use by another live Monitor ({holder}): one Monitor writes a run "
+                "directory at a time. Close that one first (Monitor.close(), or leave its `with` block), "
+                "or let its process end; then a new Monitor resumes the run. Or choose another run_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._release = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        """Give the lock up (closing its descriptor); a second call does nothing."""
+        self._release()
+
+
+def _read_holder(fd: int) -> str:
+    """'pid P on host H' from the lock file of the current holder, as far as it can be read."""
+    try:
+        pid, host = os.pread(fd, 256, 0).decode().split()
+    except (OSError, ValueError):
+        return "pid unknown"
+    return f"pid {pid} on host {host}"

@@ -2,7 +2,8 @@
 metrics.jsonl line and state.json, in the middle of the state write, in the middle of a line, and in
 the middle of a halt's dump. After every kill the run directory holds whole lines and a state the
 next process resumes from; at the end every step is logged once and the detectors' state equals
-that of an uninterrupted run."""
+that of an uninterrupted run. A live Monitor's lock on its run dir goes with its process, SIGKILL
+included: the next Monitor resumes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from rlcheck import HaltConfig, Monitor, MonitorConfig
+from rlcheck.errors import RunDirError
 from rlcheck.sinks import read_jsonl
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
@@ -130,7 +132,7 @@ def assert_complete(run_dir, tmp_path, max_torn: int) -> None:
     assert state["last_step"] == NUM_STEPS - 1
     assert (state["detectors"], state["alarm_counts"]) == (want["detectors"], want["alarm_counts"])
     assert {"robust_z", "periodic"} <= set(state["alarm_counts"])
-    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(run_dir)) == [".lock", "metrics.jsonl", "state.json"]
 
 
 @pytest.mark.slow
@@ -182,3 +184,39 @@ class TestSigkill:
         assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
         Monitor(MonitorConfig(run_dir=run_dir, sinks=()))
         assert list((run_dir / "dumps").iterdir()) == []
+
+
+HOLDER = f"""
+import sys, time
+from rlcheck import Monitor, MonitorConfig
+from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+mon = Monitor(MonitorConfig(run_dir=sys.argv[1], sinks=("jsonl",)))
+mon.observe(0, synthetic_batch(SyntheticConfig(**{CFG!r}), 0))
+print("holding", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+class TestLockAcrossProcesses:
+    def test_sigkilled_holder_frees_the_run_dir(self, tmp_path):
+        """While a live Monitor in another process holds the run dir, a Monitor here is refused naming
+        its pid; once that process is SIGKILLed (no close), a Monitor here resumes after its step."""
+        run_dir = tmp_path / "run"
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert line.strip() == "holding", proc.stderr.read()[-2000:]
+            with pytest.raises(RunDirError, match=rf"in use by another live Monitor \(pid {proc.pid} "):
+                Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",)))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        with pytest.warns(UserWarning, match="resume after step 0"), \
+                Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+            mon.observe(1, synthetic_batch(SyntheticConfig(**CFG), 1))
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        assert [r["step"] for r in records] == [0, 1] and records[1]["resumed"] == {"after_step": 0, "count": 1}

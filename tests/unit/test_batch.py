@@ -295,25 +295,24 @@ class TestValidation:
         _expect_error(lambda: StepBatch.from_padded(z, z, z.astype(bool), []), "empty batch")
 
     def test_every_token_masked(self):
-        """A mask that excludes every token leaves nothing to compare."""
-        _expect_error(lambda: _simple(mask=np.zeros(3, dtype=bool)), "masked out")
+        """A mask that excludes every token is a valid batch (the Monitor logs the step as empty)."""
+        assert not _simple(mask=np.zeros(3, dtype=bool)).mask.any()
 
     def test_every_token_masked_ragged(self):
-        """from_ragged with all-zero masks is rejected."""
-        _expect_error(
-            lambda: StepBatch.from_ragged([[-1.0], [-2.0]], [[-1.0], [-2.0]], ["a", "b"], mask=[[0], [0]]),
-            "masked",
-        )
+        """from_ragged with all-zero masks keeps the sequences, every token masked."""
+        b = StepBatch.from_ragged([[-1.0], [-2.0]], [[-1.0], [-2.0]], ["a", "b"], mask=[[0], [0]])
+        assert b.num_sequences == 2 and not b.mask.any()
 
     def test_every_row_masked_padded(self):
-        """from_padded with an all-zero mask leaves only empty sequences, which is rejected."""
+        """from_padded with an all-zero mask (TRL's mask_truncated_completions) gives empty sequences."""
         z = -np.ones((2, 3))
-        _expect_error(lambda: StepBatch.from_padded(z, z, np.zeros((2, 3), dtype=bool), ["a", "b"]), "empty")
+        b = StepBatch.from_padded(z, z, np.zeros((2, 3), dtype=bool), ["a", "b"])
+        assert (b.num_sequences, b.num_tokens) == (2, 0)
 
     def test_every_sequence_empty(self):
-        """Sequences that are all zero-length are rejected."""
-        _expect_error(lambda: StepBatch.from_packed(np.zeros(0), np.zeros(0), [0, 0, 0], ["a", "b"]), "empty")
-        _expect_error(lambda: StepBatch.from_ragged([[], []], [[], []], ["a", "b"]), "empty")
+        """Sequences that are all zero-length make a batch of no token."""
+        assert StepBatch.from_packed(np.zeros(0), np.zeros(0), [0, 0, 0], ["a", "b"]).num_tokens == 0
+        assert StepBatch.from_ragged([[], []], [[], []], ["a", "b"]).seq_lens.tolist() == [0, 0]
 
     @pytest.mark.parametrize("side", ["lr", "lt"])
     @pytest.mark.parametrize("value", [0.5, 2e-3, np.inf])
@@ -456,5 +455,6 @@ class TestSelect:
         np.testing.assert_array_equal(sub.logp_train, TRAIN[1])
 
     def test_select_validates(self):
-        """A selection with no tokens left is rejected like any other batch."""
-        _expect_error(lambda: self._batch().select([2]), "empty")
+        """A selection of no sequence is rejected like any other batch; one of an empty sequence is kept."""
+        _expect_error(lambda: self._batch().select([]), "empty batch")
+        assert self._batch().select([2]).num_tokens == 0

@@ -9,6 +9,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -62,6 +63,7 @@ class TestResumeAfterCrash:
         with pytest.raises(_Died):
             first.observe(45, synthetic_batch(CFG, 45))
         monkeypatch.undo()
+        first.close()  # the process is gone, and its lock on the run dir with it
         assert state_of(tmp_path / "run")["last_step"] == 44 and steps_of(tmp_path / "run")[-1] == 45
         with pytest.warns(UserWarning, match=r"held step\(s\) \[45\].*resume after step 45"):
             second = mon(tmp_path / "run", halt=NO_HALT)
@@ -71,6 +73,36 @@ class TestResumeAfterCrash:
         assert steps_of(tmp_path / "run") == list(range(60))
         run, want = state_of(tmp_path / "run"), state_of(tmp_path / "ref")
         assert (run["detectors"], run["alarm_counts"]) == (want["detectors"], want["alarm_counts"])
+
+    def test_empty_step_replayed_as_empty(self, tmp_path, monkeypatch):
+        """An empty step (every token masked) logged just before the process died is replayed as
+        empty: the resumed run's halting streak and detectors equal an uninterrupted run's."""
+        from rlcheck.detect import Alarm
+
+        def observe(m, s):
+            b = synthetic_batch(CFG, s)
+            mask = None if s != 40 else np.zeros(b.num_tokens, dtype=bool)
+            b = StepBatch.from_packed(b.logp_rollout, b.logp_train, b.cu_seqlens, b.request_ids, mask=mask)
+            outside = [Alarm("signature", "guard/violations", s, "critical", "x")] if s == 39 else []
+            m.observe(s, b, alarms=outside)
+
+        warnings.simplefilter("ignore")  # the empty step's and the resume's warnings
+        halt = HaltConfig(patience=3)
+        ref = mon(tmp_path / "ref", halt=halt)
+        for s in range(41):
+            observe(ref, s)
+        first = mon(tmp_path / "run", halt=halt)
+        for s in range(40):
+            observe(first, s)
+        monkeypatch.setattr(R, "atomic_write_json", _raise(_Died()))
+        with pytest.raises(_Died):
+            observe(first, 40)
+        monkeypatch.undo()
+        first.close()
+        second = mon(tmp_path / "run", halt=halt)
+        assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[40]["empty"] is True
+        assert (second.last_step, second.streak) == (40, ref.streak) and ref.streak == 1
+        assert second.state_dict()["detectors"] == ref.state_dict()["detectors"]
 
     def test_first_step(self, tmp_path, monkeypatch):
         """Dying after the very first line still resumes after it: a fresh state is saved before that line."""
@@ -85,6 +117,7 @@ class TestResumeAfterCrash:
         with pytest.raises(_Died):
             first.observe(0, synthetic_batch(CFG, 0))
         monkeypatch.undo()
+        first.close()
         assert state_of(tmp_path)["last_step"] is None and steps_of(tmp_path) == [0]
         with pytest.warns(UserWarning, match=r"held step\(s\) \[0\]"):
             assert mon(tmp_path).last_step == 0
@@ -97,6 +130,7 @@ class TestResumeAfterCrash:
         with pytest.raises(_Died):
             first.observe(1, synthetic_batch(CFG, 1))
         monkeypatch.undo()
+        first.close()
         with pytest.warns(UserWarning, match="held step"):
             second = mon(tmp_path)
         with pytest.warns(UserWarning, match="step 1 comes after step 1"):
@@ -118,19 +152,22 @@ class TestResumeAfterCrash:
         records = read_jsonl(tmp_path / "metrics.jsonl")
         assert [r["step"] for r in records] == [0, 1, 2] and records.num_skipped == 1
 
-    def test_clean_resume_is_silent(self, tmp_path):
-        """A run that was closed normally resumes without any warning."""
+    def test_clean_resume_warns_once(self, tmp_path):
+        """A run that was closed normally resumes with one warning naming the step, nothing replayed."""
         first = mon(tmp_path)
         first.observe(0, synthetic_batch(CFG, 0))
         first.close()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             assert mon(tmp_path).last_step == 0
+        assert len(caught) == 1 and "resume after step 0" in str(caught[0].message)
+        assert "held step" not in str(caught[0].message)
 
     def test_partial_dump_removed_at_start(self, tmp_path):
         """A hidden temp dir a crash left in dumps/ is deleted by the next Monitor; real dumps stay."""
         m = mon(tmp_path)
         m.dump(3, synthetic_batch(CFG, 3))
+        m.close()
         (tmp_path / "dumps" / ".step_000004.x1y2").mkdir()
         (tmp_path / "dumps" / ".step_000004.x1y2" / "sequences.parquet").write_bytes(b"PAR1")
         mon(tmp_path)
@@ -256,6 +293,7 @@ class TestDiskFull:
         with pytest.raises(RecordWriteError, match=r"step 1.*state\.json"):
             m.observe(1, synthetic_batch(CFG, 1))
         monkeypatch.undo()
+        m.close()
         assert state_of(tmp_path)["last_step"] == 0 and not (tmp_path / ".state.json.tmp").exists()
         with pytest.warns(UserWarning, match=r"held step\(s\) \[1\]"):
             assert mon(tmp_path).last_step == 1

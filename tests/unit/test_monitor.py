@@ -138,7 +138,7 @@ class TestRunDirectory:
             mon.observe(step, ragged(rng))
             state = json.loads((tmp_path / "run" / "state.json").read_text())
             assert state["last_step"] == step
-        assert sorted(os.listdir(tmp_path / "run")) == ["metrics.jsonl", "state.json"]
+        assert sorted(os.listdir(tmp_path / "run")) == [".lock", "metrics.jsonl", "state.json"]
 
     def test_resume_continues_detectors(self, tmp_path):
         """Two monitors over one run dir (150 steps each) raise the alarms one monitor raises over 300."""
@@ -147,11 +147,13 @@ class TestRunDirectory:
         halt = HaltConfig(enabled=False)
 
         def alarms(mon, steps):
-            return [(s, a.kind, a.metric) for s in steps for a in mon.observe(s, synthetic_batch(cfg, s)).alarms]
+            with mon:
+                return [(s, a.kind, a.metric) for s in steps for a in mon.observe(s, synthetic_batch(cfg, s)).alarms]
 
         one = alarms(Monitor(MonitorConfig(run_dir=tmp_path / "one", sinks=(), halt=halt)), range(300))
         first = alarms(Monitor(MonitorConfig(run_dir=tmp_path / "two", sinks=(), halt=halt)), range(150))
-        second = alarms(Monitor(MonitorConfig(run_dir=tmp_path / "two", sinks=(), halt=halt)), range(150, 300))
+        with pytest.warns(UserWarning, match="resume after step 149"):
+            second = alarms(Monitor(MonitorConfig(run_dir=tmp_path / "two", sinks=(), halt=halt)), range(150, 300))
         assert any(kind == "periodic" for _, kind, _ in one)
         assert first + second == one
 
@@ -259,3 +261,175 @@ class TestHalt:
             HaltConfig(patience=0)
         with pytest.raises(ValueError, match="kinds"):
             HaltConfig(kinds=("sometimes",))
+
+
+def nan_batch(rng, where=4):
+    """`ragged` with one NaN trainer logprob in sequence 3."""
+    b = ragged(rng)
+    lt = b.logp_train.copy()
+    lt[b.cu_seqlens[3] + where] = np.nan
+    return StepBatch.from_packed(b.logp_rollout, lt, b.cu_seqlens, b.request_ids)
+
+
+class TestHardLimitsWithoutHalt:
+    def test_alarms_raised_and_logged_without_halt(self, tmp_path):
+        """With halting off, a hard limit crossed is still a critical alarm, logged with the same
+        details it has when halting is on; only the halt is skipped."""
+        rng = np.random.default_rng(0)
+        bad = ragged(rng, shift=-2.0)
+        on = None
+        with pytest.raises(MismatchHalt) as info:
+            monitor(tmp_path / "on").observe(0, bad)
+        on = [a for a in info.value.report.alarms if a.details.get("hard_limit")]
+        with monitor(tmp_path / "off", halt=HaltConfig(enabled=False)) as mon:
+            report = mon.observe(0, bad)
+        off = [a for a in report.alarms if a.details.get("hard_limit")]
+        assert not report.halted and off and [a.to_dict() for a in off] == [a.to_dict() for a in on]
+        assert all(a.severity == "critical" for a in off)
+        logged = read_jsonl(tmp_path / "off" / "run" / "metrics.jsonl")[0]["alarms"]
+        assert {a["metric"] for a in logged if a["details"].get("hard_limit")} == {a.metric for a in off}
+
+
+class TestNonfiniteAlwaysAlarms:
+    @pytest.mark.parametrize("limits", [None, {}, {K.NONFINITE_COUNT: 5.0}, {K.ABS_DIFF_MEAN: 1.0}])
+    def test_nan_halts_whatever_the_hard_limits(self, tmp_path, limits):
+        """One NaN logprob halts (halting on) even when hard_limits omits it, is empty, or sets it above 1."""
+        halt = HaltConfig() if limits is None else HaltConfig(hard_limits=limits)
+        with monitor(tmp_path, halt=halt) as mon, pytest.raises(MismatchHalt, match="nonfinite") as info:
+            mon.observe(0, nan_batch(np.random.default_rng(0)))
+        (alarm,) = [a for a in info.value.report.alarms if a.metric == K.NONFINITE_COUNT]
+        assert alarm.severity == "critical" and alarm.details["value"] == 1.0
+
+    @pytest.mark.parametrize("limits", [None, {}])
+    def test_nan_alarms_with_halting_off(self, tmp_path, limits):
+        """With halting off, a NaN logprob is still one critical alarm, in the report and in metrics.jsonl."""
+        halt = HaltConfig(enabled=False) if limits is None else HaltConfig(enabled=False, hard_limits=limits)
+        with monitor(tmp_path, halt=halt) as mon:
+            mon.observe(0, ragged(np.random.default_rng(1)))
+            report = mon.observe(1, nan_batch(np.random.default_rng(0)))
+        assert not report.halted
+        assert [(a.metric, a.severity) for a in report.alarms if a.metric == K.NONFINITE_COUNT] == [
+            (K.NONFINITE_COUNT, "critical")]
+        logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+        assert [a["metric"] for a in logged[0]["alarms"]] == []
+        assert [a["metric"] for a in logged[1]["alarms"]].count(K.NONFINITE_COUNT) == 1
+
+    def test_negative_limit_keeps_its_meaning(self, tmp_path):
+        """A hard limit below 0 on the count still fires on a clean step, as any hard-limit entry does."""
+        halt = HaltConfig(enabled=False, hard_limits={K.NONFINITE_COUNT: -1.0})
+        with monitor(tmp_path, halt=halt) as mon:
+            report = mon.observe(0, ragged(np.random.default_rng(1)))
+        assert [a.details["limit"] for a in report.alarms if a.metric == K.NONFINITE_COUNT] == [-1.0]
+
+
+def masked_batch(rng, n=3, length=6):
+    """`n` sequences of `length` tokens, every one masked out (TRL's mask_truncated_completions)."""
+    lr = [-rng.exponential(1.0, length) for _ in range(n)]
+    lt = [np.minimum(x + 0.3, 0.0) for x in lr]
+    return StepBatch.from_ragged(lr, lt, [f"m{i}" for i in range(n)], mask=[np.zeros(length, bool)] * n)
+
+
+class TestEmptyStep:
+    def _check_empty(self, tmp_path, observe_empty, num_sequences):
+        """Steps 0-1 clean, step 2 empty (warned, logged as empty, counts only, detectors skipped), step 3 clean."""
+        rng = np.random.default_rng(2)
+        with monitor(tmp_path) as mon:
+            for s in range(2):
+                mon.observe(s, ragged(rng))
+            before = json.loads(json.dumps(mon.state_dict()["detectors"]))
+            with pytest.warns(UserWarning, match="step 2 .*no token"):
+                report = observe_empty(mon, 2)
+            assert not report.halted and report.alarms == []
+            assert json.loads(json.dumps(mon.state_dict()["detectors"])) == before
+            mon.observe(3, ragged(rng))
+        records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+        assert [r["step"] for r in records] == [0, 1, 2, 3]
+        empty = records[2]
+        assert empty.get("empty") is True and all(r.get("empty") is None for r in (records[1], records[3]))
+        assert empty["metrics"][K.TOKEN_COUNT] == 0 and empty["metrics"][K.SEQ_COUNT] == num_sequences
+        assert K.ABS_DIFF_MEAN not in empty["metrics"] and empty["alarms"] == []
+
+    def test_every_token_masked(self, tmp_path):
+        """observe of a batch whose mask excludes every token."""
+        self._check_empty(tmp_path, lambda mon, s: mon.observe(s, masked_batch(np.random.default_rng(0))), 3)
+
+    def test_every_row_masked_padded(self, tmp_path):
+        """observe of [B, T] tensors whose completion mask is all zero (every sequence empty, no token)."""
+        z = -np.ones((2, 5))
+        batch = StepBatch.from_padded(z, z - 0.5, np.zeros((2, 5), dtype=bool), ["a", "b"])
+        self._check_empty(tmp_path, lambda mon, s: mon.observe(s, batch), 2)
+
+    def test_observe_partial_of_no_sequence(self, tmp_path):
+        """observe_partial of statistics with no sequence at all (every rank empty)."""
+        from rlcheck.stats import empty_partial
+
+        self._check_empty(tmp_path, lambda mon, s: mon.observe_partial(s, empty_partial()), 0)
+
+    def test_observe_partial_of_masked_ranks(self, tmp_path):
+        """observe_partial of two ranks' merged statistics, every token masked on both."""
+        rng = np.random.default_rng(0)
+        parts = [compute_partial(masked_batch(rng)), compute_partial(masked_batch(rng))]
+        self._check_empty(tmp_path, lambda mon, s: mon.observe_partial(s, merge(parts)), 6)
+
+    def test_empty_step_dump(self, tmp_path):
+        """A halt from outside alarms on an empty step still writes its dump."""
+        from rlcheck.detect import Alarm
+
+        guard = Alarm("signature", "guard/violations", 0, "critical", "engine guard: slot shared")
+        z = -np.ones((2, 5))
+        batch = StepBatch.from_padded(z, z, np.zeros((2, 5), dtype=bool), ["a", "b"])
+        with monitor(tmp_path) as mon, pytest.warns(UserWarning, match="no token"), \
+                pytest.raises(MismatchHalt) as info:
+            mon.observe(0, batch, alarms=[guard])
+        rows, meta = read_dump(info.value.dump_dir)
+        assert [r["length"] for r in rows] == [0, 0] and meta["reason"] == info.value.reason
+
+
+class TestOneLiveMonitor:
+    def test_second_live_monitor_refused(self, tmp_path):
+        """A second live Monitor on a run dir is a RunDirError naming this process; the first goes on
+        and nothing of the second reached the run dir."""
+        rng = np.random.default_rng(0)
+        first = monitor(tmp_path)
+        first.observe(0, ragged(rng))
+        with pytest.raises(RunDirError, match=rf"pid {os.getpid()}.*close"):
+            monitor(tmp_path)
+        first.observe(1, ragged(rng))
+        first.close()
+        assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+    def test_close_and_exit_release(self, tmp_path):
+        """close() and leaving a `with` block let the next Monitor open the run dir; close twice is fine."""
+        mon = monitor(tmp_path)
+        mon.close()
+        mon.close()
+        with monitor(tmp_path):
+            pass
+        monitor(tmp_path).close()
+
+    def test_failed_constructor_releases(self, tmp_path):
+        """A Monitor refused after taking the lock (resume=False on a run) leaves the run dir free."""
+        with monitor(tmp_path) as mon:
+            mon.observe(0, ragged(np.random.default_rng(0)))
+        with pytest.raises(RunDirError, match="resume=True"):
+            monitor(tmp_path, resume=False)
+        with pytest.warns(UserWarning, match="resum"):
+            monitor(tmp_path).close()
+
+    def test_resumed_run_says_so(self, tmp_path):
+        """A resumed Monitor warns naming the step it resumes after; state.json counts the resumes and
+        the first record each resumed Monitor writes carries the resume, later ones do not."""
+        rng = np.random.default_rng(0)
+        with monitor(tmp_path) as mon:
+            mon.observe(0, ragged(rng))
+            mon.observe(1, ragged(rng))
+        assert "resumes" not in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+        for n, step in ((1, 2), (2, 4)):
+            with pytest.warns(UserWarning, match=rf"resuming .*resume {n}\b.*after step {step - 1}"), \
+                    monitor(tmp_path) as mon:
+                mon.observe(step, ragged(rng))
+                mon.observe(step + 1, ragged(rng))
+            assert json.loads((tmp_path / "run" / "state.json").read_text())["resumes"] == n
+        records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+        assert [r.get("resumed") for r in records] == [
+            None, None, {"after_step": 1, "count": 1}, None, {"after_step": 3, "count": 2}, None]

@@ -1,4 +1,5 @@
-"""Tests of rlcheck.rundir: atomic JSON, the start-up write probe, and the lines a crash left uncommitted."""
+"""Tests of rlcheck.rundir: atomic JSON, the start-up write probe, the lines a crash left uncommitted,
+and the lock that keeps one live Monitor per run directory."""
 
 from __future__ import annotations
 
@@ -103,6 +104,33 @@ class TestUncommittedRecords:
         size = self._log(tmp_path, [0])
         with pytest.warns(UserWarning, match="shorter"):
             assert R.uncommitted_records(tmp_path, size + 100) == []
+
+
+class TestRunDirLock:
+    def test_second_holder_refused_naming_the_first(self, tmp_path):
+        """A second lock on a locked run dir is a RunDirError naming the holder's pid and the way out;
+        the file records the holder."""
+        first = R.RunDirLock(tmp_path)
+        assert (tmp_path / R.LOCK_FILE).read_text().split()[0] == str(os.getpid())
+        with pytest.raises(RunDirError, match=rf"in use by .*pid {os.getpid()}.*close\(\)"):
+            R.RunDirLock(tmp_path)
+        first.release()
+
+    def test_release_frees_and_is_idempotent(self, tmp_path):
+        """After release (twice is fine) the run dir can be locked again; other dirs never conflict."""
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+        first = R.RunDirLock(tmp_path / "a")
+        other = R.RunDirLock(tmp_path / "b")
+        first.release()
+        first.release()
+        R.RunDirLock(tmp_path / "a").release()
+        other.release()
+
+    def test_dropped_lock_is_released(self, tmp_path):
+        """A lock nobody holds a reference to any more is released with its descriptor."""
+        R.RunDirLock(tmp_path)
+        R.RunDirLock(tmp_path).release()
 
 
 def _full(fd, data, code=errno.ENOSPC):

@@ -135,14 +135,15 @@ def _halt(run_dir: Path, redact: bool) -> str:
 
 class TestEvidenceFormats:
     def test_parquet_and_json_only(self, tmp_path):
-        """A halt leaves JSON (metrics.jsonl, state.json, meta.json) and parquet, nothing else."""
+        """A halt leaves JSON (metrics.jsonl, state.json, meta.json) and parquet, nothing else but the
+        run dir's lock file (the holder's pid and host)."""
         where = Path(_halt(tmp_path, redact=False))
         assert sorted(os.listdir(where)) == ["meta.json", "sequences.parquet"]
         assert (where / "sequences.parquet").read_bytes()[:4] == b"PAR1"
         for path in (where / "meta.json", tmp_path / "state.json"):
             assert isinstance(json.loads(path.read_text()), dict)
         assert read_jsonl(tmp_path / "metrics.jsonl").num_skipped == 0
-        assert sorted(os.listdir(tmp_path)) == ["dumps", "metrics.jsonl", "state.json"]
+        assert sorted(os.listdir(tmp_path)) == [".lock", "dumps", "metrics.jsonl", "state.json"]  # .lock: a pid
 
 
 class TestRedact:
