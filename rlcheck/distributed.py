@@ -124,12 +124,19 @@ def all_ranks_agree(flag: bool, device: Any = "cpu", group: Any = None) -> bool:
     return bool(t.item())
 
 
+def _root(group: Any) -> int:
+    """The global rank of `group`'s rank 0 (the collectives below name their source globally)."""
+    import torch.distributed as dist
+
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
 def _broadcast(obj: Any, group: Any = None) -> Any:
-    """Rank 0's `obj` on every rank."""
+    """Rank 0's `obj` on every rank of `group`."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=_root(group), group=group)
     return box[0]
 
 
@@ -150,7 +157,7 @@ def _verdict(monitor: Monitor | None, step: int, partial: PartialStats,
     exception it raised (None when the step passed)."""
     if monitor is None:
         error = ConfigError("observe_across_ranks: rank 0 must pass the run's Monitor, it passed None")
-        return ("error", None, str(error)), error
+        return ("error", _sendable(error), str(error)), error
     try:
         return ("ok", monitor.observe_partial(step, partial, None, extra)), None
     except MismatchHalt as halt:
@@ -167,7 +174,7 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     batches: list | None = [None] * world if rank == 0 else None
-    dist.gather_object(batch, batches, dst=0, group=group)
+    dist.gather_object(batch, batches, dst=_root(group), group=group)
     where, problems = None, ()
     if rank == 0 and monitor is not None and monitor.cfg.halt.dump:
         held = [b for b in batches if b is not None]
@@ -182,11 +189,11 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
 def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | None, stats: StatsConfig,
                          extra: Mapping[str, float] | None = None, group: Any = None) -> StepReport:
     """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
-    `batch`, None when it has nothing to compare). `monitor`: rank 0's Monitor (the other ranks pass
-    None; theirs is not used); `stats`: the same `StatsConfig` on every rank (the Monitor's
-    `cfg.stats`); `extra`: rank 0's scalars for the step. Returns rank 0's `StepReport` on every
-    rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts, after one dump of every
-    rank's sequences; raises on every rank when rank 0's Monitor fails."""
+    `batch`, a `StepBatch`, or None when it has nothing to compare). `monitor`: rank 0's Monitor
+    (the other ranks pass None; theirs is not used); `stats`: the same `StatsConfig` on every rank
+    (the Monitor's `cfg.stats`); `extra`: rank 0's scalars for the step. Returns rank 0's
+    `StepReport` on every rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts,
+    after one dump of every rank's sequences; raises on every rank when rank 0's Monitor fails."""
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
