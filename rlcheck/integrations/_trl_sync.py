@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
 from rlcheck.errors import ConfigError
 
 METHODS = ("auto", "reload", "trl")
@@ -78,6 +79,7 @@ def reload_sync(vllm_generation: Any) -> None:
     # adapter merged (PEFT): vLLM may keep a tensor until the rest of its layer arrives.
     weights = ((name, t.detach().clone()) for name, t in vg._iter_named_params())
     vg.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    refresh_mamba_conv_weights(vg.llm)  # vLLM 0.32 CPU leaves bf16 Mamba convs stale (docs/mamba-conv-sync.md)
     vg.llm.reset_prefix_cache()
 
 

@@ -1,0 +1,129 @@
+"""Repairs a vLLM engine needs after `reload_weights`: the Mamba conv weights on the CPU backend.
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    refresh_mamba_conv_weights(llm)       # -> how many Mamba mixers it had to refresh (0: none stale)
+
+Why (vLLM 0.32, CPU backend, bf16; the whole case in docs/mamba-conv-sync.md): `MambaMixer2` keeps
+`conv_weights`, a non-persistent buffer that views `conv1d.weight`, and the CPU conv reads that buffer.
+On CPUs with AVX512-BF16 (or ARM with bf16) loading repacks a bf16 `conv1d.weight` into new storage
+and stashes the plain (dim, width) copy in `conv1d._cpu_unpacked_conv_weight`, so the buffer no longer
+aliases the parameter. `reload_weights` then re-packs the new weights but puts the old buffer back:
+the conv keeps running on the weights of the first load. On AVX2-only CPUs nothing is packed, the
+buffer still aliases the parameter, and there is nothing to repair (the refresh counts 0).
+
+Checking this without such a CPU: `simulated_conv_pack()` makes vLLM run its packing on any CPU (a
+pure-torch stand-in for the pack op), so an AVX2 machine goes down the AVX512-BF16 load and reload path.
+Only that context manager imports vllm; the rest reads the model's modules by their attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+UNPACKED_ATTR = "_cpu_unpacked_conv_weight"  # set by vLLM's dispatch_cpu_unquantized_gemm when it packs
+
+
+def conv_weights_source(conv1d: Any):
+    """The (dim, width) weights the conv should run on: vLLM's unpacked copy when it packed
+    `conv1d.weight`, otherwise a view of `conv1d.weight` itself ((dim, 1, width) in vLLM's layout)."""
+    unpacked = getattr(conv1d, UNPACKED_ATTR, None)
+    if unpacked is not None:
+        return unpacked
+    w = conv1d.weight
+    return w.view(w.size(0), w.size(2)) if w.dim() == 3 else w
+
+
+def conv_mixers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every module holding a `conv_weights` buffer beside a `conv1d` layer (vLLM's
+    MambaMixer2, used by Mamba2, Granite 4 / GraniteMoeHybrid, Nemotron-H, Zamba2, ...)."""
+    return [
+        (name, m) for name, m in model.named_modules()
+        if "conv_weights" in getattr(m, "_buffers", {}) and hasattr(getattr(m, "conv1d", None), "weight")
+    ]
+
+
+def is_stale(name: str, mixer: Any) -> bool:
+    """True when the mixer's conv buffer holds other values than the weights its conv should use
+    (False while it still aliases them, as on AVX2-only CPUs)."""
+    import torch
+
+    buf, src = mixer.conv_weights, conv_weights_source(mixer.conv1d)
+    if buf.shape != src.shape:
+        raise RuntimeError(
+            f"{name}.conv_weights {tuple(buf.shape)} does not match its conv1d weights {tuple(src.shape)}: "
+            "this vLLM lays Mamba conv weights out differently (docs/mamba-conv-sync.md, 'Another vLLM version')"
+        )
+    return buf.data_ptr() != src.data_ptr() and not torch.equal(buf, src.to(buf.dtype))
+
+
+def stale_conv_mixers(model: Any) -> list[str]:
+    """Names of the mixers whose conv runs on other weights than the loaded ones. Runs inside the
+    engine: `llm.apply_model(stale_conv_mixers)` (one list per worker)."""
+    return [name for name, mixer in conv_mixers(model) if is_stale(name, mixer)]
+
+
+def refresh_conv_weights(model: Any) -> int:
+    """Copy, in place, the weights each stale mixer's conv should use into its `conv_weights` buffer
+    (in place: whatever holds the buffer sees the new values); returns how many it copied. Runs
+    inside the engine, on each worker's model (`llm.apply_model`)."""
+    import torch
+
+    refreshed = 0
+    with torch.no_grad():
+        for name, mixer in conv_mixers(model):
+            if is_stale(name, mixer):
+                mixer.conv_weights.copy_(conv_weights_source(mixer.conv1d))
+                refreshed += 1
+    return refreshed
+
+
+def refresh_mamba_conv_weights(llm: Any) -> int:
+    """After `reload_weights` into `llm` (a `vllm.LLM`): bring every Mamba mixer's conv buffer to the
+    weights just loaded; returns the number of mixers refreshed over all workers (0 where nothing was
+    stale: AVX2-only CPUs, fp32, GPUs, models without Mamba layers)."""
+    return int(sum(llm.apply_model(refresh_conv_weights)))
+
+
+def pack_standin(unpacked):
+    """Stands in for vLLM's `causal_conv1d_weight_pack` (a C++ op built only for AVX512-BF16 and ARM
+    bf16): (dim, width) -> a new tensor in another layout, pairs of taps interleaved per channel,
+    (width // 2, dim, 2), as a VNNI-style pack does. Its exact layout does not matter here: what it
+    shares with the real op is new storage that nothing reads as (dim, width) weights."""
+    dim, width = unpacked.shape
+    return unpacked.reshape(dim, width // 2, 2).transpose(0, 1).contiguous()
+
+
+@contextlib.contextmanager
+def simulated_conv_pack() -> Iterator[None]:
+    """Within it, engines built and reloaded in this process pack their bf16 Mamba conv weights as on
+    an AVX512-BF16 CPU: vLLM's own `dispatch_cpu_unquantized_gemm` runs with
+    `torch.cpu._is_avx512_bf16_supported` answering True, and `pack_standin` as the pack op. Only that
+    function sees the patched answer, so the rest of vLLM (kernel library, attention and Mamba state
+    layout) keeps to what this CPU really has. Needs in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    import torch
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    real_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):
+        real_check = torch.cpu._is_avx512_bf16_supported
+        torch.cpu._is_avx512_bf16_supported = lambda: True
+        try:
+            return real_dispatch(layer, remove_weight)
+        finally:
+            torch.cpu._is_avx512_bf16_supported = real_check
+
+    real_pack = getattr(ops, "causal_conv1d_weight_pack", None)
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+    ops.causal_conv1d_weight_pack = pack_standin
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = real_dispatch
+        if real_pack is None:
+            del ops.causal_conv1d_weight_pack
+        else:
+            ops.causal_conv1d_weight_pack = real_pack
