@@ -229,6 +229,8 @@ class TestAttachMonitor:
         from rlcheck.integrations.trl import attach_monitor
         from rlcheck.monitor import MonitorConfig
 
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM sizes its cache from the machine's RAM
         llm = vg.LLM
         monkeypatch.setattr(vg, "LLM", lambda **kw: llm(**{"dtype": "float32", **kw}))
         trainer = GRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
