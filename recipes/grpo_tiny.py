@@ -1,6 +1,7 @@
 """GRPO on CPU with rlcheck between the rollout engine and the trainer: the default recipe.
 
-A ~1M-parameter hybrid model (Mamba2 + attention, `rlcheck.modelzoo`) learns to add two numbers
+A ~1M-parameter hybrid model (Mamba2 + attention, `rlcheck.modelzoo`), first trained on the task for
+a few CPU minutes (`ensure_trained`, once; `--model runs/models/hybrid` takes the random one), learns to add two numbers
 (`rlcheck.loop.task.AdditionTask`). Each step vLLM (CPU backend, in a Ray actor) samples G answers
 per prompt, a sharded trainer (FSDP2 or DeepSpeed ZeRO-3 over `--world-size` Ray actors, gloo;
 or plain HF on one process) recomputes their logprobs, the Monitor compares the two, the trainer
@@ -14,7 +15,8 @@ values are those of `rlcheck.loop.presets.tiny_cpu`, which `rlcheck demo` runs.
     .venv/bin/python recipes/grpo_tiny.py --inject skip-sync-every=4 --steps 100   # a sync left out every 4 steps
     .venv/bin/python recipes/grpo_tiny.py --wandb                         # also log to W&B (offline)
 
-The model is built on first use into `--model` (default runs/models/hybrid). The run's files
+The model is built on first use into `--model` (default runs/models/hybrid-trained: trained; a folder
+not named `<arch>-trained` gets the random hybrid). The run's files
 (metrics.jsonl, loop.jsonl, state.json, dumps/ on a halt) go to `--run-dir`; read them with
 `rlcheck summarize RUN_DIR`. Prints one line per step and a summary; exits 1 if the monitor halted
 the run. On 2 shared CPU cores a step took 1.4-2 s, after ~45 s of start-up (Ray, vLLM, the ranks).
@@ -41,14 +43,15 @@ from rlcheck.sinks import WandbConfig
 from rlcheck.stats import StatsConfig
 from rlcheck.trainers import BACKENDS, TrainerConfig
 
-DEFAULT_MODEL = "runs/models/hybrid"  # where `rlcheck demo` builds it too
+DEFAULT_MODEL = "runs/models/hybrid-trained"  # where `rlcheck demo` builds it too
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     arg = ap.add_argument
     arg("--model", default=DEFAULT_MODEL,
-        help="model directory; a tiny hybrid is built there if it holds none (default: %(default)s)")
+        help="model directory; a tiny hybrid is built there if it holds none, trained when the folder is "
+             "named <arch>-trained (default: %(default)s)")
     arg("--trainer", choices=BACKENDS, default="fsdp2", help="trainer backend (default: %(default)s)")
     arg("--world-size", type=int, help="trainer ranks (default: 2; 1 for hf)")
     arg("--steps", type=int, default=20, help="GRPO steps, fewer if the monitor halts (default: %(default)s)")
@@ -65,12 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def ensure_model(path: str) -> str:
-    """The model directory, built (tiny hybrid, seed 0, float32) when it holds no model yet."""
+    """The model directory, built when it holds no model yet (`rlcheck.modelzoo.ensure_model`):
+    trained on the task for a folder named `<arch>-trained`, else the random tiny hybrid."""
     if not os.path.isfile(os.path.join(path, "config.json")):
-        from rlcheck.modelzoo import build_model
+        from rlcheck.modelzoo import ensure_model as build_missing
 
-        print(f"building a tiny hybrid model into {path}", flush=True)
-        build_model("hybrid", path, seed=0, dtype="float32")
+        print(f"building the tiny model into {path} (a trained one takes a few CPU minutes, once)", flush=True)
+        build_missing(path)
     return path
 
 

@@ -93,7 +93,7 @@ def demo(
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
     inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, and in the vLLM engine stale-state, index-wrap=B (see rlcheck.faults)."),
-    model: Path = typer.Option(Path("runs/models/hybrid"), help="Tiny model folder, built there if missing."),
+    model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
@@ -101,7 +101,7 @@ def demo(
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
     spike_start: int = typer.Option(60, min=0, help="--synthetic: first step that may spike."),
 ) -> None:
-    """GRPO on a tiny hybrid model with vLLM rollouts and an FSDP2/DeepSpeed trainer on Ray, monitored."""
+    """GRPO on a tiny model trained on the task, with vLLM rollouts and an FSDP2/DeepSpeed trainer on Ray, monitored."""
     from rlcheck.summarize import render, summarize
 
     console = _console()

@@ -1,7 +1,10 @@
 """`rlcheck demo`: the product's main job, end to end, on this machine.
 
-A tiny attention + Mamba2 hybrid model (built on first use) is trained with GRPO on a toy addition
-task: a vLLM rollout actor and a trainer group (FSDP2 or DeepSpeed ranks, torch.distributed over
+A tiny attention + Mamba2 hybrid *trained* on the toy addition task (`rlcheck.modelzoo.ensure_trained`,
+built once on first use into `runs/models/hybrid-trained`, a few CPU minutes: peaked distributions
+like a real LM's, a task reward of ~0.5 to start from; `--model runs/models/hybrid` selects the
+earlier random hybrid, built in seconds, `--model runs/models/llama-trained` a trained Llama) is
+trained further with GRPO on the task: a vLLM rollout actor and a trainer group (FSDP2 or DeepSpeed ranks, torch.distributed over
 gloo) run as Ray actors; before every update the trainer recomputes the rollout tokens' logprobs,
 the monitor compares them (JSONL, a W&B offline run), and the new weights go back into vLLM.
 `--inject skip-sync-every=K` leaves the sync out after every K-th update: the monitor should find
@@ -23,6 +26,9 @@ from rlcheck.monitor import Monitor, MonitorConfig, StepReport
 
 DEFAULT_STEPS = 20
 INJECTED_MAX_STEPS = 100
+DEFAULT_MODEL = Path("runs/models/hybrid-trained")
+"""The demo's model folder; a folder named `<arch>-trained` gets a trained model of that arch, any
+other name the random hybrid (`ensure_model`)."""
 """With a fault injected the demo runs until the monitor halts, at most this many steps (the
 detectors' rolling baselines warm up over 32 steps before the periodic test may fire)."""
 
@@ -30,7 +36,7 @@ detectors' rolling baselines warm up over 32 steps before the periodic test may 
 @dataclass(frozen=True)
 class DemoOptions:
     run_dir: Path
-    model: Path
+    model: Path = DEFAULT_MODEL
     trainer: str = "fsdp2"
     world_size: int = 2
     steps: int | None = None
@@ -52,13 +58,15 @@ class DemoOptions:
 
 
 def ensure_model(path: Path, console: Any) -> Path:
-    """The tiny hybrid model at `path`, built there first if the folder holds none."""
+    """The tiny model at `path`, built there first if the folder holds none
+    (`rlcheck.modelzoo.ensure_model`: trained for a folder named `<arch>-trained`, the default
+    `runs/models/hybrid-trained`, a few CPU minutes once; else the random hybrid, seconds)."""
     if (path / "config.json").exists():
         return path
-    from rlcheck.modelzoo import build_model
+    from rlcheck.modelzoo import ensure_model as build_missing
 
-    with console.status(f"building the tiny hybrid model in {path} ..."):
-        return build_model("hybrid", path)
+    with console.status(f"building the tiny model in {path} (a trained one takes a few CPU minutes, once) ..."):
+        return build_missing(path)
 
 
 def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:

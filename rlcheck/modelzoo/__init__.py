@@ -4,6 +4,11 @@ that both Hugging Face Transformers and vLLM (CPU backend included) load.
 
     rlcheck make-model --arch hybrid models/tiny-hybrid            # or, from Python:
     from rlcheck.modelzoo import build_model; build_model("hybrid", "models/tiny-hybrid", seed=0)
+    from rlcheck.modelzoo import ensure_trained; ensure_trained("runs/models/llama-trained", "llama")
+
+`build_trained` / `ensure_trained` (`rlcheck.modelzoo.train`) go one step further: the random model,
+then a few CPU minutes of supervised training on the loop's addition task, so that its
+distributions are peaked like a real LM's (the demo's default model).
 
 Architectures (`ARCHS`): "llama" (attention only), "mamba2" (SSM only) and "hybrid", a
 GraniteMoeHybrid (dense MLP, no experts) whose Mamba2 layers surround one attention layer: the
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 from rlcheck.modelzoo.build import DTYPES, ModelSpec, build, build_model, describe
 from rlcheck.modelzoo.models import ARCHS
+from rlcheck.modelzoo.train import TrainSpec, build_trained, ensure_model, ensure_trained, train
 
 KV_CACHE_BYTES = 64 << 20
 
@@ -43,4 +49,5 @@ def vllm_cpu_kwargs(**overrides) -> dict:
     }
 
 
-__all__ = ["ARCHS", "DTYPES", "ModelSpec", "build", "build_model", "describe", "vllm_cpu_kwargs"]
+__all__ = ["ARCHS", "DTYPES", "ModelSpec", "TrainSpec", "build", "build_model", "build_trained", "describe",
+           "ensure_model", "ensure_trained", "train", "vllm_cpu_kwargs"]

@@ -35,6 +35,9 @@ class ModelSpec:
     """Decoder layers, 2..8."""
     logit_std: float = 3.0
     """Std of the initial logits; 0 gives a flat next-token distribution, 3 a mean entropy of ~3-4 nats."""
+    max_positions: int = MAX_POSITIONS
+    """Context length (`max_position_embeddings`, the tokenizer's `model_max_length`), 64..32768:
+    vLLM's `max_model_len` may not exceed it, so runs with 1k+ token responses need 2048 or more."""
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -47,6 +50,8 @@ class ModelSpec:
             raise ConfigError(f"num_layers={self.num_layers} is outside 2..8")
         if not (math.isfinite(self.logit_std) and self.logit_std >= 0):
             raise ConfigError(f"logit_std={self.logit_std} must be a finite number >= 0")
+        if not 64 <= self.max_positions <= 32768:
+            raise ConfigError(f"max_positions={self.max_positions} is outside 64..32768")
 
 
 def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -> Path:
@@ -65,13 +70,13 @@ def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tokenizer = save_tokenizer(spec.vocab_size, MAX_POSITIONS, tmp)
+        tokenizer = save_tokenizer(spec.vocab_size, spec.max_positions, tmp)
         special_ids = {
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         }
-        config = hf_config(spec.arch, spec.vocab_size, spec.num_layers, special_ids)
+        config = hf_config(spec.arch, spec.vocab_size, spec.num_layers, special_ids, spec.max_positions)
         model = init_model(config, spec.seed, spec.logit_std).to(getattr(torch, spec.dtype))
         model.save_pretrained(tmp)
         manifest = {**asdict(spec), "num_params": sum(p.numel() for p in model.parameters())}
@@ -91,7 +96,7 @@ def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -
 
 def build_model(arch: str, out_dir: str | os.PathLike, *, force: bool = False, **options) -> Path:
     """`build(ModelSpec(arch, **options), out_dir, force=force)`; options: any other `ModelSpec` field
-    (seed, dtype, vocab_size, num_layers, logit_std)."""
+    (seed, dtype, vocab_size, num_layers, logit_std, max_positions)."""
     return build(ModelSpec(arch=arch, **options), out_dir, force=force)
 
 

@@ -14,7 +14,7 @@ MAX_POSITIONS = 1024
 ARCHS = ("llama", "mamba2", "hybrid")
 
 
-def llama_config(**common):
+def llama_config(max_positions: int = MAX_POSITIONS, **common):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -22,14 +22,15 @@ def llama_config(**common):
         num_attention_heads=HIDDEN // HEAD_DIM,
         num_key_value_heads=1,
         head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         **common,
     )
 
 
-def mamba2_config(**common):
+def mamba2_config(max_positions: int = MAX_POSITIONS, **common):
     from transformers import Mamba2Config
 
+    del max_positions  # a pure SSM has no position limit
     return Mamba2Config(
         num_heads=MAMBA_HEADS,
         head_dim=2 * HIDDEN // MAMBA_HEADS,
@@ -46,7 +47,7 @@ def hybrid_layer_types(num_layers: int) -> list[str]:
     return ["full_attention" if i == num_layers // 2 else "linear_attention" for i in range(num_layers)]
 
 
-def hybrid_config(**common):
+def hybrid_config(max_positions: int = MAX_POSITIONS, **common):
     from transformers import GraniteMoeHybridConfig
 
     return GraniteMoeHybridConfig(
@@ -58,7 +59,7 @@ def hybrid_config(**common):
         num_key_value_heads=1,
         attention_multiplier=1.0 / math.sqrt(HEAD_DIM),  # the default 1.0 is no softmax scaling
         position_embedding_type="rope",
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         mamba_n_heads=MAMBA_HEADS,
         mamba_d_head=2 * HIDDEN // MAMBA_HEADS,
         mamba_expand=2,
@@ -72,9 +73,11 @@ def hybrid_config(**common):
 HF_CONFIGS = {"llama": llama_config, "mamba2": mamba2_config, "hybrid": hybrid_config}
 
 
-def hf_config(arch: str, vocab_size: int, num_layers: int, special_ids: dict):
-    """The Hugging Face config of `arch`; `special_ids`: bos/eos/pad token ids."""
+def hf_config(arch: str, vocab_size: int, num_layers: int, special_ids: dict, max_positions: int = MAX_POSITIONS):
+    """The Hugging Face config of `arch`; `special_ids`: bos/eos/pad token ids; `max_positions`: the
+    context length vLLM allows (`max_model_len` up to it)."""
     return HF_CONFIGS[arch](
+        max_positions=max_positions,
         vocab_size=vocab_size,
         hidden_size=HIDDEN,
         num_hidden_layers=num_layers,

@@ -190,3 +190,85 @@ class TestMakeModelCLI:
         (tmp_path / "x").write_text("x")
         taken = make_model("--arch", "llama", str(tmp_path))
         assert taken.returncode == 2 and "--force" in taken.stderr
+
+
+TRAIN_STEPS = 120  # enough to beat the random model clearly (the default 400 takes minutes)
+
+
+@pytest.fixture(scope="module")
+def trained_llama(tmp_path_factory):
+    """A llama trained for TRAIN_STEPS steps on the addition task (module-wide: ~1-2 CPU minutes)."""
+    from rlcheck.modelzoo import build_trained
+
+    return build_trained("llama", tmp_path_factory.mktemp("trained") / "llama", steps=TRAIN_STEPS)
+
+
+@pytest.mark.slow
+class TestBuildTrained:
+    def test_answers_better_than_the_random_model(self, trained_llama, tiny_model):
+        """Greedy answers of the trained model earn a far higher task reward than the random model's,
+        and the manifest records the training and its evaluation."""
+        from rlcheck.modelzoo.train import evaluate
+
+        def score(path):
+            model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+            return evaluate(model, transformers.AutoTokenizer.from_pretrained(path), num_prompts=64)
+
+        trained_acc, trained_reward = score(trained_llama)
+        _, random_reward = score(tiny_model("llama"))
+        assert trained_reward > random_reward + 0.15, (trained_reward, random_reward)
+        info = describe(trained_llama)
+        assert info["training"]["steps"] == TRAIN_STEPS and info["max_positions"] == 2048
+        assert info["training"]["eval_reward"] > random_reward
+
+    def test_distributions_are_peaked(self, trained_llama, tiny_model):
+        """After a prompt "a+b=" the trained model puts almost all its mass on the 10 digit tokens (of
+        2048), the random model almost none: it knows what kind of token comes next."""
+        def digit_mass(path):
+            model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            digits = tok.convert_tokens_to_ids(list("0123456789"))
+            ids = torch.tensor([[tok.bos_token_id] + tok.encode(f"{a}+{b}=", add_special_tokens=False)
+                                for a, b in ((12, 7), (4, 38), (90, 1))])  # (3, 6)
+            with torch.no_grad():
+                p = model(ids).logits[:, -1].softmax(-1)  # (3, V)
+            return float(p[:, digits].sum(-1).min())
+
+        assert digit_mass(trained_llama) > 0.9
+        assert digit_mass(tiny_model("llama")) < 0.2
+
+    def test_rebuild_is_byte_identical(self, tmp_path):
+        """The same spec trains to the same bytes; another seed does not."""
+        from rlcheck.modelzoo import build_trained
+
+        first = build_trained("llama", tmp_path / "a", steps=4)
+        again = build_trained("llama", tmp_path / "b", steps=4)
+        for path in first.iterdir():
+            assert (again / path.name).read_bytes() == path.read_bytes(), path.name
+        other = build_trained("llama", tmp_path / "c", steps=4, seed=1)
+        assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+
+    def test_ensure_trained_reuses_the_folder(self, trained_llama):
+        """`ensure_trained` on a folder that holds a model returns it untouched (the on-disk cache)."""
+        from rlcheck.modelzoo import ensure_trained
+
+        before = (trained_llama / "model.safetensors").stat().st_mtime_ns
+        assert ensure_trained(trained_llama, "llama", steps=1) == trained_llama
+        assert (trained_llama / "model.safetensors").stat().st_mtime_ns == before
+
+    @pytest.mark.parametrize("bad", [{"steps": 0}, {"lr": 0.0}, {"text_share": 1.0}, {"arch": "jamba"},
+                                     {"max_positions": 10}])
+    def test_bad_spec_is_a_config_error(self, bad):
+        """A bad training spec raises ConfigError before anything is built."""
+        from rlcheck.modelzoo import TrainSpec
+
+        with pytest.raises(ConfigError):
+            TrainSpec(**bad)
+
+    def test_ensure_model_picks_by_folder_name(self, trained_llama, tmp_path):
+        """A folder not named `<arch>-trained` gets the random hybrid; an existing model is reused."""
+        from rlcheck.modelzoo import ensure_model
+
+        info = describe(ensure_model(tmp_path / "hybrid"))
+        assert info["arch"] == "hybrid" and "training" not in info
+        assert ensure_model(trained_llama) == trained_llama
