@@ -15,7 +15,7 @@ masked tokens and s = -logp_rollout (the sampled token's surprise under the engi
 (d) growth: the slope of log(mean |d|) against step (and the factor per 100 steps);
 (e) per-step anchors: mean |d| (TRL), mean exp|d| (NeMo-RL's mult_prob_error), mean |p_t - p_r|
     (verl's probs_diff), seq catastrophic_frac (max |d| >= 2): median and max over steps;
-plus the reward per step and the response length distribution.
+plus the reward (first and last 20 steps; every step with --series) and the response lengths.
 """
 
 from __future__ import annotations
@@ -118,12 +118,26 @@ def tail_fit(ad: np.ndarray, cu: np.ndarray) -> dict:
                          "seq_max_mean": sig(seq_max[sel].mean()), "seq_max_p90": sig(np.quantile(seq_max[sel], 0.9)),
                          "frac_max_ge_2": sig(np.mean(seq_max[sel] >= CATASTROPHIC), 3)})
     out["seq_max_by_length"] = rows
+    out["prefix_max"] = prefix_max(ad, starts, lens)
     ok = seq_max > 0
     if ok.sum() > 5 and len(np.unique(lens[ok])) > 1:
         e, logc = np.polyfit(np.log(lens[ok]), np.log(seq_max[ok]), 1)
         out["seq_max_power_law"] = {"form": "seq max|d| ~ c * L^e (log-log least squares)", "c": sig(np.exp(logc)),
                                     "e": sig(e)}
     return out
+
+
+def prefix_max(ad: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> list[dict]:
+    """Max |d| over the first L tokens of each sequence at least L long, L = 4, 8, ..., the longest:
+    how the sequence max grows with length inside the same sequences (no selection by length)."""
+    rows, width = [], 4
+    while width <= lens.max(initial=0):
+        sel = lens >= width
+        m = np.array([ad[a : a + width].max() for a in starts[sel]])
+        rows.append({"len": int(width), "seqs": int(sel.sum()), "mean": sig(m.mean()), "p90": sig(np.quantile(m, 0.9)),
+                     "frac_ge_2": sig(np.mean(m >= CATASTROPHIC), 3)})
+        width *= 2
+    return rows
 
 
 def autocorr(x: np.ndarray, lags: int = LAGS) -> list[float]:
@@ -168,7 +182,7 @@ def per_step(data: dict, d: np.ndarray, lr: np.ndarray, tok_mask: np.ndarray) ->
     return out
 
 
-def fit_run(run_dir: Path) -> dict:
+def fit_run(run_dir: Path, series: bool = False) -> dict:
     data = load(run_dir)
     mask = data["mask"].astype(bool)
     lr, lt = data["logp_rollout"].astype(np.float64), data["logp_train"].astype(np.float64)
@@ -180,7 +194,7 @@ def fit_run(run_dir: Path) -> dict:
     rewards = [x["reward_mean"] for x in data["loop"] if "reward_mean" in x]
     k = min(20, max(1, len(rewards) // 2))
     args = data["summary"].get("args", {})
-    return {
+    out = {
         "run": run_dir.name,
         "config": {key: args.get(key) for key in ("arch", "random", "engine_dtype", "trainer_dtype", "trainer",
                                                   "prompts", "group", "max_tokens", "ignore_eos", "lr")},
@@ -189,20 +203,25 @@ def fit_run(run_dir: Path) -> dict:
         "tails": tail_fit(np.abs(dm), cu_masked.astype(np.int64)),
         "steps": per_step(data, d, lr, mask),
         "reward": {"first": sig(np.mean(rewards[:k]), 3), "last": sig(np.mean(rewards[-k:]), 3), "edge_steps": k,
-                   "series": [sig(r, 3) for r in rewards]},
+                   "min": sig(min(rewards), 3), "max": sig(max(rewards), 3)},
         "response_len": {"mean": sig(lens.mean()), "p10": int(np.quantile(lens, 0.1)), "p50": int(np.median(lens)),
                          "p90": int(np.quantile(lens, 0.9)), "max": int(lens.max()), "min": int(lens.min()),
                          "num_seqs": int(len(lens))},
         "monitor": {key: data["summary"].get(key) for key in ("halted", "steps_with_warn_or_worse", "alarms_by_kind",
                                                               "wall_s", "median_step_s")},
     }
+    if series:
+        out["series"] = {"reward": [sig(r, 3) for r in rewards], "mean_abs_d": out["steps"]["series_mean_abs_d"]}
+    del out["steps"]["series_mean_abs_d"]
+    return out
 
 
 def compact_json(obj) -> str:
-    """Indented JSON with every list of numbers on one line (the per-step series stay a few KB)."""
+    """Indented JSON with every list of numbers and every flat object on one line (a few KB a run)."""
     import re
 
     text = json.dumps(obj, indent=1)
+    text = re.sub(r"\{\n\s*([^{}\[\]]*?)\n\s*\}", lambda m: "{" + " ".join(m.group(1).split()) + "}", text)
     return re.sub(r"\[\s*([-0-9.e, \n]+?)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
                   text)
 
@@ -211,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories with tokens.npz")
     ap.add_argument("--out", type=Path, help="write the JSON here")
+    ap.add_argument("--series", action="store_true", help="also write each run's reward and mean |d| per step")
     args = ap.parse_args(argv)
     fits = {"about": "benchmarks/field_fit.py over healthy real-loop runs (benchmarks/bench_real_loop.py --record); "
                      "d = logp_train - logp_rollout, s = -logp_rollout",
-            "runs": [fit_run(r) for r in args.runs if (r / "tokens.npz").is_file()]}
+            "runs": [fit_run(r, args.series) for r in args.runs if (r / "tokens.npz").is_file()]}
     text = compact_json(fits)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,9 @@ machine. Measured on this project's machine (AMD EPYC, AVX2, 1 thread): the defa
 (400 steps of 32 x 64 tokens) takes ~0.5 s a step alone, 3-4 minutes in all (7 minutes with the two
 cores shared by other jobs), and ends at a loss of 1.61 (the operands of a problem are random digits,
 ~2.3 nats each), greedy accuracy 0.117 and mean task reward 0.58 on 256 problems (a random model:
-accuracy 0, reward ~0.1). The hybrid's Mamba2 layers run HF's reference PyTorch kernels here, slower.
+accuracy 0, reward ~0.1). The hybrid's Mamba2 layers run HF's reference PyTorch kernels here, ~2-3x
+slower a step, but it learns the task far better: its default 200 steps took 488 s with the cores
+shared (load ~16) and end at loss 1.48, accuracy 0.887, reward 0.94 (400 steps: 0.953, 0.975).
 """
 
 from __future__ import annotations
