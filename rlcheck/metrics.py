@@ -14,6 +14,8 @@ TOKEN_COUNT = "rlcheck/token/count"
 TOKEN_MASKED_COUNT = "rlcheck/token/masked_count"
 NONFINITE_COUNT = "rlcheck/token/nonfinite_count"
 ABS_DIFF_MEAN = "rlcheck/token/abs_diff_mean"
+ABS_DIFF_CLIPPED_MEAN = "rlcheck/token/abs_diff_clipped_mean"  # mean min(|d|, StatsConfig.clip)
+CATASTROPHIC_TOKEN_FRAC = "rlcheck/token/catastrophic_frac"  # tokens with |d| >= catastrophic_tau
 ABS_DIFF_P50 = "rlcheck/token/abs_diff_p50"
 ABS_DIFF_P90 = "rlcheck/token/abs_diff_p90"
 ABS_DIFF_P99 = "rlcheck/token/abs_diff_p99"
@@ -76,7 +78,8 @@ def frac_abs_diff_above(threshold: float) -> str:
 # token is valid (all masked or non-finite) only the counts are logged: an undefined metric is absent,
 # never NaN.
 ALWAYS = (
-    TOKEN_COUNT, TOKEN_MASKED_COUNT, NONFINITE_COUNT, ABS_DIFF_MEAN, ABS_DIFF_P50, ABS_DIFF_P90,
+    TOKEN_COUNT, TOKEN_MASKED_COUNT, NONFINITE_COUNT, ABS_DIFF_MEAN, ABS_DIFF_CLIPPED_MEAN,
+    CATASTROPHIC_TOKEN_FRAC, ABS_DIFF_P50, ABS_DIFF_P90,
     ABS_DIFF_P99, ABS_DIFF_MAX, DIFF_MEAN, KL_K1, KL_K2, KL_K3, CHI2, PROB_ABS_DIFF_MEAN,
     PROB_ABS_DIFF_MAX, MULT_PROB_ERROR, RATIO_MEAN, RATIO_STD, RATIO_MIN, RATIO_MAX, RATIO_ESS,
     RATIO_FRAC_ABOVE_C, RATIO_CLIPPED_COUNT, SEQ_COUNT, SEQ_EMPTY_COUNT, SEQ_MAX_ABS_DIFF_MEAN,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from rlcheck.dump import dump_dir, remove_partial_dumps, write_dump
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
 from rlcheck.monitor_config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
 from rlcheck.rundir import STATE_FILE
-from rlcheck.stats import Offender, PartialStats, compute_partial, empty_partial, finalize
+from rlcheck.stats import Offender, PartialStats, compute_partial, finalize
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
@@ -79,16 +79,6 @@ def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
         except (TypeError, ValueError):
             raise InputError(f"extra metric {key!r} must be a number, got {type(value).__name__}") from None
     return out
-
-
-def _step_partial(batch: StepBatch, cfg) -> PartialStats:
-    """`compute_partial`, or for a batch without a single token (every sequence empty: what
-    `from_padded` makes of an all-zero mask) the statistics of no token that count its sequences."""
-    if batch.num_tokens:
-        return compute_partial(batch, cfg)
-    none = empty_partial(cfg)
-    n = float(batch.num_sequences)
-    return replace(none, sums={**none.sums, "seq_total": n, "seq_empty": n}, num_sequences=batch.num_sequences)
 
 
 def _is_empty_step(metrics: Mapping[str, float]) -> bool:
@@ -153,7 +143,7 @@ class Monitor:
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(_check_step(step), _step_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
+        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:

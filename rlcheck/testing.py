@@ -15,12 +15,15 @@ import numpy as np
 from rlcheck import metrics as K
 from rlcheck.errors import ConfigError
 
-NOISES = ("gaussian", "t5", "contaminated")
+NOISES = ("gaussian", "t5", "contaminated", "ar1")
+AR1_COEF = 0.7
+"""Step-to-step autocorrelation of the "ar1" noise: the field streams' (BENCHMARKS.md, "Field fidelity")."""
 
 
 def heavy_tailed_noise(rng: np.random.Generator, size: int | tuple[int, ...], kind: str = "t5") -> np.ndarray:
-    """Zero-centred noise: "gaussian", "t5" (Student-t, 5 dof) or "contaminated" (Gaussian with 2%
-    of the draws 8x wider)."""
+    """Zero-centred noise: "gaussian", "t5" (Student-t, 5 dof), "contaminated" (Gaussian with 2%
+    of the draws 8x wider) or "ar1" (autocorrelated along the first axis: AR(1) with coefficient
+    AR1_COEF and Student-t 5 innovations, unit stationary scale)."""
     if kind == "gaussian":
         return rng.standard_normal(size)
     if kind == "t5":
@@ -28,6 +31,13 @@ def heavy_tailed_noise(rng: np.random.Generator, size: int | tuple[int, ...], ki
     if kind == "contaminated":
         x = rng.standard_normal(size)
         return np.where(rng.random(size) < 0.02, 8.0 * x, x)
+    if kind == "ar1":
+        e = rng.standard_t(5, size) * np.sqrt(1.0 - AR1_COEF**2)
+        x = np.empty_like(e)
+        x[0] = e[0] / np.sqrt(1.0 - AR1_COEF**2)
+        for t in range(1, x.shape[0]):
+            x[t] = AR1_COEF * x[t - 1] + e[t]
+        return x
     raise ConfigError(f"noise kind must be one of {NOISES}, got {kind!r}")
 
 
@@ -64,6 +74,8 @@ def metric_stream(
         mean = level * (1.0 + rel_noise * x[s, 0])
         out.append({
             K.ABS_DIFF_MEAN: mean,
+            K.ABS_DIFF_CLIPPED_MEAN: mean,
+            K.CATASTROPHIC_TOKEN_FRAC: 0.0,
             K.ABS_DIFF_P99: 8.0 * level * (1.0 + rel_noise * x[s, 1]),
             K.KL_K3: 0.5 * level * level * (1.0 + rel_noise * x[s, 2]),
             K.MULT_PROB_ERROR: 1.0 + mean,

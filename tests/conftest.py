@@ -16,7 +16,8 @@ def skewed_batch(
 
     - heavy-tailed lengths (lognormal) with a few zero-length sequences;
     - mask holes (tool-output spans masked out) and one sequence masked out entirely;
-    - first half: an early, catastrophic divergence (d ~ +3 on tokens 0..3) and a d ~ -12 token;
+    - first half: an early, catastrophic divergence (d ~ +3 on its first quarter of tokens, at least 4)
+      and a d ~ -12 token;
     - second half: one non-finite (NaN) train logprob and, if `extreme`, one token with d = +65
       (past the ratio cap; |d| > 20 switches that half to float64; it dominates every ratio metric).
     """
@@ -45,7 +46,7 @@ def skewed_batch(
         mask[cu[seq] + pos] = True
         return int(cu[seq] + pos)
 
-    for p in range(4):
+    for p in range(max(4, int(lens[early]) // 4)):
         lr[at(early, p)], lt[at(early, p)] = -8.0, -5.0
     t = at(negative, lens[negative] // 2)
     lr[t], lt[t] = -0.5, -12.5

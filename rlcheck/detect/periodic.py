@@ -12,6 +12,13 @@ so heavy-tailed noise does not pass for evidence. It is a standard normal score 
 periodic, and ~0 for a level shift or a trend, which raise every phase alike. The period with the largest C >= `threshold`, whose fold is mostly raised
 (at least `min_hit_frac` of its k values above `hit_z`), is reported with its phase, the number of
 spikes seen and the next step expected to spike.
+
+Step numbers may have gaps: TRL observes every `num_iterations`-th optimizer step (0, 2, 4, ...),
+a resumed run skips or repeats steps. The z-scores are laid on a grid of the steps' common stride
+(the gcd of the gaps between the steps held), a step never observed is a hole that no sum counts,
+so a period is found in steps whatever the stride; the alarm names it in steps and in observations.
+A step at or before the last one (a trainer resumed from an earlier checkpoint) drops the history
+from that step on: it belonged to a timeline the run abandoned.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from rlcheck.errors import ConfigError
 
 @dataclass(frozen=True)
 class PeriodicConfig:
-    metrics: tuple[str, ...] = (K.ABS_DIFF_MEAN,)
-    """Metrics searched for periodic spikes."""
+    metrics: tuple[str, ...] = (K.ABS_DIFF_CLIPPED_MEAN,)
+    """Metrics searched for periodic spikes (the clipped mean |d|: a bf16 tail token is no spike)."""
     min_period: int = 2
     max_period: int = 50
+    """Periods searched, in steps of the grid (the steps' stride: observations when it is regular)."""
     folds: tuple[int, ...] = (5, 6, 8, 11, 16)
     """Numbers of recent occurrences k tested per period."""
     window: int = 128
@@ -85,8 +93,8 @@ class PeriodicDetector(Detector):
     def __init__(self, cfg: PeriodicConfig | None = None):
         self.cfg = cfg or PeriodicConfig()
         self.base = {m: RollingBaseline(self.cfg.window) for m in self.cfg.metrics}
-        self.z = {m: deque(maxlen=self.cfg.history) for m in self.cfg.metrics}
-        self.last_step = {m: -1 for m in self.cfg.metrics}
+        self.z = {m: deque(maxlen=self.cfg.history) for m in self.cfg.metrics}  # clipped z, oldest first
+        self.steps = {m: deque(maxlen=self.cfg.history) for m in self.cfg.metrics}  # their step numbers
 
     def update(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
         alarms = []
@@ -94,18 +102,44 @@ class PeriodicDetector(Detector):
             x = metrics.get(m)
             if x is None:
                 continue
-            if self.last_step[m] >= 0 and step != self.last_step[m] + 1:
-                self.z[m].clear()  # a gap in the steps breaks the phase bookkeeping
-            self.last_step[m] = step
+            self._rewind(m, step)
             if len(base) >= self.cfg.warmup:
                 z = max(min(base.zscore(x), self.cfg.clip), -self.cfg.clip)
-                self.z[m].append(z)
+                self._push(m, step, z)
                 if z >= self.cfg.trigger:
-                    found = self._best_period(np.fromiter(self.z[m], dtype=np.float64))
+                    rz, stride = self.grid(m)
+                    found = self._best_period(rz)
                     if found is not None:
-                        alarms.append(self._alarm(m, step, x, *found))
+                        alarms.append(self._alarm(m, step, x, stride, rz, *found))
             base.push(x)
         return alarms
+
+    def _rewind(self, m: str, step: int) -> None:
+        """Forget the z-scores of steps at or after `step` (a resumed trainer repeats them)."""
+        steps, z = self.steps[m], self.z[m]
+        while steps and steps[-1] >= step:
+            steps.pop()
+            z.pop()
+
+    def _push(self, m: str, step: int, z: float) -> None:
+        steps, zs = self.steps[m], self.z[m]
+        steps.append(step)
+        zs.append(z)
+        while steps[-1] - steps[0] > self.cfg.history * _stride(steps):  # a long gap: older z off the grid
+            steps.popleft()
+            zs.popleft()
+
+    def grid(self, m: str) -> tuple[np.ndarray, int]:
+        """((G,) the z-scores of `m` on the grid of the held steps' stride, oldest first, NaN where a
+        step was not observed; the stride in steps)."""
+        steps = np.fromiter(self.steps[m], dtype=np.int64)
+        stride = _stride(self.steps[m])
+        if steps.size == 0:
+            return np.zeros(0), stride
+        pos = (steps - steps[0]) // stride
+        out = np.full(int(pos[-1]) + 1, np.nan)
+        out[pos] = np.fromiter(self.z[m], dtype=np.float64)
+        return out, stride
 
     def _best_period(self, z: np.ndarray) -> tuple[int, int, float, int] | None:
         """(period, k, score, hits) of the fold ending at the newest z that explains it best, if any.
@@ -124,57 +158,72 @@ class PeriodicDetector(Detector):
         return best
 
     def passing_folds(self, rz: np.ndarray) -> list[tuple[int, int, float, int]]:
-        """Every (period, k, score, hits) whose fold passes; rz[0] is the current step. Public for the
-        report's periodogram, which calls it under a config that lets every fold pass."""
+        """Every (period, k, score, hits) whose fold passes; rz[0] is the current step, NaN marks a
+        step of the grid never observed (it counts nowhere: k and the other-phase count are of the
+        observed steps only). Public for the report's periodogram, which calls it under a config that
+        lets every fold through."""
         cfg = self.cfg
-        csum, csum2 = np.cumsum(rz), np.cumsum(rz * rz)  # csum[L-1] = sum of the last L z-scores
+        seen = ~np.isnan(rz)
+        rz = np.where(seen, rz, 0.0)
+        csum, csum2, ccount = np.cumsum(rz), np.cumsum(rz * rz), np.cumsum(seen)  # over the last L steps
         out = []
         for period in range(cfg.min_period, cfg.max_period + 1):
-            fold = rz[::period]  # same phase, newest first
-            fsum, fsum2 = np.cumsum(fold), np.cumsum(fold * fold)
+            fold, fseen = rz[::period], seen[::period]  # same phase, newest first
+            fsum, fsum2, fcount = np.cumsum(fold), np.cumsum(fold * fold), np.cumsum(fseen)
 
-            def other(span: int, period=period, fsum=fsum, fsum2=fsum2) -> tuple[float, float, int]:
-                """Sum and sum of squares of the other-phase z-scores in the last `span` steps."""
-                n_phase = -(-span // period)
-                return csum[span - 1] - fsum[n_phase - 1], csum2[span - 1] - fsum2[n_phase - 1], span - n_phase
+            def other(span: int, period=period, fsum=fsum, fsum2=fsum2, fcount=fcount) -> tuple[float, float, int]:
+                """Sum, sum of squares and count of the other-phase z-scores in the last `span` steps."""
+                j = -(-span // period) - 1
+                return (csum[span - 1] - fsum[j], csum2[span - 1] - fsum2[j],
+                        int(ccount[span - 1] - fcount[j]))
 
             for k in cfg.folds:
                 span = max(k * period, cfg.min_other)
                 if fold.shape[0] < k or rz.shape[0] < span:
                     continue
+                k_seen = int(fcount[k - 1])
                 s1, _, n_other = other(span)
+                if k_seen < min(cfg.folds) or n_other < cfg.min_other // 2:
+                    continue
                 other_mean = s1 / n_other
                 v1, v2, n_var = other(min(max(span, cfg.min_var_span), rz.shape[0]))
                 var = max(v2 / n_var - (v1 / n_var) ** 2, 1.0)
-                score = (fsum[k - 1] - k * other_mean) / math.sqrt(var * (k + k * k / n_other))
+                score = (fsum[k - 1] - k_seen * other_mean) / math.sqrt(var * (k_seen + k_seen**2 / n_other))
                 if score < cfg.threshold:
                     continue
-                hits = int(np.count_nonzero(fold[:k] > other_mean + cfg.hit_z))
-                halves_agree = fold[:k:2].mean() - fold[1:k:2].mean() <= cfg.harmonic_gap
-                if k - hits <= int(k * (1.0 - cfg.min_hit_frac)) and halves_agree:
+                occ = fold[:k][fseen[:k]]
+                hits = int(np.count_nonzero(occ > other_mean + cfg.hit_z))
+                halves_agree = occ[::2].mean() - occ[1::2].mean() <= cfg.harmonic_gap
+                if k_seen - hits <= int(k_seen * (1.0 - cfg.min_hit_frac)) and halves_agree:
                     out.append((period, k, float(score), hits))
         return out
 
-    def _alarm(self, m: str, step: int, x: float, period: int, k: int, score: float, hits: int) -> Alarm:
-        phase = step % period
+    def _alarm(self, m: str, step: int, x: float, stride: int, rz: np.ndarray,
+               period: int, k: int, score: float, hits: int) -> Alarm:
+        steps = period * stride
+        observed = float(np.count_nonzero(~np.isnan(rz[-period:]))) if rz.size >= period else float(period)
+        per_obs = f"{observed:g} observations" if observed != 1 else "1 observation"
+        phase = step % steps
         return Alarm(
             self.kind, m, step, self.cfg.severity,
-            f"{m} spikes every {period} steps (phase {phase}: steps = {phase} mod {period}); "
-            f"{hits} of the last {k} occurrences raised, next expected at step {step + period}",
+            f"{m} spikes every {steps} steps ({per_obs}; phase {phase}: steps = {phase} mod {steps}); "
+            f"{hits} of the last {k} occurrences raised, next expected at step {step + steps}",
             {
-                "period": period,
+                "period": steps,
+                "period_observations": observed,
+                "stride": stride,
                 "phase": phase,
                 "occurrences": hits,
                 "folds": k,
                 "score": score,
-                "next_expected": step + period,
+                "next_expected": step + steps,
                 "value": x,
             },
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            m: {"base": self.base[m].state_dict(), "z": list(self.z[m]), "last_step": self.last_step[m]}
+            m: {"base": self.base[m].state_dict(), "z": list(self.z[m]), "steps": list(self.steps[m])}
             for m in self.base
         }
 
@@ -182,6 +231,18 @@ class PeriodicDetector(Detector):
         for m, s in state.items():
             if m in self.base:
                 self.base[m].load_state_dict(s["base"])
+                z = [float(v) for v in s["z"]]
+                # state.json of an earlier rlcheck held consecutive z-scores ending at last_step
+                steps = s.get("steps") or list(range(int(s.get("last_step", -1)) - len(z) + 1, int(s.get("last_step", -1)) + 1))
                 self.z[m].clear()
-                self.z[m].extend(float(v) for v in s["z"])
-                self.last_step[m] = int(s["last_step"])
+                self.z[m].extend(z)
+                self.steps[m].clear()
+                self.steps[m].extend(int(v) for v in steps)
+
+
+def _stride(steps) -> int:
+    """The grid stride of the held steps: the gcd of the gaps between them (1 with fewer than two)."""
+    if len(steps) < 2:
+        return 1
+    arr = np.fromiter(steps, dtype=np.int64)
+    return max(int(np.gcd.reduce(np.diff(arr))), 1)

@@ -9,6 +9,12 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.stats` computes from the
 | systematic_slope     | d correlates with logp_rollout (temperature / logit processing)    | warn      |
 | early_divergence     | a few sequences diverge from their first tokens (stale state)      | warn      |
 | sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
+
+A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
+slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
+there every step), catastrophic sequences (either shape) `recur_count` times within the last
+`recur_window` observations (a healthy bf16 run has none: a catastrophic sequence is a rate of
+tokens far off, `StatsConfig.catastrophic_min_frac`, which no tail token reaches alone).
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ class SignatureConfig:
     """Catastrophic sequences are 'sparse' when at most this fraction of the step."""
     min_tokens: int = 64
     """Steps with fewer valid tokens give no slope or shift signature."""
+    slope_critical_after: int = 4
+    """Consecutive observations with the slope signature after which it is critical."""
+    recur_count: int = 2
+    """Observations with catastrophic sequences, within `recur_window`, that make the signature critical."""
+    recur_window: int = 256
     severity: dict[str, str] | None = None
     """Override the default severity of a signature by name."""
 
@@ -47,6 +58,8 @@ class SignatureConfig:
                 raise ConfigError(f"severity must be one of {SEVERITIES}, got {sev!r}")
         if not 0 < self.sparse_max_frac <= 1:
             raise ConfigError("sparse_max_frac must be in (0, 1]")
+        if min(self.slope_critical_after, self.recur_count, self.recur_window) < 1:
+            raise ConfigError("slope_critical_after, recur_count and recur_window must be >= 1")
 
 
 DEFAULT_SEVERITY = {
@@ -64,9 +77,14 @@ class SignatureDetector(Detector):
     def __init__(self, cfg: SignatureConfig | None = None):
         self.cfg = cfg or SignatureConfig()
         self.severity = {**DEFAULT_SEVERITY, **(self.cfg.severity or {})}
+        self.slope_streak = 0
+        self.observed = 0  # observations seen
+        self.catastrophic_at: list[int] = []  # observation numbers with catastrophic sequences, recent
 
-    def _alarm(self, name: str, metric: str, step: int, message: str, **details: Any) -> Alarm:
-        return Alarm(self.kind, metric, step, self.severity[name], message, {"signature": name, **details})
+    def _alarm(self, name: str, metric: str, step: int, message: str, persistent: bool = False,
+               **details: Any) -> Alarm:
+        severity = "critical" if persistent else self.severity[name]
+        return Alarm(self.kind, metric, step, severity, message, {"signature": name, **details})
 
     def update(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
         cfg, m, out = self.cfg, metrics, []
@@ -89,14 +107,19 @@ class SignatureDetector(Detector):
                 gain=m[K.SIG_SHIFT_GAIN], direction=direction,
             ))
         corr, slope = get(K.SIG_SLOPE_CORR, 0.0), get(K.SIG_SLOPE, 0.0)
-        if (enough and abs(corr) >= cfg.slope_min_corr and abs(slope) >= cfg.slope_min_abs
-                and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff):
+        sloped = (enough and abs(corr) >= cfg.slope_min_corr and abs(slope) >= cfg.slope_min_abs
+                  and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff)
+        self.slope_streak = self.slope_streak + 1 if sloped else 0
+        if sloped:
+            lasting = self.slope_streak >= cfg.slope_critical_after
             out.append(self._alarm(
                 "systematic_slope", K.SIG_SLOPE, step,
-                f"d = logp_train - logp_rollout follows logp_rollout (slope {slope:.3f}, corr {corr:.2f}): "
+                f"d = logp_train - logp_rollout follows logp_rollout (slope {slope:.3f}, corr {corr:.2f}"
+                f"{f', {self.slope_streak} observations running' if lasting else ''}): "
                 "temperature or logit processing differs between engine and trainer",
-                slope=slope, corr=corr,
+                persistent=lasting, slope=slope, corr=corr, streak=self.slope_streak,
             ))
+        self.observed += 1
         out += self._catastrophic(step, m)
         return out
 
@@ -105,23 +128,31 @@ class SignatureDetector(Detector):
         if count <= 0 or m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) > self.cfg.sparse_max_frac:
             return []
         early = m.get(K.SIG_EARLY_DIV_COUNT, 0.0)
-        details = {"count": count, "early": early, "frac": m[K.SEQ_CATASTROPHIC_FRAC]}
+        recent = [o for o in self.catastrophic_at if o > self.observed - self.cfg.recur_window] + [self.observed]
+        self.catastrophic_at = recent
+        lasting = len(recent) >= self.cfg.recur_count
+        again = f" (in {len(recent)} of the last {self.cfg.recur_window} observations)" if lasting else ""
+        details = {"count": count, "early": early, "frac": m[K.SEQ_CATASTROPHIC_FRAC], "recurrences": len(recent)}
         if early * 2 >= count:
             return [self._alarm(
                 "early_divergence", K.SIG_EARLY_DIV_COUNT, step,
                 f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
-                "rest match: the shape of a stale recurrent state (a reused Mamba slot read before prefill)",
-                **details,
+                f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before "
+                "prefill)",
+                persistent=lasting, **details,
             )]
         return [self._alarm(
             "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
-            f"{int(count)} sequences are far off (max |d| at or above the catastrophic level) while the rest "
-            "match: a per-request fault (state corruption, index aliasing); see the offenders",
-            **details,
+            f"{int(count)} sequences are far off (a tenth of their tokens or more at or above the catastrophic "
+            f"level) while the rest match{again}: a per-request fault (state corruption, index aliasing); "
+            "see the offenders",
+            persistent=lasting, **details,
         )]
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"slope_streak": self.slope_streak, "observed": self.observed, "catastrophic_at": self.catastrophic_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self.slope_streak = int(state.get("slope_streak", 0))
+        self.observed = int(state.get("observed", 0))
+        self.catastrophic_at = [int(o) for o in state.get("catastrophic_at", ())]

@@ -58,7 +58,8 @@ def watched_metrics(run_dir: Path, cfg: PeriodicConfig) -> tuple[str, ...]:
 
 
 def replay_z(steps: np.ndarray, values: np.ndarray, metric: str, at: int, cfg: PeriodicConfig) -> np.ndarray:
-    """(H,) the detector's clipped z-scores of `metric` up to and including step `at`, oldest first.
+    """(H,) the detector's clipped z-scores of `metric` up to and including step `at`, oldest first,
+    on its grid of steps (NaN where a step of the grid was not observed).
 
     steps, values: (S,) the run's steps (ascending) and the metric's values (NaN where not logged)."""
     det = PeriodicDetector(dataclasses.replace(cfg, metrics=(metric,), trigger=math.inf))  # never folds here
@@ -67,7 +68,7 @@ def replay_z(steps: np.ndarray, values: np.ndarray, metric: str, at: int, cfg: P
     for step, x in zip(steps[start:end].tolist(), values[start:end].tolist(), strict=True):
         if math.isfinite(x):
             det.update(step, {metric: x})
-    return np.fromiter(det.z[metric], dtype=np.float64)
+    return det.grid(metric)[0]
 
 
 def longest_testable(num_z: int, cfg: PeriodicConfig) -> int:

@@ -20,14 +20,9 @@ sequence as flagged and catastrophic.
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-
-import numpy as np
-
 from rlcheck.batch import StepBatch
 from rlcheck.stats.finalize import finalize
-from rlcheck.stats.partial import compute_partial
+from rlcheck.stats.partial import compute_partial, empty_partial
 from rlcheck.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, Offender, PartialStats, StatsConfig, merge
 
 
@@ -35,23 +30,6 @@ def compute(batch: StepBatch, cfg: StatsConfig | None = None) -> tuple[dict[str,
     """Metrics and offenders of one batch in this process."""
     cfg = cfg or StatsConfig()
     return finalize(compute_partial(batch, cfg), cfg)
-
-
-def empty_partial(cfg: StatsConfig | None = None) -> PartialStats:
-    """The statistics of no sequence, in `cfg`'s layout: merging it changes nothing (sums 0, extrema
-    -inf / +inf, empty histograms, no offender). A rank with nothing to compare this step passes it to
-    `rlcheck.distributed.all_reduce_partial`, so the collective the other ranks wait in completes."""
-    one = compute_partial(StepBatch.from_ragged(logp_rollout=[np.zeros(1)], logp_train=[np.zeros(1)],
-                                                request_ids=["-"]), cfg)
-    return replace(
-        one,
-        sums=dict.fromkeys(one.sums, 0.0),
-        maxima=dict.fromkeys(one.maxima, -math.inf),
-        minima=dict.fromkeys(one.minima, math.inf),
-        hists={key: np.zeros_like(h) for key, h in one.hists.items()},
-        offenders=(),
-        num_sequences=0,
-    )
 
 
 __all__ = [

@@ -64,6 +64,8 @@ def _token_metrics(p: PartialStats, cfg: StatsConfig) -> dict[str, float]:
     ad_max = mx["ad"]
     out = {
         K.ABS_DIFF_MEAN: s["ad"] / n,
+        K.ABS_DIFF_CLIPPED_MEAN: s["ad_clip"] / n,
+        K.CATASTROPHIC_TOKEN_FRAC: s["cat_tok"] / n,
         K.ABS_DIFF_P50: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.50, ad_max),
         K.ABS_DIFF_P90: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.90, ad_max),
         K.ABS_DIFF_P99: H.quantile(p.hists["ad"], H.ABS_EDGES, 0.99, ad_max),

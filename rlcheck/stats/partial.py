@@ -7,6 +7,7 @@ float32 block sums added in float64, so nothing is lost to a large outlier among
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,9 +54,32 @@ def _ratio_sums(d, d_min, n, valid, sums, scratch) -> tuple[float, float]:
     return sum_r, sum64(np.multiply(r, r, out=r))
 
 
+def empty_partial(cfg: StatsConfig | None = None, num_sequences: int = 0) -> PartialStats:
+    """The statistics of `num_sequences` sequences without a token, in `cfg`'s layout: merging it
+    changes nothing but the sequence counts (sums 0, extrema -inf / +inf, empty histograms, no
+    offender). A rank with nothing to compare this step passes it (`num_sequences=0`) to
+    `rlcheck.distributed.all_reduce_partial`, so the collective the other ranks wait in completes."""
+    one = compute_partial(StepBatch.from_ragged(logp_rollout=[np.zeros(1)], logp_train=[np.zeros(1)],
+                                                request_ids=["-"]), cfg)
+    sums = dict.fromkeys(one.sums, 0.0)
+    sums["seq_total"] = sums["seq_empty"] = float(num_sequences)
+    return replace(
+        one,
+        sums=sums,
+        maxima=dict.fromkeys(one.maxima, -math.inf),
+        minima=dict.fromkeys(one.minima, math.inf),
+        hists={key: np.zeros_like(h) for key, h in one.hists.items()},
+        offenders=(),
+        num_sequences=num_sequences,
+    )
+
+
 def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> PartialStats:
-    """Sums, extrema, histograms and top-K offenders of `batch`."""
+    """Sums, extrema, histograms and top-K offenders of `batch` (a batch without a single token:
+    those of its empty sequences)."""
     cfg = cfg or StatsConfig()
+    if batch.num_tokens == 0:
+        return empty_partial(cfg, batch.num_sequences)
     lr, lt = batch.logp_rollout, batch.logp_train  # (M,)
     if lr.dtype != lt.dtype:
         lr, lt = lr.astype(np.float64), lt.astype(np.float64)
@@ -106,6 +130,8 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     for i, t in enumerate(cfg.thresholds):
         sums[f"thr{i}"] = float(np.count_nonzero(ad > t))
     maxima = {"ad": ad_max, "d": d_max, "pdiff": float(pdiff.max()) if m_total else 0.0}
+    sums["cat_tok"] = float(np.count_nonzero(ad >= cfg.catastrophic_tau))
+    sums["ad_clip"] = sum64(np.minimum(ad, cfg.clip, out=scratch))  # pdiff (in scratch) is done with
     hist = H.abs_histogram(ad)
     hist[0] -= m_total - n
     hists = {"ad": hist}

@@ -44,6 +44,16 @@ def divergence(d: np.ndarray, cu: np.ndarray, tau: float) -> tuple[np.ndarray, l
     return segment_max(ad, cu), first
 
 
+def catastrophic_sequences(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, cfg) -> np.ndarray:
+    """(N,) bool: sequences with at least `catastrophic_min_frac` of their `counts` (N,) valid tokens,
+    and `catastrophic_min_tokens` tokens, at |d| >= catastrophic_tau (`ad` (M,), 0 where invalid)."""
+    lens = np.diff(cu)
+    nonempty = lens > 0
+    over = np.zeros(lens.shape[0], dtype=np.int64)
+    over[nonempty] = np.add.reduceat(ad >= cfg.catastrophic_tau, cu[:-1][nonempty], dtype=np.int64)
+    return (over >= cfg.catastrophic_min_tokens) & (over >= cfg.catastrophic_min_frac * counts)
+
+
 def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:
     """Per-sequence reductions (into the dicts) and the top-K offenders."""
     cu = batch.cu_seqlens  # (N+1,) int64
@@ -72,7 +82,7 @@ def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hi
     first_div = np.full(num, -1, dtype=np.int64)  # internal only; Offender uses None
     first_div[div_seq] = div_pos
 
-    catastrophic = (seq_max >= cfg.catastrophic_tau) | seq_bad
+    catastrophic = catastrophic_sequences(ad, cu, counts, cfg) | seq_bad
     early = catastrophic & (first_div >= 0) & (first_div < cfg.early_window)
     sums.update(
         seq_total=float(num),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
 from rlcheck.errors import ConfigError
 
 RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
@@ -22,7 +23,18 @@ class StatsConfig:
     divergence_tau: float = 0.5
     """|d| above which a token diverges: first-divergence position and flagged sequences."""
     catastrophic_tau: float = 2.0
-    """A sequence with max |d| at or above this (probability off by e^2 ~ 7x) is catastrophic."""
+    """|d| at or above this (a probability off by e^2 ~ 7x) is a catastrophic token."""
+    catastrophic_min_frac: float = 0.1
+    """A sequence is catastrophic when at least this fraction of its valid tokens is catastrophic (and
+    at least `catastrophic_min_tokens` of them), or it holds a non-finite token. A rate, not the
+    sequence's max |d|: a healthy bf16 run samples the odd low-probability token at |d| of several
+    nats, so the max grows with length (24 sequences of ~900 tokens: a quarter of them hold one);
+    a broken state or index garbles most of its sequence (BENCHMARKS.md, "Field fidelity")."""
+    catastrophic_min_tokens: int = 2
+    """...so that one tail token in a short response never makes it catastrophic."""
+    clip: float = 0.5
+    """`token/abs_diff_clipped_mean` averages min(|d|, clip): the rolling detectors watch it, so one
+    tail token moves a step's level by at most clip / tokens."""
     early_window: int = 4
     """A catastrophic sequence whose first divergence is before this position diverged early."""
     ratio_c: float = 2.0
@@ -45,7 +57,11 @@ class StatsConfig:
         keys = [f"{t:g}" for t in self.thresholds]
         if len(set(keys)) != len(keys):
             raise ConfigError(f"thresholds must differ in their first 6 significant digits, got {self.thresholds}")
-        for name in ("early_window", "top_k", "shift_window"):
+        if not 0 < self.catastrophic_min_frac <= 1:
+            raise ConfigError(f"catastrophic_min_frac must be in (0, 1], got {self.catastrophic_min_frac}")
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise ConfigError(f"clip must be positive and finite, got {self.clip}")
+        for name in ("early_window", "top_k", "shift_window", "catastrophic_min_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 

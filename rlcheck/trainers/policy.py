@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from rlcheck.engines.hf import is_recurrent, right_padded
+from rlcheck.errors import InputError
 from rlcheck.logprobs import token_logprobs
 from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
 from rlcheck.trainers.config import TrainerConfig
 from rlcheck.trainers.loss import clipped_surrogate
-from rlcheck.errors import InputError
 
 
 class PolicyTrainer:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlcheck import metrics as K
+from rlcheck.errors import ConfigError
 from rlcheck.detect import (
     Alarm,
     DetectorsConfig,
@@ -50,10 +51,25 @@ class TestThresholdDetector:
         (a,) = det.update(1, {K.ABS_DIFF_MEAN: 0.2})
         assert (a.kind, a.severity, a.details["limit"]) == ("threshold", "critical", 0.1)
 
-    def test_default_gates_are_the_published_ones(self):
-        """Defaults carry NeMo-RL's mean exp|d| <= 1.05 and verl's probs_diff_mean 0.01 gates."""
+    def test_default_gates_are_tail_robust(self):
+        """Defaults carry verl's probs_diff_mean 0.01 gate and the clipped mean |d|, not NeMo-RL's
+        mean exp|d| (one tail token moves it by e^|d| / tokens)."""
         limits = {r.metric: r.limit for r in ThresholdConfig().rules}
-        assert limits[K.MULT_PROB_ERROR] == 1.05 and limits[K.PROB_ABS_DIFF_MEAN] == 0.01
+        assert limits == {K.PROB_ABS_DIFF_MEAN: 0.01, K.ABS_DIFF_CLIPPED_MEAN: 0.05}
+
+    def test_rearms_after_time_below(self):
+        """After an alarm the rule is quiet while the metric stays above, and fires again only after
+        `rearm` observations at or below the limit; rearm=None alarms on every step above."""
+        rules = (ThresholdRule(K.ABS_DIFF_MEAN, 0.1),)
+        det = ThresholdDetector(ThresholdConfig(rules=rules, rearm=3))
+        values = [0.2, 0.2, 0.05, 0.2, 0.05, 0.05, 0.05, 0.2, 0.2]
+        fired = [s for s, v in enumerate(values) if det.update(s, {K.ABS_DIFF_MEAN: v})]
+        assert fired == [0, 7]
+        every = ThresholdDetector(ThresholdConfig(rules=rules, rearm=None))
+        assert [s for s, v in enumerate(values) if every.update(s, {K.ABS_DIFF_MEAN: v})] == [0, 1, 3, 7, 8]
+        clone = ThresholdDetector(ThresholdConfig(rules=rules, rearm=3))
+        clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
+        assert clone.quiet == det.quiet == [3]
 
     def test_missing_metric_skipped(self):
         """A rule whose metric is absent this step does nothing."""
@@ -65,11 +81,11 @@ class TestRobustZDetector:
         """A 3x jump in mean |d| after a steady history is a robust-z alarm; during warm-up nothing fires."""
         stream = metric_stream(200, seed=1, noise="gaussian").metrics
         det = RobustZDetector()
-        spike = dict(stream[10], **{K.ABS_DIFF_MEAN: 0.5})
+        spike = dict(stream[10], **{K.ABS_DIFF_CLIPPED_MEAN: 0.5})
         assert det.update(0, spike) == []
         assert run(det, stream[1:150], start=1) == []
-        alarms = det.update(150, dict(stream[150], **{K.ABS_DIFF_MEAN: 3e-3 * 3}))
-        assert [a.metric for a in alarms] == [K.ABS_DIFF_MEAN]
+        alarms = det.update(150, dict(stream[150], **{K.ABS_DIFF_CLIPPED_MEAN: 3e-3 * 3}))
+        assert [a.metric for a in alarms] == [K.ABS_DIFF_CLIPPED_MEAN]
         assert alarms[0].details["z"] > RobustZConfig().z_threshold
 
     def test_downward_move_is_not_an_alarm(self):
@@ -77,13 +93,13 @@ class TestRobustZDetector:
         stream = metric_stream(100, seed=1).metrics
         det = RobustZDetector()
         run(det, stream)
-        assert det.update(100, {K.ABS_DIFF_MEAN: 0.0}) == []
+        assert det.update(100, {K.ABS_DIFF_CLIPPED_MEAN: 0.0}) == []
 
     def test_constant_series_does_not_explode(self):
         """An exact-match history (all zeros) scores a tiny wobble as finite, via the scale floor."""
         det = RobustZDetector()
-        run(det, [{K.ABS_DIFF_MEAN: 0.0}] * 64)
-        (a,) = det.update(64, {K.ABS_DIFF_MEAN: 1e-3})
+        run(det, [{K.ABS_DIFF_CLIPPED_MEAN: 0.0}] * 64)
+        (a,) = det.update(64, {K.ABS_DIFF_CLIPPED_MEAN: 1e-3})
         assert a.details["z"] < float("inf")
 
     def test_state_round_trip(self):
@@ -92,33 +108,56 @@ class TestRobustZDetector:
         run(det, metric_stream(100, seed=2).metrics)
         clone = RobustZDetector()
         clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
-        m = {K.ABS_DIFF_MEAN: 0.02}
+        m = {K.ABS_DIFF_CLIPPED_MEAN: 0.02}
         assert [a.details["z"] for a in clone.update(100, m)] == [a.details["z"] for a in det.update(100, m)]
 
 
 class TestDriftDetector:
-    def test_slow_growth_is_caught(self):
-        """Mean |d| growing 1% per step (no single step a spike) raises a drift alarm with its start."""
-        base = metric_stream(400, seed=4, noise="gaussian").metrics
-        ramp = [dict(m, **{K.ABS_DIFF_MEAN: m[K.ABS_DIFF_MEAN] * (1.01 ** max(0, s - 200))}) for s, m in enumerate(base)]
-        alarms = [a for a in run(DriftDetector(), ramp) if a.metric == K.ABS_DIFF_MEAN]
-        assert alarms and 200 < alarms[0].step < 300
+    @staticmethod
+    def ramp(rate: float, start: int = 200, n: int = 400) -> list[dict]:
+        base = metric_stream(n, seed=4, noise="gaussian").metrics
+        key = K.ABS_DIFF_CLIPPED_MEAN
+        return [dict(m, **{key: m[key] * (rate ** max(0, s - start))}) for s, m in enumerate(base)]
+
+    def test_growth_is_caught(self):
+        """Mean |d| growing 3% per step (no single step a spike) raises a drift alarm with its start,
+        warn while below critical_ratio x the reference, critical past it."""
+        alarms = [a for a in run(DriftDetector(), self.ramp(1.03)) if a.metric == K.ABS_DIFF_CLIPPED_MEAN]
+        assert alarms and 200 < alarms[0].step < 260
         assert alarms[0].details["since_step"] >= 195
-        assert not [a for a in run(RobustZDetector(), ramp[:300]) if a.metric == K.ABS_DIFF_MEAN]
+        assert alarms[0].severity == "warn" and alarms[0].details["ratio"] < DriftConfig().critical_ratio
+        assert any(a.severity == "critical" and a.details["ratio"] >= 3 for a in alarms)
+        assert not [a for a in run(RobustZDetector(), self.ramp(1.03)[:240]) if a.metric == K.ABS_DIFF_CLIPPED_MEAN]
+
+    def test_healthy_floor_growth_is_not_a_drift(self):
+        """The field's healthy floor (10x over 2,000 steps, ~0.12% a step) raises nothing."""
+        assert run(DriftDetector(), self.ramp(10 ** (1 / 2000), start=0, n=3000)) == []
+
+    def test_stale_weights_jump_is_critical_within_steps(self):
+        """A mismatch that quadruples and stays (weights no longer synced) is a critical drift within
+        six steps."""
+        stream = self.ramp(1.0)
+        jumped = [dict(m, **{K.ABS_DIFF_CLIPPED_MEAN: m[K.ABS_DIFF_CLIPPED_MEAN] * (4 if s >= 300 else 1)})
+                  for s, m in enumerate(stream)]
+        alarms = run(DriftDetector(), jumped)
+        assert alarms and alarms[0].severity == "critical" and 300 <= alarms[0].step <= 305
+        assert alarms[0].details["since_step"] == 300
 
     def test_state_round_trip(self):
         """CUSUM and baseline survive a JSON round trip."""
         det = DriftDetector()
         run(det, metric_stream(120, seed=2).metrics)
-        det.cusum[K.ABS_DIFF_MEAN] = 3.5
+        det.cusum[K.ABS_DIFF_CLIPPED_MEAN] = 3.5
         clone = DriftDetector()
         clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
         assert clone.cusum == det.cusum and clone.state_dict() == det.state_dict()
 
     def test_config_validation(self):
-        """clip must exceed slack."""
+        """clip must exceed slack, critical_ratio 1."""
         with pytest.raises(ValueError):
             DriftConfig(slack=5.0, clip=4.0)
+        with pytest.raises(ConfigError):
+            DriftConfig(critical_ratio=1.0)
 
 
 def clean_sig(**over):
@@ -156,6 +195,33 @@ class TestSignatureDetector:
     def test_widespread_catastrophe_is_not_sparse(self):
         """When most sequences are far off it is not the sparse signature (hard limits handle it)."""
         assert SignatureDetector().update(0, clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 500.0, K.SEQ_CATASTROPHIC_FRAC: 0.5})) == []
+
+    def test_lasting_slope_turns_critical(self):
+        """The slope signature on slope_critical_after consecutive observations is critical; a break
+        in the streak starts it over."""
+        det = SignatureDetector()
+        sloped = clean_sig(**{K.SIG_SLOPE: -0.02, K.SIG_SLOPE_CORR: -0.7, K.ABS_DIFF_MEAN: 0.02})
+        severities = [a.severity for s in range(5) for a in det.update(s, sloped)]
+        assert severities == ["warn", "warn", "warn", "critical", "critical"]
+        assert det.update(5, clean_sig()) == []
+        assert [a.severity for a in det.update(6, sloped)] == ["warn"]
+
+    def test_recurring_catastrophe_turns_critical(self):
+        """Catastrophic sequences in recur_count observations within recur_window are critical; a
+        lone one long after the last is a warning again."""
+        det = SignatureDetector()
+        bad = clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 1.0, K.SEQ_CATASTROPHIC_FRAC: 0.01})
+        assert [a.severity for a in det.update(0, bad)] == ["warn"]
+        for s in range(1, 50):
+            det.update(s, clean_sig())
+        (a,) = det.update(50, bad)
+        assert a.severity == "critical" and a.details["recurrences"] == 2
+        for s in range(51, 400):
+            det.update(s, clean_sig())
+        assert [a.severity for a in det.update(400, bad)] == ["warn"]
+        clone = SignatureDetector()
+        clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
+        assert clone.update(401, bad)[0].severity == det.update(401, bad)[0].severity == "critical"
 
     def test_severity_override(self):
         """A signature's severity can be raised by name; unknown names are rejected."""

@@ -113,14 +113,65 @@ class TestPeriodicDetector:
         assert len(det.z[K.ABS_DIFF_MEAN]) == det.cfg.history
         assert len(det.base[K.ABS_DIFF_MEAN]) == det.cfg.window
 
-    def test_gap_in_steps_resets_phase(self):
-        """Skipped steps clear the fold history instead of misplacing the phase."""
+    def test_stride_two_finds_the_period_in_steps(self):
+        """Observed at steps 0, 2, 4, ... (TRL's num_iterations=2), spikes every 12 observations are
+        found as every 24 steps, 12 observations, at their phase."""
+        det = PeriodicDetector()
+        stream = metric_stream(600, seed=3, noise="t5", spike_every=12, spike_phase=7, spike_start=300)
+        found = None
+        for i, m in enumerate(stream.metrics):
+            alarms = det.update(2 * i, m)
+            if alarms:
+                found = (2 * i, alarms[0])
+                break
+        assert found is not None
+        step, alarm = found
+        assert alarm.details["period"] == 24 and alarm.details["period_observations"] == 12
+        assert alarm.details["stride"] == 2 and alarm.details["phase"] == 14 and step % 24 == 14
+        assert "every 24 steps (12 observations" in alarm.message
+
+    def test_irregular_gaps_keep_the_phase(self):
+        """Steps lost at random (10% of them never observed) leave holes, not a reset: the period
+        in steps is still found."""
+        det = PeriodicDetector()
+        stream = metric_stream(700, seed=4, noise="t5", spike_every=10, spike_phase=3, spike_start=300)
+        lost = np.random.default_rng(0).random(700) < 0.1
+        found = None
+        for s, m in enumerate(stream.metrics):
+            if lost[s]:
+                continue
+            alarms = det.update(s, m)
+            if alarms:
+                found = (s, alarms[0])
+                break
+        assert found is not None and found[1].details["period"] == 10 and found[0] % 10 == 3
+
+    def test_clean_stream_with_gaps_stays_quiet(self):
+        """A clean heavy-tailed stream observed at stride 2 with random holes raises nothing."""
+        det = PeriodicDetector()
+        stream = metric_stream(3000, seed=5, noise="t5")
+        lost = np.random.default_rng(1).random(3000) < 0.05
+        fired = [s for s, m in enumerate(stream.metrics) if not lost[s] and det.update(2 * s, m)]
+        assert fired == []
+
+    def test_repeated_steps_drop_the_abandoned_history(self):
+        """A trainer resumed from an earlier checkpoint repeats steps: the z-scores from that step
+        on are dropped, the earlier ones (and the baseline) kept."""
         det = PeriodicDetector()
         stream = metric_stream(300, seed=1)
         for s, m in enumerate(stream.metrics[:200]):
             det.update(s, m)
-        det.update(250, stream.metrics[200])
-        assert len(det.z[K.ABS_DIFF_MEAN]) == 1
+        held = len(det.z[K.ABS_DIFF_MEAN])
+        det.update(180, stream.metrics[200])
+        assert len(det.z[K.ABS_DIFF_MEAN]) == held - 20 + 1
+        assert list(det.steps[K.ABS_DIFF_MEAN])[-2:] == [179, 180]
+        assert len(det.base[K.ABS_DIFF_MEAN]) == det.cfg.window
+
+    def test_state_of_an_earlier_version_loads(self):
+        """state.json written before step grids (z-scores and last_step) still loads, consecutive."""
+        det = PeriodicDetector()
+        det.load_state_dict({K.ABS_DIFF_MEAN: {"base": [1.0] * 40, "z": [0.1, 0.2, 0.3], "last_step": 41}})
+        assert list(det.steps[K.ABS_DIFF_MEAN]) == [39, 40, 41]
 
     @pytest.mark.parametrize("bad", [dict(min_period=1), dict(folds=()), dict(min_hit_frac=0), dict(severity="loud")])
     def test_config_validation(self, bad):

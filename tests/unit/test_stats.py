@@ -51,6 +51,8 @@ def _reference_sequences(batch: StepBatch, cfg: StatsConfig) -> list[dict]:
             if abs(d) > cfg.divergence_tau and first is None:
                 first = pos
         seq_max = max((abs(d) for d in ds), default=0.0)
+        num_cat = sum(1 for d in ds if abs(d) >= cfg.catastrophic_tau)
+        catastrophic = num_cat >= cfg.catastrophic_min_tokens and num_cat >= cfg.catastrophic_min_frac * len(ds)
         seqs.append(
             {
                 "id": batch.request_ids[i],
@@ -63,7 +65,7 @@ def _reference_sequences(batch: StepBatch, cfg: StatsConfig) -> list[dict]:
                 "first": first,
                 "bad": bad,
                 "flagged": bad or seq_max > cfg.divergence_tau,
-                "catastrophic": bad or seq_max >= cfg.catastrophic_tau,
+                "catastrophic": bad or catastrophic,
             }
         )
     return seqs
@@ -117,6 +119,8 @@ def reference(batch: StepBatch, cfg: StatsConfig) -> tuple[dict[str, float], lis
         out.update(
             {
                 K.ABS_DIFF_MEAN: _mean(abs(x) for x in d),
+                K.ABS_DIFF_CLIPPED_MEAN: _mean(min(abs(x), cfg.clip) for x in d),
+                K.CATASTROPHIC_TOKEN_FRAC: sum(1 for x in d if abs(x) >= cfg.catastrophic_tau) / n,
                 K.ABS_DIFF_P50: _quantile_range(d, 0.50),
                 K.ABS_DIFF_P90: _quantile_range(d, 0.90),
                 K.ABS_DIFF_P99: _quantile_range(d, 0.99),
@@ -478,7 +482,7 @@ class TestNumericSafety:
         lt[cu[1] + 3] = np.nan  # seq 1, position 3
         lr[cu[2] + 5] = -np.inf  # seq 2, position 5: d = +inf
         lt[cu[3] + 0] = -np.inf  # seq 3, position 0: d = -inf
-        lr[cu[4] + 2], lt[cu[4] + 2] = -0.5, -6.0  # seq 4: finite catastrophic
+        lr[cu[4] + 2 : cu[4] + 4], lt[cu[4] + 2 : cu[4] + 4] = -0.5, -6.0  # seq 4: finite catastrophic (2 of 10)
         batch = _packed(lr, lt, cu, ids)
         metrics = assert_matches_reference(batch, StatsConfig())
         _, offenders = compute(batch)
