@@ -49,7 +49,8 @@ class PeriodicConfig:
     """Steps in the rolling baseline that turns values into z-scores."""
     warmup: int = 32
     clip: float = 3.5
-    """z-scores are clipped to [-clip, clip] before folding."""
+    """z-scores are clipped to [-clip, clip] before folding (the fold's own occurrences to
+    [-clip * s, clip * s], s the other phases' spread, at least 1)."""
     trigger: float = 1.0
     """Only a step with z >= trigger is tested (a periodic alarm fires on a spike)."""
     hit_z: float = 1.0
@@ -104,7 +105,7 @@ class PeriodicDetector(Detector):
                 continue
             self._rewind(m, step)
             if len(base) >= self.cfg.warmup:
-                z = max(min(base.zscore(x), self.cfg.clip), -self.cfg.clip)
+                z = max(min(base.zscore(x), _HELD_CLIP * self.cfg.clip), -_HELD_CLIP * self.cfg.clip)
                 self._push(m, step, z)
                 if z >= self.cfg.trigger:
                     rz, stride = self.grid(m)
@@ -161,14 +162,20 @@ class PeriodicDetector(Detector):
         """Every (period, k, score, hits) whose fold passes; rz[0] is the current step, NaN marks a
         step of the grid never observed (it counts nowhere: k and the other-phase count are of the
         observed steps only). Public for the report's periodogram, which calls it under a config that
-        lets every fold through."""
+        lets every fold through.
+
+        The other phases' mean and spread s come from z clipped at `clip`; the fold's own values are
+        clipped at clip * s, so a series whose z-scores spread wider than the MAD promises
+        (autocorrelated, heavy-tailed: s ~ 1.6 on the field streams) keeps the power of a unit-spread
+        one, and a clean one (s ~ 1) is scored as before."""
         cfg = self.cfg
         seen = ~np.isnan(rz)
-        rz = np.where(seen, rz, 0.0)
+        raw = np.where(seen, rz, 0.0)
+        rz = np.clip(raw, -cfg.clip, cfg.clip)
         csum, csum2, ccount = np.cumsum(rz), np.cumsum(rz * rz), np.cumsum(seen)  # over the last L steps
         out = []
         for period in range(cfg.min_period, cfg.max_period + 1):
-            fold, fseen = rz[::period], seen[::period]  # same phase, newest first
+            fold, fraw, fseen = rz[::period], raw[::period], seen[::period]  # same phase, newest first
             fsum, fsum2, fcount = np.cumsum(fold), np.cumsum(fold * fold), np.cumsum(fseen)
 
             def other(span: int, period=period, fsum=fsum, fsum2=fsum2, fcount=fcount) -> tuple[float, float, int]:
@@ -187,13 +194,13 @@ class PeriodicDetector(Detector):
                     continue
                 other_mean = s1 / n_other
                 v1, v2, n_var = other(min(max(span, cfg.min_var_span), rz.shape[0]))
-                var = max(v2 / n_var - (v1 / n_var) ** 2, 1.0)
-                score = (fsum[k - 1] - k_seen * other_mean) / math.sqrt(var * (k_seen + k_seen**2 / n_other))
+                spread = math.sqrt(max(v2 / n_var - (v1 / n_var) ** 2, 1.0))
+                occ = np.clip(fraw[:k][fseen[:k]], -cfg.clip * spread, cfg.clip * spread)
+                score = (occ.sum() - k_seen * other_mean) / (spread * math.sqrt(k_seen + k_seen**2 / n_other))
                 if score < cfg.threshold:
                     continue
-                occ = fold[:k][fseen[:k]]
-                hits = int(np.count_nonzero(occ > other_mean + cfg.hit_z))
-                halves_agree = occ[::2].mean() - occ[1::2].mean() <= cfg.harmonic_gap
+                hits = int(np.count_nonzero(occ > other_mean + cfg.hit_z * spread))
+                halves_agree = occ[::2].mean() - occ[1::2].mean() <= cfg.harmonic_gap * spread
                 if k_seen - hits <= int(k_seen * (1.0 - cfg.min_hit_frac)) and halves_agree:
                     out.append((period, k, float(score), hits))
         return out
@@ -238,6 +245,11 @@ class PeriodicDetector(Detector):
                 self.z[m].extend(z)
                 self.steps[m].clear()
                 self.steps[m].extend(int(v) for v in steps)
+
+
+_HELD_CLIP = 4.0
+"""z-scores are held clipped at this many times `clip` (the folds clip them again, scaled by the
+series' spread)."""
 
 
 def _stride(steps) -> int:
