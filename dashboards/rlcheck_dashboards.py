@@ -25,7 +25,8 @@ from rlcheck.stats import StatsConfig
 
 WORKSPACE_NAME = "rlcheck: rollout vs trainer logprobs"
 REPORT_TITLE = "rlcheck: rollout vs trainer logprob mismatch"
-DEFAULT_THRESHOLDS = StatsConfig().thresholds
+_STATS = StatsConfig()  # the default levels, named in the panel titles
+DEFAULT_THRESHOLDS = _STATS.thresholds
 """|d| levels of the `frac_abs_diff_gt_*` panel: the monitor's defaults (pass yours if you changed them)."""
 
 # Run summary keys the W&B sink writes (tests/integration/test_dashboards.py checks a real run logs them).
@@ -59,9 +60,11 @@ def _overview() -> Section:
         "Overview",
         "The headline numbers: how far the trainer's logprobs are from the rollout's, and the alarms.",
         (
-            _line("mean |d| (nats)", [K.ABS_DIFF_MEAN], log_y=True),
+            _line(f"mean |d| (nats): clipped at {_STATS.clip:g} (what the detectors watch) and raw",
+                  [K.ABS_DIFF_CLIPPED_MEAN, K.ABS_DIFF_MEAN], log_y=True),
             _line("max |d| (nats)", [K.ABS_DIFF_MAX], log_y=True),
-            _line("multiplicative probability error mean(exp|d|)", [K.MULT_PROB_ERROR]),
+            _line(f"catastrophic fraction (|d| >= {_STATS.catastrophic_tau:g}): tokens and sequences",
+                  [K.CATASTROPHIC_TOKEN_FRAC, K.SEQ_CATASTROPHIC_FRAC]),
             _line("KL(rollout || train) estimators k1, k2, k3", [K.KL_K1, K.KL_K2, K.KL_K3]),
             _line("alarms per step", [K.ALARM_COUNT]),
         ),
@@ -75,7 +78,8 @@ def _token(thresholds: Sequence[float]) -> Section:
         "fraction of tokens past each |d| level and the |d| histogram over steps.",
         (
             _line("|d| quantiles", [K.ABS_DIFF_P50, K.ABS_DIFF_P90, K.ABS_DIFF_P99, K.ABS_DIFF_MAX], log_y=True),
-            _line("mean |d| and signed mean d", [K.ABS_DIFF_MEAN, K.DIFF_MEAN]),
+            _line("mean |d|, clipped mean |d| and signed mean d", [K.ABS_DIFF_MEAN, K.ABS_DIFF_CLIPPED_MEAN, K.DIFF_MEAN]),
+            _line(f"catastrophic tokens (|d| >= {_STATS.catastrophic_tau:g}): fraction", [K.CATASTROPHIC_TOKEN_FRAC]),
             _line("fraction of tokens with |d| above a level", [K.frac_abs_diff_above(t) for t in thresholds]),
             _line("KL estimators and chi^2", [K.KL_K1, K.KL_K2, K.KL_K3, K.CHI2], log_y=True),
             _line("probability error |p_train - p_rollout| (verl)", [K.PROB_ABS_DIFF_MEAN, K.PROB_ABS_DIFF_MAX]),

@@ -21,14 +21,14 @@ step, and its verdict is broadcast, so every rank returns the same `StepReport` 
 (a rank that went on training alone would hang in its next collective). On a halt every rank's
 sequences are gathered to rank 0, which writes one dump of the whole step, and every rank raises
 `MismatchHalt` (same report, reason and dump dir). An error in rank 0's Monitor reaches every rank
-too: rank 0 raises it, the others raise it as well when it can be sent (an `RLCheckError`), otherwise
+too: rank 0 raises it, the others raise it as well when it can be named (an error class of
+`rlcheck.errors` built from its message; it travels as plain data, its class name and message), otherwise
 an `RLCheckError` naming it. A rank with nothing to compare passes `batch=None`. `all_ranks_agree`
 is the one-flag vote for deciding together whether to observe at all. torch is imported lazily here.
 """
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from collections.abc import Mapping
 from dataclasses import fields, replace
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck import errors
 from rlcheck.batch import StepBatch, concat_batches
 from rlcheck.errors import ConfigError, MismatchHalt, RLCheckError
 from rlcheck.monitor import Monitor, StepReport
@@ -140,15 +141,28 @@ def _broadcast(obj: Any, group: Any = None) -> Any:
     return box[0]
 
 
-def _sendable(exc: Exception) -> Exception | None:
-    """`exc` itself when the other ranks can raise it too (an RLCheckError that pickles), else None."""
-    if not isinstance(exc, RLCheckError):
+def _sendable(exc: Exception) -> str | None:
+    """The name of `exc`'s class when the other ranks can raise it too, else None: a class of
+    `rlcheck.errors` that rebuilds the same error from its message alone. Only plain data (the
+    name and the message) crosses ranks, never the exception object: the receiver looks the name up
+    among rlcheck's own error classes (`_rebuild`), so nothing a rank sends is executed."""
+    name = type(exc).__name__
+    if not isinstance(exc, RLCheckError) or getattr(errors, name, None) is not type(exc):
         return None
     try:
-        copy = pickle.loads(pickle.dumps(exc))
-    except Exception:
+        copy = type(exc)(str(exc))
+    except Exception:  # a richer constructor (RecordWriteError, ActorDiedError, ...)
         return None
-    return exc if type(copy) is type(exc) and str(copy) == str(exc) else None
+    return name if str(copy) == str(exc) else None
+
+
+def _rebuild(name: str | None, message: str, step: int) -> RLCheckError:
+    """Rank 0's error on another rank: the `rlcheck.errors` class `name` from its message, or (None) an
+    `RLCheckError` naming it."""
+    cls = getattr(errors, name, None) if name is not None else None
+    if isinstance(cls, type) and issubclass(cls, RLCheckError):
+        return cls(message)
+    return RLCheckError(f"rlcheck stopped on rank 0 at step {step}: {message}")
 
 
 def _verdict(monitor: Monitor | None, step: int, partial: PartialStats,
@@ -163,7 +177,8 @@ def _verdict(monitor: Monitor | None, step: int, partial: PartialStats,
     except MismatchHalt as halt:
         return ("halt", halt.report, halt.reason, halt.problems), halt
     except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
-        return ("error", _sendable(exc), f"{type(exc).__name__}: {exc}"), exc
+        name = _sendable(exc)
+        return ("error", name, str(exc) if name else f"{type(exc).__name__}: {exc}"), exc
 
 
 def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, report: StepReport,
@@ -204,12 +219,10 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
     if said[0] == "ok":
         return said[1]
     if said[0] == "error":
-        _, sent, message = said
+        _, name, message = said
         if raised is not None:
             raise raised
-        if sent is not None:
-            raise sent
-        raise RLCheckError(f"rlcheck stopped on rank 0 at step {step}: {message}")
+        raise _rebuild(name, message, step)
     _, report, reason, problems = said
     where, more = _dump_all(monitor if rank == 0 else None, step, batch, report, reason, group)
     raise MismatchHalt(report, reason, where, tuple(problems) + tuple(more)) from raised

@@ -20,7 +20,8 @@ import numpy as np
 from rlcheck import metrics as K
 from rlcheck.dump import META
 from rlcheck.forensics.evidence import Evidence, load_evidence
-from rlcheck.stats import StatsConfig
+from rlcheck.stats import MIN_LOGPROB, StatsConfig
+from rlcheck.stats.sequences import catastrophic_sequences
 
 CAUSES = {
     "healthy": "healthy: the engine and the trainer agree",
@@ -122,6 +123,52 @@ def _affected_ids(ev: Evidence, steps: list[int], min_abs_diff: float) -> list[s
     return ids[:MAX_IDS]
 
 
+def _catastrophic_rows(rows: list[dict[str, Any]], cfg: StatsConfig) -> np.ndarray:
+    """(N,) bool: the dump's sequences the statistics count as catastrophic (`catastrophic_sequences`:
+    a rate of their compared tokens at |d| >= catastrophic_tau), or holding a non-finite logprob
+    among their compared tokens (NaN, inf or a sentinel below MIN_LOGPROB), as `rlcheck.stats` does."""
+    lens = np.array([len(row["logp_rollout"]) for row in rows], dtype=np.int64)  # (N,)
+    cu = np.concatenate([[0], np.cumsum(lens)])  # (N+1,)
+    if not rows or cu[-1] == 0:
+        return np.zeros(len(rows), dtype=bool)
+    lr = np.concatenate([np.asarray(row["logp_rollout"], dtype=np.float64) for row in rows])  # (M,)
+    lt = np.concatenate([np.asarray(row["logp_train"], dtype=np.float64) for row in rows])  # (M,)
+    mask = np.concatenate([np.ones(n, dtype=bool) if row.get("mask") is None else np.asarray(row["mask"], dtype=bool)
+                           for row, n in zip(rows, lens.tolist(), strict=True)])
+    finite = (lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB)  # False for NaN, -inf and sentinels
+    valid = mask & finite
+    with np.errstate(invalid="ignore"):
+        ad = np.where(valid, np.abs(lt - lr), 0.0)
+    seq_of = np.repeat(np.arange(len(rows)), lens)  # (M,)
+    counts = np.bincount(seq_of, weights=valid, minlength=len(rows))
+    bad = np.bincount(seq_of, weights=mask & ~finite, minlength=len(rows)) > 0
+    return catastrophic_sequences(ad, cu, counts, cfg) | bad
+
+
+def _catastrophic_ids(ev: Evidence, alarms: list[dict[str, Any]]) -> list[str]:
+    """Request ids of the catastrophic sequences at the alarms' steps, worst max |d| first: exactly
+    those of the step's dump, where it has one; elsewhere the logged offenders can only approximate
+    (they carry no rate of tokens): the worst of them at max |d| >= catastrophic_tau (or non-finite),
+    as many as the step's signature counted."""
+    cfg = StatsConfig()
+    count = {}
+    for a in alarms:
+        count[int(a["step"])] = max(count.get(int(a["step"]), 0), int(a["details"].get("count", 0)))
+    by_step = {r["step"]: r for r in ev.records}
+    ids: list[str] = []
+    for s in sorted(count):
+        if s in ev.dump_rows:
+            rows = ev.dump_rows[s]
+            hit = [row for row, cat in zip(rows, _catastrophic_rows(rows, cfg).tolist(), strict=True) if cat]
+        else:
+            rows = by_step.get(s, {}).get("offenders", [])
+            hit = [row for row in rows if row.get("nonfinite") or (row.get("max_abs_diff") or 0.0) >= cfg.catastrophic_tau]
+            hit = sorted(hit, key=lambda row: (not row.get("nonfinite"), -(row.get("max_abs_diff") or 0.0)))[:count[s]]
+        hit.sort(key=lambda row: -(row.get("max_abs_diff") or 0.0))
+        ids += [row["request_id"] for row in hit if row["request_id"] not in ids]
+    return ids[:MAX_IDS]
+
+
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     if x.size < 3 or np.ptp(y) == 0:
         return 0.0
@@ -186,7 +233,7 @@ def _sparse_sequences(ev: Evidence) -> Finding | None:
     if not early and not sparse:
         return None
     steps = _steps(early + sparse)
-    ids = _affected_ids(ev, steps, StatsConfig().catastrophic_tau)
+    ids = _catastrophic_ids(ev, early + sparse)
     a = (early or sparse)[0]
     evidence = [f"step {a['step']}: {a['message']}",
                 f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]

@@ -24,6 +24,7 @@ from rlcheck.dump import META, SEQUENCES
 from rlcheck.errors import InputError
 from rlcheck.report.periodogram import Periodogram, periodogram, watched_metrics
 from rlcheck.sinks.jsonl import read_jsonl
+from rlcheck.stats import StatsConfig
 
 LOOP_FILE = "loop.jsonl"
 REWARD = "loop/reward_mean"
@@ -40,10 +41,12 @@ class Panel:
     keys: tuple[str, ...]
 
 
+_STATS = StatsConfig()  # the default levels, named in the panel titles
 PANELS = (
-    Panel("mean |d| (nats)", (K.ABS_DIFF_MEAN,)),
+    # the clipped mean first (it carries the markers): the level the rolling detectors and the gate watch
+    Panel(f"mean |d| (nats): clipped at {_STATS.clip:g}, raw", (K.ABS_DIFF_CLIPPED_MEAN, K.ABS_DIFF_MEAN)),
     Panel("max |d| (nats)", (K.ABS_DIFF_MAX,)),
-    Panel("mult. prob. error: mean exp|d|", (K.MULT_PROB_ERROR,)),
+    Panel(f"catastrophic tokens (fraction, |d| >= {_STATS.catastrophic_tau:g})", (K.CATASTROPHIC_TOKEN_FRAC,)),
     Panel("importance ratio", (K.RATIO_MAX, K.RATIO_MIN)),
     Panel("KL k3 (train vs rollout)", (K.KL_K3,)),
     Panel("catastrophic sequences (fraction)", (K.SEQ_CATASTROPHIC_FRAC,)),

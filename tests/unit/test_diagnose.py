@@ -14,12 +14,14 @@ import pytest
 from rich.console import Console
 
 from rlcheck.batch import StepBatch
+from rlcheck.detect.signature import SignatureConfig
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.faults import parse_inject
-from rlcheck.forensics.diagnose import CAUSES, diagnose
-from rlcheck.forensics.evidence import load_evidence
+from rlcheck.forensics.diagnose import CAUSES, _sparse_sequences, diagnose
+from rlcheck.forensics.evidence import Evidence, load_evidence
 from rlcheck.forensics.render import render_diagnosis
 from rlcheck.monitor import Monitor, MonitorConfig
+from rlcheck.stats import StatsConfig
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 ONSET = 32
@@ -47,20 +49,39 @@ class Run:
     touched: dict[int, list[str]]
     """step -> request ids the fault touched (ground truth)."""
     halt: MismatchHalt | None
+    far_off: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    """step -> the touched request ids that are catastrophic by the default's rate (`far_off`)."""
+
+
+def far_off(batch: StepBatch, ids: list[str], cfg: StatsConfig = StatsConfig()) -> list[str]:
+    """Of the request ids `ids`, those whose sequence has at least `catastrophic_min_frac` of its
+    tokens, and `catastrophic_min_tokens`, at |d| >= catastrophic_tau (an independent count, token by
+    token; these batches have no mask and no non-finite logprob)."""
+    out = []
+    for rid in ids:
+        i = batch.request_ids.index(rid)
+        a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+        d = [float(t) - float(r) for r, t in zip(batch.logp_rollout[a:b], batch.logp_train[a:b], strict=True)]
+        over = sum(1 for x in d if abs(x) >= cfg.catastrophic_tau)
+        if over >= cfg.catastrophic_min_tokens and over >= cfg.catastrophic_min_frac * len(d):
+            out.append(rid)
+    return out
 
 
 def record(run_dir: Path, make_batch, spec: str | None = None, steps: int = STEPS) -> Run:
     """Feed the Monitor `make_batch(step)` with the fault `spec` applied, until the steps end or it halts."""
     fault, touched, halt = parse_inject(spec), {}, None
+    catastrophic = {}
     with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
         for step in range(steps):
             batch, touched[step] = fault.apply(step, make_batch(step))
+            catastrophic[step] = far_off(batch, touched[step])
             try:
                 mon.observe(step, batch)
             except MismatchHalt as exc:
                 halt = exc
                 break
-    return Run(run_dir, touched, halt)
+    return Run(run_dir, touched, halt, catastrophic)
 
 
 CASES = {
@@ -96,13 +117,18 @@ class TestDiagnose:
         assert result.verdict.affected_steps == [] and result.verdict.affected_request_ids == []
 
     def test_corrupt_sequences_are_stale_state(self, runs):
-        """Corrupted sequences are stale state, from the fault's first step, naming exactly the touched requests."""
+        """Corrupted sequences are stale state, from the first step one of them is catastrophic (a tenth
+        of its tokens at |d| >= 2: the fault's confident rollout logprobs are that far off only where the
+        trainer's token was unlikely), naming exactly the catastrophic touched requests."""
         run = runs("corrupt")
         verdict = diagnose(run.path).verdict
-        assert run.halt is not None  # a halt on the far-off sequences ends the run
+        assert run.halt is not None  # recurring far-off sequences are critical: a halt ends the run
         assert verdict.cause == "stale_state", verdict.evidence
-        assert verdict.affected_steps[0] == ONSET
-        assert sorted(verdict.affected_request_ids) == sorted(rid for ids in run.touched.values() for rid in ids)
+        caught = [s for s in sorted(run.far_off) if run.far_off[s]]
+        assert caught and caught[0] >= ONSET and caught[-1] == run.halt.report.step
+        assert verdict.affected_steps == caught
+        assert sorted(verdict.affected_request_ids) == sorted(rid for ids in run.far_off.values() for rid in ids)
+        assert set(verdict.affected_request_ids) <= {rid for ids in run.touched.values() for rid in ids}
 
     def test_off_by_one_is_token_misalignment(self, runs):
         """A one-token shift is token misalignment at the step it starts, among the requests it shifted."""
@@ -138,10 +164,14 @@ class TestDiagnose:
         assert min(verdict.affected_steps) >= ONSET and verdict.affected_steps[-1] == STEPS - 1
 
     def test_temperature_slope_is_logit_processing(self, runs):
-        """logp_train = 1.1 x logp_rollout is a logit-processing mismatch, seen on every step, with slope ~0.1."""
-        verdict = diagnose(runs("temperature").path).verdict
+        """logp_train = 1.1 x logp_rollout is a logit-processing mismatch, seen on every step until the
+        lasting slope turns critical and halts the run, with slope ~0.1."""
+        run = runs("temperature")
+        lasting = SignatureConfig().slope_critical_after
+        assert run.halt is not None and run.halt.report.step == lasting - 1 and "slope" in run.halt.reason
+        verdict = diagnose(run.path).verdict
         assert verdict.cause == "logit_processing", verdict.evidence
-        assert verdict.affected_steps == list(range(STEPS))
+        assert verdict.affected_steps == list(range(lasting))
         assert "median slope 0.100" in verdict.evidence[0]
 
     @pytest.mark.parametrize("name, cause", [("corrupt", "stale_state"), ("off_by_one", "token_misalignment")])
@@ -161,6 +191,42 @@ class TestDiagnose:
         confidences = [f.confidence for f in result.findings]
         assert confidences == sorted(confidences, reverse=True)
         assert all(f.cause in CAUSES for f in result.findings)
+
+
+class TestCatastrophicRequests:
+    """The requests a sparse-catastrophic finding names are catastrophic as the statistics count them."""
+
+    @staticmethod
+    def _evidence(rows: list[dict], offenders: list[dict], count: int) -> Evidence:
+        alarm = {"kind": "signature", "metric": "rlcheck/seq/catastrophic_count", "step": 5, "severity": "warn",
+                 "message": "far off", "details": {"signature": "sparse_catastrophic", "count": count}}
+        records = [{"step": s, "metrics": {}, "alarms": [alarm] if s == 5 else [], "offenders": offenders if s == 5 else []}
+                   for s in range(6)]
+        return Evidence("run", Path("."), records, {5: rows} if rows else {})
+
+    def test_dump_rows_by_rate_of_tokens(self):
+        """From a dump: a sequence with 3 of 20 tokens at |d| >= 2 is named, one with a single tail token at
+        |d| = 8 (max |d| far above 2) is not, one with a NaN among its compared tokens is, and tokens masked
+        out never count."""
+        clean = [-0.5] * 20
+        tail = clean[:9] + [-8.5] + clean[10:]
+        rate = [-3.0] * 3 + clean[3:]
+        masked = [-9.0] * 10 + clean[10:]
+        nan = clean[:4] + [float("nan")] + clean[5:]
+        rows = [{"request_id": rid, "logp_rollout": clean, "logp_train": lt, "max_abs_diff": mx,
+                 **({"mask": [False] * 10 + [True] * 10} if rid == "masked" else {})}
+                for rid, lt, mx in [("tail", tail, 8.0), ("rate", rate, 2.5), ("masked", masked, 0.0),
+                                    ("nan", nan, 0.0), ("clean", clean, 0.0)]]
+        finding = _sparse_sequences(self._evidence(rows, [], count=2))
+        assert finding.affected_steps == [5] and finding.affected_request_ids == ["rate", "nan"]
+
+    def test_offenders_only(self):
+        """Without a dump, from the logged offenders: the worst at max |d| >= 2, as many as the signature counted."""
+        offenders = [{"request_id": f"r{i}", "max_abs_diff": mx, "nonfinite": False}
+                     for i, mx in enumerate([9.0, 4.0, 2.5, 1.9])]
+        finding = _sparse_sequences(self._evidence([], offenders, count=2))
+        assert finding.affected_request_ids == ["r0", "r1"]
+        assert _sparse_sequences(self._evidence([], offenders, count=5)).affected_request_ids == ["r0", "r1", "r2"]
 
 
 class TestDiagnosis:

@@ -91,22 +91,28 @@ class TestPeriodogram:
         """The replayed z history gives the alarm's period back, and that period scores highest, above the level."""
         data = collect(run)
         alarm = next(a for a in data.alarms if a["kind"] == "periodic")
-        z = replay_z(data.steps, data.series[K.ABS_DIFF_MEAN], K.ABS_DIFF_MEAN, alarm["step"], PeriodicConfig())
+        assert alarm["metric"] == K.ABS_DIFF_CLIPPED_MEAN  # what the periodic detector watches by default
+        z = replay_z(data.steps, data.series[alarm["metric"]], alarm["metric"], alarm["step"], PeriodicConfig())
         assert PeriodicDetector()._best_period(z)[0] == alarm["details"]["period"] == PERIOD
         (pg,) = data.periodograms
         assert pg.step == alarm["step"] and pg.period == PERIOD and pg.message == alarm["message"]
         assert pg.scores[PERIOD - pg.periods[0]] == pg.scores.max() >= pg.threshold
 
-    def test_bounded_replay_equals_full_replay(self):
-        """Replaying only the last window + history steps leaves the detector with the z history of a full replay."""
+    @pytest.mark.parametrize("stride", [1, 2])
+    def test_bounded_replay_equals_full_replay(self, stride):
+        """Replaying only the last window + history steps leaves the detector with the z history (on
+        its grid of steps) of a full replay, with consecutive steps and with TRL's every other step."""
         cfg = PeriodicConfig()
         stream = metric_stream(2500, seed=1, spike_every=7, spike_start=100)
-        values = np.array([m[K.ABS_DIFF_MEAN] for m in stream.metrics])
+        metric = cfg.metrics[0]
+        values = np.array([m[metric] for m in stream.metrics])
+        steps = stride * np.arange(values.size)
         full = PeriodicDetector(dataclasses.replace(cfg, trigger=math.inf))
-        for step, x in enumerate(values.tolist()):
-            full.update(step, {K.ABS_DIFF_MEAN: x})
-        z = replay_z(np.arange(values.size), values, K.ABS_DIFF_MEAN, values.size - 1, cfg)
-        np.testing.assert_array_equal(z, np.fromiter(full.z[K.ABS_DIFF_MEAN], dtype=np.float64))
+        for step, x in zip(steps.tolist(), values.tolist(), strict=True):
+            full.update(step, {metric: x})
+        z = replay_z(steps, values, metric, int(steps[-1]), cfg)
+        assert z.size == cfg.history and full.grid(metric)[1] == stride
+        np.testing.assert_array_equal(z, full.grid(metric)[0])
 
     def test_too_short_and_clean(self):
         """Before the warm-up there is no periodogram; a clean series gets one with no period and scores below the level."""
@@ -167,7 +173,7 @@ class TestWriteReport:
         """report.html lands in the run directory with every plot, the alarm markers and the period."""
         assert (run / "report.html").is_file()
         assert page.count("<svg") == len(PANELS) - 1 + 2  # no reward in this run; the periodogram; the histogram
-        assert re.search(r"<title>step \d+: critical periodic on rlcheck/token/abs_diff_mean", page)
+        assert re.search(r"<title>step \d+: critical periodic on rlcheck/token/abs_diff_clipped_mean", page)
         assert f"detected period {PERIOD}" in page and f"P = {PERIOD}" in page
         assert "weight sync skipped at steps" in page and "m&lt;1&gt;" in page
 
