@@ -6,12 +6,16 @@ fault zoo laid on the bf16 baselines, with the anchors' gates on the same stream
     .venv/bin/python benchmarks/bench_field.py --seeds calibration   # the seeds the defaults were set on
     .venv/bin/python benchmarks/bench_field.py --legacy              # the defaults before issue 14
     .venv/bin/python benchmarks/bench_field.py --only healthy --scenarios gapped,resumed
+    .venv/bin/python benchmarks/bench_field.py --only real --real /work/field_data  # recorded real loops
 
 Healthy: every scenario, each seed, the whole run with halting on (a halt is counted and the run goes
 on). Faults: each fault of `FAULTS` on each of `FAULT_BASELINES`, first seed only, stopped at the halt
 or `--after` observations past the onset. Delays are in observations after the onset (+0: the first
 touched observation). Anchors, on the same step metrics: TRL mean |d| > 0.01 (TRL logs it and gates
 nothing; 0.01 is the level of verl's gate), NeMo-RL mean e^|d| > 1.05, verl probs_diff_mean > 0.01.
+Real: every run directory under `--real` holding a `tokens.npz` recorded by
+`benchmarks/bench_real_loop.py --record` (healthy real loops, bf16 vLLM) is replayed step by step
+through the default Monitor: its warn steps and halts on data no default was set on.
 Run dirs go to a tmpfs (/dev/shm) so that the Monitor's fsyncs do not time the disk.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -27,7 +32,13 @@ from collections import Counter
 
 from rlcheck import metrics as K
 from rlcheck.synthetic.scenarios import (
-    CALIBRATION_SEEDS, FAULT_BASELINES, FAULTS, HELD_OUT_SEEDS, SCENARIOS, ScenarioResult, run_scenario,
+    CALIBRATION_SEEDS,
+    FAULT_BASELINES,
+    FAULTS,
+    HELD_OUT_SEEDS,
+    SCENARIOS,
+    ScenarioResult,
+    run_scenario,
 )
 
 ANCHORS = (
@@ -120,6 +131,49 @@ def fault_rows(seed: int, after: int, config) -> list[dict]:
     return rows
 
 
+def real_batches(path):
+    """(step, StepBatch) of every step recorded in `path`/tokens.npz, in order."""
+    import numpy as np
+
+    from rlcheck.batch import StepBatch
+
+    z = np.load(path / "tokens.npz")
+    cu, seq_cu = z["cu_seqlens"], z["step_seq_cu"]
+    for j, step in enumerate(z["steps"].tolist()):
+        a, b = int(seq_cu[j]), int(seq_cu[j + 1])
+        t0, t1 = int(cu[a]), int(cu[b])
+        yield step, StepBatch.from_packed(
+            z["logp_rollout"][t0:t1], z["logp_train"][t0:t1], cu[a : b + 1] - t0,
+            [f"s{step}-{i}" for i in range(b - a)], mask=z["mask"][t0:t1], tokens=z["tokens"][t0:t1].astype(np.int64))
+
+
+def real_rows(root, config) -> list[dict]:
+    from pathlib import Path
+
+    from rlcheck.errors import MismatchHalt
+    from rlcheck.monitor import Monitor, MonitorConfig
+
+    rows = []
+    for path in sorted(p for p in Path(root).iterdir() if (p / "tokens.npz").is_file()):
+        run_dir = tempfile.mkdtemp(dir="/dev/shm")
+        cfg = (config or (lambda d: MonitorConfig(run_dir=d, sinks=("jsonl",))))(run_dir)
+        obs = warn = halts = 0
+        kinds: Counter = Counter()
+        with Monitor(cfg) as mon:
+            for step, batch in real_batches(path):
+                try:
+                    report = mon.observe(step, batch)
+                except MismatchHalt as halt:
+                    report, halts = halt.report, halts + 1
+                obs += 1
+                warn += any(a.severity == "warn" for a in report.alarms)
+                kinds.update(f"{a.kind}/{a.details.get('signature', a.metric)}/{a.severity}" for a in report.alarms)
+        rows.append({"scenario": f"real: {path.name}", "seeds": ["-"], "observations": obs, "warn_steps": warn,
+                     "halts": halts, "alarms": dict(kinds), "anchors": {}})
+        print(f"  real {path.name}: {warn} warn steps, {halts} halts in {obs} steps", file=sys.stderr)
+    return rows
+
+
 def print_tables(healthy: list[dict], faults: list[dict]) -> None:
     if healthy:
         print("| scenario | seeds | observations | steps with a warn alarm | halts | alarms (kind/name/severity: count) "
@@ -129,7 +183,7 @@ def print_tables(healthy: list[dict], faults: list[dict]) -> None:
             pct = 100.0 * r["warn_steps"] / max(r["observations"], 1)
             alarms = ", ".join(f"{k}: {v}" for k, v in sorted(r["alarms"].items())) or "none"
             anchors = " | ".join(f"{r['anchors'].get(a[0], 0)} ({100.0 * r['anchors'].get(a[0], 0) / r['observations']:.1f}%)"
-                                 for a in ANCHORS)
+                                 if r["anchors"] else "-" for a in ANCHORS)
             print(f"| {r['scenario']} | {','.join(map(str, r['seeds']))} | {r['observations']} | {r['warn_steps']} "
                   f"({pct:.2f}%) | {r['halts']} | {alarms} | {anchors} |")
         print()
@@ -144,7 +198,8 @@ def print_tables(healthy: list[dict], faults: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", choices=("held-out", "calibration"), default="held-out")
-    ap.add_argument("--only", choices=("healthy", "faults", "all"), default="all")
+    ap.add_argument("--only", choices=("healthy", "faults", "real", "all"), default="all")
+    ap.add_argument("--real", default="/work/field_data", help="recorded real loops (tokens.npz per run dir)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--after", type=int, default=200, help="observations run past a fault's onset")
     ap.add_argument("--legacy", action="store_true", help="the defaults before issue 14")
@@ -153,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds = HELD_OUT_SEEDS if args.seeds == "held-out" else CALIBRATION_SEEDS
     config = legacy_config if args.legacy else None
     t0 = time.perf_counter()
-    healthy = healthy_rows(args.scenarios.split(","), seeds, config) if args.only != "faults" else []
-    faults = fault_rows(seeds[0], args.after, config) if args.only != "healthy" else []
+    healthy = healthy_rows(args.scenarios.split(","), seeds, config) if args.only in ("healthy", "all") else []
+    if args.only in ("real", "all") and os.path.isdir(args.real):
+        healthy += real_rows(args.real, config)
+    faults = fault_rows(seeds[0], args.after, config) if args.only in ("faults", "all") else []
     print_tables(healthy, faults)
     print(f"\n{time.perf_counter() - t0:.0f} s; seeds {args.seeds} {seeds}{'; legacy defaults' if args.legacy else ''}")
     if args.json:

@@ -143,7 +143,7 @@ class SignatureDetector(Detector):
             )]
         return [self._alarm(
             "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
-            f"{int(count)} sequences are far off (a tenth of their tokens or more at or above the catastrophic "
+            f"{int(count)} sequences are far off (a twentieth of their tokens or more at or above the catastrophic "
             f"level) while the rest match{again}: a per-request fault (state corruption, index aliasing); "
             "see the offenders",
             persistent=lasting, **details,

@@ -24,14 +24,17 @@ class StatsConfig:
     """|d| above which a token diverges: first-divergence position and flagged sequences."""
     catastrophic_tau: float = 2.0
     """|d| at or above this (a probability off by e^2 ~ 7x) is a catastrophic token."""
-    catastrophic_min_frac: float = 0.1
+    catastrophic_min_frac: float = 0.05
     """A sequence is catastrophic when at least this fraction of its valid tokens is catastrophic (and
     at least `catastrophic_min_tokens` of them), or it holds a non-finite token. A rate, not the
     sequence's max |d|: a healthy bf16 run samples the odd low-probability token at |d| of several
-    nats, so the max grows with length (24 sequences of ~900 tokens: a quarter of them hold one);
-    a broken state or index garbles most of its sequence (BENCHMARKS.md, "Field fidelity")."""
-    catastrophic_min_tokens: int = 2
-    """...so that one tail token in a short response never makes it catastrophic."""
+    nats, so the max grows with length (the 1,024-token real loop here: 1.25% of its sequences
+    reach max |d| >= 2, while 0.001% of its tokens do); a broken state or index garbles a good part
+    of its sequence (the fault zoo's confident gibberish puts 8-16% of the tokens of a random tiny
+    model past 2 nats; BENCHMARKS.md, "Field fidelity")."""
+    catastrophic_min_tokens: int = 3
+    """...so that the odd tail tokens of a short response do not make it catastrophic (a healthy
+    real loop here had a 4-token response with two adjacent tokens at 2.9 and 5.4 nats)."""
     clip: float = 0.5
     """`token/abs_diff_clipped_mean` averages min(|d|, clip): the rolling detectors watch it, so one
     tail token moves a step's level by at most clip / tokens."""

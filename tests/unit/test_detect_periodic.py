@@ -89,7 +89,7 @@ class TestPeriodicDetector:
         """A permanent jump of 10 MAD raises every phase alike and is not reported as periodic."""
         stream = metric_stream(800, seed=5, noise="t5")
         for m in stream.metrics[400:]:
-            m[K.ABS_DIFF_MEAN] += 10 * stream.mad * 3e-4
+            m[K.ABS_DIFF_CLIPPED_MEAN] += 10 * stream.mad * 3e-4
         assert first_alarm(PeriodicDetector(), stream) is None
 
     def test_state_round_trip_resumes(self):
@@ -110,8 +110,8 @@ class TestPeriodicDetector:
         det = PeriodicDetector()
         for s, m in enumerate(metric_stream(3000, seed=1).metrics):
             det.update(s, m)
-        assert len(det.z[K.ABS_DIFF_MEAN]) == det.cfg.history
-        assert len(det.base[K.ABS_DIFF_MEAN]) == det.cfg.window
+        assert len(det.z[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.history
+        assert len(det.base[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.window
 
     def test_stride_two_finds_the_period_in_steps(self):
         """Observed at steps 0, 2, 4, ... (TRL's num_iterations=2), spikes every 12 observations are
@@ -161,17 +161,17 @@ class TestPeriodicDetector:
         stream = metric_stream(300, seed=1)
         for s, m in enumerate(stream.metrics[:200]):
             det.update(s, m)
-        held = len(det.z[K.ABS_DIFF_MEAN])
+        held = len(det.z[K.ABS_DIFF_CLIPPED_MEAN])
         det.update(180, stream.metrics[200])
-        assert len(det.z[K.ABS_DIFF_MEAN]) == held - 20 + 1
-        assert list(det.steps[K.ABS_DIFF_MEAN])[-2:] == [179, 180]
-        assert len(det.base[K.ABS_DIFF_MEAN]) == det.cfg.window
+        assert len(det.z[K.ABS_DIFF_CLIPPED_MEAN]) == held - 20 + 1
+        assert list(det.steps[K.ABS_DIFF_CLIPPED_MEAN])[-2:] == [179, 180]
+        assert len(det.base[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.window
 
     def test_state_of_an_earlier_version_loads(self):
         """state.json written before step grids (z-scores and last_step) still loads, consecutive."""
         det = PeriodicDetector()
-        det.load_state_dict({K.ABS_DIFF_MEAN: {"base": [1.0] * 40, "z": [0.1, 0.2, 0.3], "last_step": 41}})
-        assert list(det.steps[K.ABS_DIFF_MEAN]) == [39, 40, 41]
+        det.load_state_dict({K.ABS_DIFF_CLIPPED_MEAN: {"base": [1.0] * 40, "z": [0.1, 0.2, 0.3], "last_step": 41}})
+        assert list(det.steps[K.ABS_DIFF_CLIPPED_MEAN]) == [39, 40, 41]
 
     @pytest.mark.parametrize("bad", [dict(min_period=1), dict(folds=()), dict(min_hit_frac=0), dict(severity="loud")])
     def test_config_validation(self, bad):
