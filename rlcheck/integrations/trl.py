@@ -46,7 +46,6 @@ from rlcheck.faults import Fault
 from rlcheck.integrations._trl_batch import (
     new_scalars,
     request_ids,
-    response_mask,
     row_meta,
     to_step_batch,
 )
@@ -120,12 +119,10 @@ class RLCheckHook:
         return output
 
     def observe(self, output: dict, extra: dict[str, float] | None = None) -> StepReport | None:
-        """Compare one generation's logprobs; the step's report (on every rank), None when nothing counts."""
+        """Compare one generation's logprobs; the step's report (on every rank). A generation whose
+        completion tokens are all masked out (`mask_truncated_completions`) is logged by the Monitor
+        as an empty step, with a warning, and skipped by its detectors."""
         step = self.trainer.state.global_step
-        if not self._every_rank_has_tokens(output):
-            warnings.warn(f"rlcheck: step {step} has a process without a completion token that counts "
-                          "(all truncated and masked?); not observed", RuntimeWarning, stacklevel=3)
-            return None
         batch, _ = self.fault.apply(step, self._batch(step, output))
         try:
             report = self._observe(step, batch, extra)
@@ -140,15 +137,6 @@ class RLCheckHook:
         return report
 
     # ---- one step ------------------------------------------------------------------------------
-
-    def _every_rank_has_tokens(self, output: dict) -> bool:
-        """Whether every process has a token to compare (they must all observe, or none)."""
-        has = bool(response_mask(output).any())
-        if self.world_size == 1:
-            return has
-        from rlcheck.distributed import all_ranks_agree
-
-        return all_ranks_agree(has, self.trainer.accelerator.device)
 
     def _batch(self, step: int, output: dict):
         rows = output["completion_mask"].shape[0]

@@ -90,6 +90,21 @@ class TestToStepBatch:
         batch = to_step_batch(trl_output(truncated_row=1), request_ids(0, 0, 3))
         assert batch.seq_lens.tolist() == [4, 0, 3]
 
+    def test_all_rows_masked_out_is_an_empty_step(self, tmp_path):
+        """Every row masked out (all truncated): the batch builds and the Monitor logs an empty step
+        with a warning instead of an exception that would stop TRL's training loop."""
+        import json
+
+        from rlcheck.monitor import Monitor, MonitorConfig
+
+        out = trl_output()
+        out["completion_mask"] = torch.zeros_like(out["completion_mask"])
+        batch = to_step_batch(out, request_ids(0, 0, 3))
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon, pytest.warns(UserWarning, match="no token"):
+            report = mon.observe(0, batch)
+        assert report.alarms == [] and report.metrics["rlcheck/token/count"] == 0
+        assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["empty"] is True
+
     def test_logp_train_override(self):
         """`logp_train` replaces old_per_token_logps (the recomputation rlcheck does itself)."""
         out = trl_output()
