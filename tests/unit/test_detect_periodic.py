@@ -113,6 +113,21 @@ class TestPeriodicDetector:
         assert len(det.z[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.history
         assert len(det.base[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.window
 
+    def test_two_tiers_warn_then_halt(self):
+        """Small spikes (4 MAD) pass the lenient tier first (a warning), the critical one later (a
+        halt); large ones (30 MAD, every occurrence far out) the critical tier at once; with the
+        critical tier out of reach every alarm is a warning."""
+        small = metric_stream(900, seed=3, noise="t5", spike_every=12, spike_phase=7, spike_start=300, spike_mad=4)
+        det = PeriodicDetector()
+        alarms = [a for s, m in enumerate(small.metrics) for a in det.update(s, m)]
+        assert alarms[0].severity == "warn" and alarms[0].details["period"] == 12
+        assert any(a.severity == "critical" for a in alarms) and alarms[0].step < min(a.step for a in alarms if a.severity == "critical")
+        large = metric_stream(700, seed=3, noise="t5", spike_every=12, spike_phase=7, spike_start=300, spike_mad=30)
+        step, alarm = first_alarm(PeriodicDetector(), large)
+        assert alarm.severity == "critical" and alarm.details["period"] == 12 and step <= 300 + 12 * 6
+        det = PeriodicDetector(PeriodicConfig(critical_threshold=1e9))
+        assert all(a.severity == "warn" for s, m in enumerate(large.metrics) for a in det.update(s, m))
+
     def test_stride_two_finds_the_period_in_steps(self):
         """Observed at steps 0, 2, 4, ... (TRL's num_iterations=2), spikes every 12 observations are
         found as every 24 steps, 12 observations, at their phase."""

@@ -93,7 +93,7 @@ class TestPeriodogram:
         alarm = next(a for a in data.alarms if a["kind"] == "periodic")
         assert alarm["metric"] == K.ABS_DIFF_CLIPPED_MEAN  # what the periodic detector watches by default
         z = replay_z(data.steps, data.series[alarm["metric"]], alarm["metric"], alarm["step"], PeriodicConfig())
-        assert PeriodicDetector()._best_period(z)[0] == alarm["details"]["period"] == PERIOD
+        assert PeriodicDetector()._best_period(z)[0][0] == alarm["details"]["period"] == PERIOD
         (pg,) = data.periodograms
         assert pg.step == alarm["step"] and pg.period == PERIOD and pg.message == alarm["message"]
         assert pg.scores[PERIOD - pg.periods[0]] == pg.scores.max() >= pg.threshold

@@ -482,7 +482,7 @@ class TestNumericSafety:
         lt[cu[1] + 3] = np.nan  # seq 1, position 3
         lr[cu[2] + 5] = -np.inf  # seq 2, position 5: d = +inf
         lt[cu[3] + 0] = -np.inf  # seq 3, position 0: d = -inf
-        lr[cu[4] + 2 : cu[4] + 4], lt[cu[4] + 2 : cu[4] + 4] = -0.5, -6.0  # seq 4: finite catastrophic (2 of 10)
+        lr[cu[4] + 2 : cu[4] + 5], lt[cu[4] + 2 : cu[4] + 5] = -0.5, -6.0  # seq 4: finite catastrophic (3 of 10)
         batch = _packed(lr, lt, cu, ids)
         metrics = assert_matches_reference(batch, StatsConfig())
         _, offenders = compute(batch)
