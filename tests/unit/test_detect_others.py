@@ -7,7 +7,6 @@ import json
 import pytest
 
 from rlcheck import metrics as K
-from rlcheck.errors import ConfigError
 from rlcheck.detect import (
     Alarm,
     DetectorsConfig,
@@ -22,6 +21,7 @@ from rlcheck.detect import (
     ThresholdRule,
     build_detectors,
 )
+from rlcheck.errors import ConfigError
 from rlcheck.testing import metric_stream
 
 

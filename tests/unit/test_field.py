@@ -14,7 +14,13 @@ from rlcheck.errors import ConfigError
 from rlcheck.stats import compute
 from rlcheck.synthetic import FieldConfig, FieldFault, FieldStream
 from rlcheck.synthetic.scenarios import (
-    CALIBRATION_SEEDS, FAULTS, HELD_OUT_SEEDS, SCENARIOS, TEST_SEEDS, observation_order, run_scenario,
+    CALIBRATION_SEEDS,
+    FAULTS,
+    HELD_OUT_SEEDS,
+    SCENARIOS,
+    TEST_SEEDS,
+    observation_order,
+    run_scenario,
 )
 
 SEED = TEST_SEEDS[0]
