@@ -54,6 +54,18 @@ class ModelSpec:
             raise ConfigError(f"max_positions={self.max_positions} is outside 64..32768")
 
 
+def publish(folder: Path, out: Path) -> None:
+    """Move a finished model `folder` to `out` in one rename, its files world-readable (mkdtemp and
+    safetensors make private files), replacing whatever `out` held."""
+    for path in folder.iterdir():
+        os.chmod(path, 0o644)
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    os.replace(folder, out)
+
+
 def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -> Path:
     """Write the model of `spec` into `out_dir` (config.json, generation_config.json,
     model.safetensors, tokenizer files, rlcheck_model.json) and return its path.
@@ -82,13 +94,7 @@ def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -
         manifest = {**asdict(spec), "num_params": sum(p.numel() for p in model.parameters())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp (and safetensors) make private files
-        for path in tmp.iterdir():
-            os.chmod(path, 0o644)
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
-        os.replace(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from rlcheck.errors import ConfigError, InputError
-from rlcheck.modelzoo.build import MANIFEST, ModelSpec, build
+from rlcheck.modelzoo.build import MANIFEST, ModelSpec, build, publish
 
 TEXT_LINES = 4000
 """Corpus sentences tokenised for the text share (a pool to draw from; the corpus has 20,000)."""
@@ -132,13 +132,7 @@ def train(spec: TrainSpec, out_dir: str | os.PathLike, *, force: bool = False) -
         manifest = json.loads((folder / MANIFEST).read_text())
         manifest["training"] = {**asdict(spec), **summary}
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for path in folder.iterdir():
-            os.chmod(path, 0o644)
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
-        os.replace(folder, out)
+        publish(folder, out)
         _log(f"trained {spec.arch} in {time.perf_counter() - t0:.0f} s: {summary}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
