@@ -60,6 +60,8 @@ SIG_SHIFT_BASE = "rlcheck/sig/shift_abs_diff"
 SIG_SHIFT_GAIN = "rlcheck/sig/shift_gain"
 SIG_SHIFT_DIRECTION = "rlcheck/sig/shift_direction"
 SIG_EARLY_DIV_COUNT = "rlcheck/sig/early_div_count"
+SIG_EARLY_ANY_COUNT = "rlcheck/sig/early_any_count"  # sequences diverging (|d| > tau) in their first tokens
+SIG_EARLY_ANY_EXPECTED = "rlcheck/sig/early_any_expected"  # ... expected were the diverged tokens anywhere
 SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
 SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
 
@@ -86,4 +88,5 @@ ALWAYS = (
     SEQ_MAX_ABS_DIFF_MAX, SEQ_LOG_RATIO_MEAN, SEQ_LOG_RATIO_ABS_MAX, SEQ_LOG_PPL_DIFF_MEAN,
     SEQ_LOG_PPL_DIFF_ABS_MAX, SEQ_FLAGGED_FRAC, SEQ_CATASTROPHIC_COUNT, SEQ_CATASTROPHIC_FRAC,
     SIG_SLOPE, SIG_SLOPE_CORR, SIG_SHIFT_BASE, SIG_SHIFT_GAIN, SIG_SHIFT_DIRECTION, SIG_EARLY_DIV_COUNT,
+    SIG_EARLY_ANY_COUNT, SIG_EARLY_ANY_EXPECTED,
 )

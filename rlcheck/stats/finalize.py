@@ -31,6 +31,9 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
         K.SEQ_CATASTROPHIC_COUNT: s["seq_cat"],
         K.SEQ_CATASTROPHIC_FRAC: s["seq_cat"] / max(s["seq_total"], 1.0),
         K.SIG_EARLY_DIV_COUNT: s["early_div"],
+        K.SIG_EARLY_ANY_COUNT: s["early_any"],
+        # early divergences expected if the step's diverged tokens fell anywhere: q * early slots
+        K.SIG_EARLY_ANY_EXPECTED: s["div_tokens"] / max(n, 1.0) * s["early_slots"],
     }
     if n > 0:
         out.update(_token_metrics(p, cfg))

@@ -46,12 +46,24 @@ def divergence(d: np.ndarray, cu: np.ndarray, tau: float) -> tuple[np.ndarray, l
 
 def catastrophic_sequences(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, cfg) -> np.ndarray:
     """(N,) bool: sequences with at least `catastrophic_min_frac` of their `counts` (N,) valid tokens,
-    and `catastrophic_min_tokens` tokens, at |d| >= catastrophic_tau (`ad` (M,), 0 where invalid)."""
+    and `catastrophic_min_tokens` tokens, at |d| >= catastrophic_tau (`ad` (M,), 0 where invalid); or
+    whose max |d| reaches catastrophic_tau and which diverge (|d| > divergence_tau) within their
+    first `early_window` tokens with at least `catastrophic_min_tokens` tokens past divergence_tau: a
+    stale recurrent state garbles the first tokens of a short response (the engine's stale-state
+    fault on the tiny hybrid: first divergence at token 0, max |d| 1.4-3.7, one token of 32 past 2
+    nats), while a healthy tail token is one token, anywhere."""
     lens = np.diff(cu)
     nonempty = lens > 0
     over = np.zeros(lens.shape[0], dtype=np.int64)
     over[nonempty] = np.add.reduceat(ad >= cfg.catastrophic_tau, cu[:-1][nonempty], dtype=np.int64)
-    return (over >= cfg.catastrophic_min_tokens) & (over >= cfg.catastrophic_min_frac * counts)
+    rate = (over >= cfg.catastrophic_min_tokens) & (over >= cfg.catastrophic_min_frac * counts)
+    diverged = ad > cfg.divergence_tau
+    seqs, pos = first_positions(diverged, cu)
+    early = np.zeros(lens.shape[0], dtype=bool)
+    early[seqs[pos < cfg.early_window]] = True
+    num_div = np.zeros(lens.shape[0], dtype=np.int64)
+    num_div[nonempty] = np.add.reduceat(diverged, cu[:-1][nonempty], dtype=np.int64)
+    return rate | (early & (over > 0) & (num_div >= cfg.catastrophic_min_tokens))
 
 
 def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:
@@ -94,6 +106,9 @@ def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hi
         seq_flagged=float(np.count_nonzero((seq_max > cfg.divergence_tau) | seq_bad)),
         seq_cat=float(np.count_nonzero(catastrophic)),
         early_div=float(np.count_nonzero(early)),
+        early_any=float(np.count_nonzero((first_div >= 0) & (first_div < cfg.early_window))),
+        early_slots=float(np.minimum(counts, cfg.early_window).sum()),
+        div_tokens=float(np.count_nonzero(diverged if valid is None else diverged & valid)),
     )
     maxima.update(
         seq_logratio=float(np.abs(seq_sum[counted]).max(initial=0.0)),

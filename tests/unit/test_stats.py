@@ -53,6 +53,11 @@ def _reference_sequences(batch: StepBatch, cfg: StatsConfig) -> list[dict]:
         seq_max = max((abs(d) for d in ds), default=0.0)
         num_cat = sum(1 for d in ds if abs(d) >= cfg.catastrophic_tau)
         catastrophic = num_cat >= cfg.catastrophic_min_tokens and num_cat >= cfg.catastrophic_min_frac * len(ds)
+        early = any(abs(float(lt[t]) - float(lr[t])) > cfg.divergence_tau
+                    for t in range(int(cu[i]), min(int(cu[i + 1]), int(cu[i]) + cfg.early_window))
+                    if mask[t] and math.isfinite(float(lt[t]) - float(lr[t])))
+        num_div = sum(1 for d in ds if abs(d) > cfg.divergence_tau)
+        catastrophic = catastrophic or (early and num_cat > 0 and num_div >= cfg.catastrophic_min_tokens)
         seqs.append(
             {
                 "id": batch.request_ids[i],
@@ -162,6 +167,9 @@ def reference(batch: StepBatch, cfg: StatsConfig) -> tuple[dict[str, float], lis
             K.SIG_EARLY_DIV_COUNT: sum(
                 s["catastrophic"] and s["first"] is not None and s["first"] < cfg.early_window for s in seqs
             ),
+            K.SIG_EARLY_ANY_COUNT: sum(s["first"] is not None and s["first"] < cfg.early_window for s in seqs),
+            K.SIG_EARLY_ANY_EXPECTED: sum(1 for s in seqs for d in s["d"] if abs(d) > cfg.divergence_tau)
+            / max(n, 1) * sum(min(len(s["d"]), cfg.early_window) for s in seqs),
         }
     )
     if counted:
