@@ -120,7 +120,7 @@ def _expected_keys(metrics: dict[str, float], cfg: StatsConfig, has_tokens: bool
     """The documented key set (rlcheck.stats.finalize): a metric that is undefined is absent."""
     always = {K.TOKEN_COUNT, K.TOKEN_MASKED_COUNT, K.NONFINITE_COUNT, K.RATIO_CLIPPED_COUNT, K.SEQ_COUNT,
               K.SEQ_EMPTY_COUNT, K.SEQ_FLAGGED_FRAC, K.SEQ_CATASTROPHIC_COUNT, K.SEQ_CATASTROPHIC_FRAC,
-              K.SIG_EARLY_DIV_COUNT}
+              K.SIG_EARLY_DIV_COUNT, K.SIG_EARLY_ANY_COUNT, K.SIG_EARLY_ANY_EXPECTED}
     seq_keys = {K.SEQ_MAX_ABS_DIFF_MEAN, K.SEQ_MAX_ABS_DIFF_MAX, K.SEQ_LOG_RATIO_MEAN,
                 K.SEQ_LOG_RATIO_ABS_MAX, K.SEQ_LOG_PPL_DIFF_MEAN, K.SEQ_LOG_PPL_DIFF_ABS_MAX}
     token_keys = set(K.ALWAYS) - always - seq_keys | {K.frac_abs_diff_above(t) for t in cfg.thresholds}
