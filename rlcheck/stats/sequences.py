@@ -19,6 +19,15 @@ def segment_max(x: np.ndarray, cu: np.ndarray) -> np.ndarray:
     return out
 
 
+def segment_count(flags: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """(N,) int64 number of True in `flags` (M,) over each sequence of `cu` (N+1,); 0 for empty ones."""
+    lens = np.diff(cu)
+    nonempty = lens > 0
+    out = np.zeros(lens.shape[0], dtype=np.int64)
+    out[nonempty] = np.add.reduceat(flags, cu[:-1][nonempty], dtype=np.int64)
+    return out
+
+
 def first_positions(flags: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sequences, positions): every sequence of `cu` holding a True in `flags` (M,), ascending, and
     the position of its first True counted from the sequence start."""
@@ -52,17 +61,13 @@ def catastrophic_sequences(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, c
     stale recurrent state garbles the first tokens of a short response (the engine's stale-state
     fault on the tiny hybrid: first divergence at token 0, max |d| 1.4-3.7, one token of 32 past 2
     nats), while a healthy tail token is one token, anywhere."""
-    lens = np.diff(cu)
-    nonempty = lens > 0
-    over = np.zeros(lens.shape[0], dtype=np.int64)
-    over[nonempty] = np.add.reduceat(ad >= cfg.catastrophic_tau, cu[:-1][nonempty], dtype=np.int64)
+    over = segment_count(ad >= cfg.catastrophic_tau, cu)  # (N,)
     rate = (over >= cfg.catastrophic_min_tokens) & (over >= cfg.catastrophic_min_frac * counts)
     diverged = ad > cfg.divergence_tau
     seqs, pos = first_positions(diverged, cu)
-    early = np.zeros(lens.shape[0], dtype=bool)
+    early = np.zeros(cu.shape[0] - 1, dtype=bool)
     early[seqs[pos < cfg.early_window]] = True
-    num_div = np.zeros(lens.shape[0], dtype=np.int64)
-    num_div[nonempty] = np.add.reduceat(diverged, cu[:-1][nonempty], dtype=np.int64)
+    num_div = segment_count(diverged, cu)
     return rate | (early & (over > 0) & (num_div >= cfg.catastrophic_min_tokens))
 
 
