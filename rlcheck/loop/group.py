@@ -10,7 +10,7 @@ import numpy as np
 
 from rlcheck.errors import ConfigError
 from rlcheck.loop.placement import Placement
-from rlcheck.loop.recovery import join, start_rollout
+from rlcheck.loop.recovery import join, kill_actors, start_rollout
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
 
 __all__ = ["TrainerGroup", "start_rollout"]
@@ -106,6 +106,5 @@ class TrainerGroup:
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
             except Exception:  # noqa: BLE001 - a dead rank: kill the rest regardless
                 pass
-        for w in self.workers:
-            ray.kill(w)
+        kill_actors(self.workers)
         remove_placement_group(self.pg)

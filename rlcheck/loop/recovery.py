@@ -78,6 +78,30 @@ def join(refs: list, names: list[str], timeout_s: float) -> list:
     return [values[ref] for ref in refs]
 
 
+def kill_actors(actors: list, timeout_s: float = 30.0) -> None:
+    """`ray.kill` each actor and return once every one of them is dead (a call to it fails), or after
+    `timeout_s`: `ray.kill` only asks, and under load a call made just after it may still be served."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    for actor in actors:
+        ray.kill(actor)
+    alive, deadline = list(actors), time.monotonic() + timeout_s
+    while alive and time.monotonic() < deadline:
+        still = []
+        for actor in alive:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=1.0)
+                still.append(actor)
+            except GetTimeoutError:
+                still.append(actor)  # busy (a rank in a collective) until the kill lands
+            except RayActorError:
+                pass
+        alive = still
+        if alive:
+            time.sleep(0.1)
+
+
 def _summary(exc: BaseException, limit: int = 400) -> str:
     """The exception on one line (Ray's actor errors span several), cut at `limit` characters."""
     text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
@@ -158,4 +182,4 @@ class RolloutSupervisor:
                 ray.get(self.actor.close.remote(), timeout=min(self.timeout_s, 30.0))
             except Exception:  # noqa: BLE001 - dead or hung: killing is enough
                 pass
-        ray.kill(self.actor)
+        kill_actors([self.actor])
