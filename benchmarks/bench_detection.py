@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 
 ONSET = 32
 """Start of every fault that can start late: the robust-z and periodic detectors' warm-up."""
@@ -83,9 +83,9 @@ def cases(clean_steps: int) -> list[Case]:
 
 
 def run_case(case: Case, model: str, run_dir: Path) -> None:
+    from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.loop import run_grpo
     from rlcheck.loop.presets import tiny_cpu
-    from rlcheck.monitor import Monitor, MonitorConfig
 
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = tiny_cpu(model, trainer="hf", steps=case.steps, fault=case.fault(), seed=case.seed)
@@ -120,8 +120,8 @@ class RunFacts:
 
 
 def read_run(run_dir: Path) -> RunFacts:
+    from rlcheck.core.run.journal import FILENAME, read_jsonl
     from rlcheck.forensics.diagnose import diagnose
-    from rlcheck.sinks.jsonl import FILENAME, read_jsonl
 
     records = sorted(read_jsonl(run_dir / FILENAME), key=lambda r: r["step"])
     loop_log = run_dir / "loop.jsonl"
@@ -161,7 +161,7 @@ def delay(facts: RunFacts, step: int | None, what: str = "") -> str:
 
 def alarm_kinds(alarms: list[dict]) -> str:
     """Each alarm kind once, with the highest severity it was raised at: "robust_z/warn, signature/critical"."""
-    from rlcheck.detect import severity_rank
+    from rlcheck.core.detect import severity_rank
 
     top: dict[str, str] = {}
     for a in alarms:

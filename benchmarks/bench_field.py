@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections import Counter
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.synthetic.scenarios import (
     CALIBRATION_SEEDS,
     FAULT_BASELINES,
@@ -51,9 +51,9 @@ ANCHORS = (
 def legacy_config(run_dir):
     """The defaults before issue 14, as far as they still exist: catastrophic = max |d| >= 2, NeMo-RL's
     gate and raw mean |d| as warn rules, mean e^|d| > 2 as a hard limit (rolling detectors as now)."""
-    from rlcheck.detect import DetectorsConfig, ThresholdConfig, ThresholdRule
-    from rlcheck.monitor import HaltConfig, MonitorConfig
-    from rlcheck.stats import StatsConfig
+    from rlcheck.core.detect import DetectorsConfig, ThresholdConfig, ThresholdRule
+    from rlcheck.core.monitor import HaltConfig, MonitorConfig
+    from rlcheck.core.stats import StatsConfig
 
     rules = (ThresholdRule(K.MULT_PROB_ERROR, 1.05), ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01),
              ThresholdRule(K.ABS_DIFF_MEAN, 0.05))
@@ -135,7 +135,7 @@ def real_batches(path):
     """(step, StepBatch) of every step recorded in `path`/tokens.npz, in order."""
     import numpy as np
 
-    from rlcheck.batch import StepBatch
+    from rlcheck.core.batch import StepBatch
 
     z = np.load(path / "tokens.npz")
     cu, seq_cu = z["cu_seqlens"], z["step_seq_cu"]
@@ -150,8 +150,8 @@ def real_batches(path):
 def real_rows(root, config) -> list[dict]:
     from pathlib import Path
 
+    from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.errors import MismatchHalt
-    from rlcheck.monitor import Monitor, MonitorConfig
 
     rows = []
     for path in sorted(p for p in Path(root).iterdir() if (p / "tokens.npz").is_file()):

@@ -5,7 +5,7 @@
               seconds per observe, the peak memory observe adds (tracemalloc: numpy and Python
               allocations; RSS sampled every 2 ms), and the forensic dump of the step (what a halt writes)
     history   --steps small synthetic steps (rlcheck.synthetic, 8 sequences of ~32 tokens), each one's
-              statistics (`rlcheck.stats.compute`) fed to every default detector; RSS and the
+              statistics (`rlcheck.core.stats.compute`) fed to every default detector; RSS and the
               detectors' state size (JSON bytes) every --every steps
     history --monitor
               the same steps through a whole `Monitor` (JSONL sink, halting off): each step adds a
@@ -30,10 +30,10 @@ import tracemalloc
 
 import numpy as np
 
-from rlcheck.batch import StepBatch
-from rlcheck.detect import DetectorsConfig, build_detectors
-from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig
-from rlcheck.stats import StatsConfig, compute
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect import DetectorsConfig, build_detectors
+from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig
+from rlcheck.core.stats import StatsConfig, compute
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -1,5 +1,5 @@
 """Time and peak memory of token logprobs: naive log_softmax + gather, TRL's selective_log_softmax,
-and `rlcheck.logprobs.chunked_token_logprobs`, forward only and forward + backward, on CPU.
+and `rlcheck.trainers.logprobs.chunked_token_logprobs`, forward only and forward + backward, on CPU.
 
     .venv/bin/python benchmarks/bench_logprobs.py                 # the BENCHMARKS.md table
     .venv/bin/python benchmarks/bench_logprobs.py --vocab 32768 --tokens 4096 --hidden 128
@@ -30,7 +30,7 @@ def _logp(method: str, hidden, weight, targets):
         from trl.trainer.utils import selective_log_softmax
 
         return selective_log_softmax(hidden @ weight.T, targets)
-    from rlcheck.logprobs import chunked_token_logprobs
+    from rlcheck.trainers.logprobs import chunked_token_logprobs
 
     return chunked_token_logprobs(hidden, weight, targets).logp
 

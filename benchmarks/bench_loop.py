@@ -43,9 +43,9 @@ def main() -> None:
     sys.path.insert(0, str(RECIPES))
     import grpo_tiny
 
-    from rlcheck import metrics as K
+    from rlcheck.core import metrics as K
+    from rlcheck.core.monitor import Monitor
     from rlcheck.loop import ray_session, run_grpo
-    from rlcheck.monitor import Monitor
 
     print(f"command: `{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}`\n", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

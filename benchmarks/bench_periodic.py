@@ -19,8 +19,8 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from rlcheck.detect import PeriodicDetector
-from rlcheck.testing import NOISES, heavy_tailed_noise, metric_stream
+from rlcheck.core.detect import PeriodicDetector
+from rlcheck.synthetic.streams import NOISES, heavy_tailed_noise, metric_stream
 
 
 def one_case(args: tuple[str, float, int, int]) -> tuple[str, float, str | int]:

@@ -99,7 +99,7 @@ def loop_config(args: argparse.Namespace, model: str):
 
 def monitor_config(args: argparse.Namespace, cfg):
     """rlcheck's defaults (halting on) for the must-show; `--record`: the same with halting off."""
-    from rlcheck.monitor import HaltConfig, MonitorConfig
+    from rlcheck.core.monitor import HaltConfig, MonitorConfig
 
     halt = HaltConfig(enabled=False) if args.record else HaltConfig()
     return MonitorConfig(run_dir=args.out, sinks=("jsonl",), halt=halt, resume=False,
@@ -151,8 +151,8 @@ class TokenRecorder:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from rlcheck.core.monitor import Monitor
     from rlcheck.loop import GRPOLoop, ray_session
-    from rlcheck.monitor import Monitor
 
     model = model_path(args)
     cfg = loop_config(args, model)
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _progress(step: int, report, info: dict, recorder: TokenRecorder) -> None:
-    from rlcheck import metrics as K
+    from rlcheck.core import metrics as K
 
     m = report.metrics
     alarms = ", ".join(f"{a.kind}/{a.severity} {a.metric}" for a in report.alarms)
@@ -219,7 +219,7 @@ def plot(run_dir: Path, out: Path, summary: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlcheck import metrics as K
+    from rlcheck.core import metrics as K
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [{"step": r["step"], **r["metrics"]} for r in rows if K.ABS_DIFF_MEAN in r.get("metrics", {})]

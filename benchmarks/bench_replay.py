@@ -28,8 +28,8 @@ import numpy as np
 
 
 def make_dump(model_dir: str, out: str, num: int, seed: int, scorer, median: int = 96, longest: int = 768) -> str:
-    from rlcheck.batch import StepBatch
-    from rlcheck.dump import write_dump
+    from rlcheck.core.batch import StepBatch
+    from rlcheck.core.run.dump import write_dump
 
     rng = np.random.default_rng(seed)
     vocab = scorer.model.config.vocab_size

@@ -1,15 +1,15 @@
-"""Cost of `rlcheck.stats.compute` per training step, against two yardsticks.
+"""Cost of `rlcheck.core.stats.compute` per training step, against two yardsticks.
 
 For each (tokens, sequences) case it builds one synthetic float32 step (heavy-tailed sequence
 lengths, logp_train = logp_rollout + N(0, 1e-3) plus a few outliers) and reports, best of --repeat:
 
     validate   StepBatch.from_packed (validation) on the prebuilt arrays
-    rlcheck    rlcheck.stats.compute on the prebuilt StepBatch
+    rlcheck    rlcheck.core.stats.compute on the prebuilt StepBatch
     subtract   one numpy pass over both arrays, np.subtract(logp_train, logp_rollout): the floor
     padded     the verl/TRL way in torch on CPU: the batch padded to [B, max_len] with a response
                mask, masked means over the padded tensors, torch.quantile on the masked values
                (pad = time to build the padded tensors, reported apart)
-    memory     peak of rlcheck.stats.compute: tracemalloc (numpy allocations) and the ru_maxrss rise
+    memory     peak of rlcheck.core.stats.compute: tracemalloc (numpy allocations) and the ru_maxrss rise
 
 Run:  .venv/bin/python benchmarks/bench_stats.py [--tokens 4e6,16e6] [--seqs 1000,16000] [--out x.json]
 """
@@ -27,8 +27,8 @@ import tracemalloc
 import numpy as np
 import torch
 
-from rlcheck.batch import StepBatch
-from rlcheck.stats import StatsConfig, compute
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats import StatsConfig, compute
 
 PAD_BYTES_PER_ELEMENT = 37  # peak of pad() + padded_metrics() per [B, T] element, measured on this machine
 

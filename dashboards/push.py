@@ -18,8 +18,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rlcheck_dashboards sits beside this script
 
+from rlcheck.core.stats import StatsConfig  # noqa: E402
 from rlcheck.errors import ConfigError  # noqa: E402
-from rlcheck.stats import StatsConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

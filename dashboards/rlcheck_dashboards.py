@@ -4,7 +4,7 @@
     build_workspace("my-team", "my-project").save()               # needs `wandb login`
 
 Both views share one list of sections (`sections()`): overview, token, importance ratio, sequence,
-signatures, alarms, offenders. Every metric key comes from `rlcheck.metrics` and
+signatures, alarms, offenders. Every metric key comes from `rlcheck.core.metrics` and
 `rlcheck.sinks.wandb`; nothing here retypes a key. Building touches no network: only `.save()` does
 (and, for the report, serialising its run sets, which looks up the project id; see `report_spec`).
 """
@@ -19,9 +19,9 @@ from typing import Any
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
+from rlcheck.core.stats import StatsConfig
 from rlcheck.sinks import wandb as W
-from rlcheck.stats import StatsConfig
 
 WORKSPACE_NAME = "rlcheck: rollout vs trainer logprobs"
 REPORT_TITLE = "rlcheck: rollout vs trainer logprob mismatch"

@@ -12,11 +12,11 @@ import time
 
 from grpo_tiny import monitor_config, print_step, print_summary
 
+from rlcheck.core.monitor import Monitor
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import ConfigError, RLCheckError
 from rlcheck.faults import parse_inject
 from rlcheck.loop import AdditionTask, LoopConfig, Placement, ray_session, run_grpo
-from rlcheck.monitor import Monitor
 from rlcheck.trainers import TrainerConfig
 
 

@@ -32,15 +32,15 @@ import statistics
 import sys
 import time
 
-from rlcheck import metrics as K
-from rlcheck.detect import DetectorsConfig
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import DetectorsConfig
+from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
+from rlcheck.core.stats import StatsConfig
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import RLCheckError
 from rlcheck.faults import parse_inject
 from rlcheck.loop import PHASES, AdditionTask, LoopConfig, LoopResult, Placement, ray_session, run_grpo
-from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
 from rlcheck.sinks import WandbConfig
-from rlcheck.stats import StatsConfig
 from rlcheck.trainers import BACKENDS, TrainerConfig
 
 DEFAULT_MODEL = "runs/models/hybrid-trained"  # where `rlcheck demo` builds it too

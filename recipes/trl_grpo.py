@@ -29,9 +29,9 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
 
-from rlcheck import metrics as K  # noqa: E402
+from rlcheck.core import metrics as K  # noqa: E402
+from rlcheck.core.monitor import MonitorConfig  # noqa: E402
 from rlcheck.errors import MismatchHalt  # noqa: E402
-from rlcheck.monitor import MonitorConfig  # noqa: E402
 
 DEFAULT_MODEL = "runs/models/llama"
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import functools
 import os
 
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.integrations import verl as rlcheck_verl
-from rlcheck.monitor import Monitor, MonitorConfig
 
 FIELDS = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
 _monitor: Monitor | None = None

@@ -8,8 +8,12 @@ Only numpy (and pyarrow for dumps) is imported here; vLLM, transformers, Ray, De
 torch are imported by the modules that need them.
 """
 
-from rlcheck.batch import StepBatch
-from rlcheck.detect import Alarm, DetectorsConfig
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect import Alarm, DetectorsConfig
+from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig
+from rlcheck.core.run import Run
+from rlcheck.core.stats import StatsConfig
+from rlcheck.core.types import Offender, StepReport
 from rlcheck.errors import (
     ActorDiedError,
     ConfigError,
@@ -23,13 +27,11 @@ from rlcheck.errors import (
     SinkInitError,
     UnsupportedVLLMError,
 )
-from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
-from rlcheck.stats import Offender, StatsConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ActorDiedError", "Alarm", "ConfigError", "DetectorsConfig", "GuardViolation", "HaltConfig", "InputError",
-    "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "RLCheckError", "RecordWriteError",
-    "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
+    "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "RLCheckError", "RecordWriteError", "Run",
+    "Run", "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
 ]

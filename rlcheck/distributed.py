@@ -8,7 +8,7 @@ Every rank computes `compute_partial` on its own sequences, then
 gives every rank the metrics of the whole batch, as if one process had seen it: sums are all-reduced
 with SUM and divided once in `finalize` (never an average of per-rank means), extrema with MAX / MIN,
 histograms with SUM. The small parts (offenders, sequence counts, key layout) travel with
-`all_gather_object` and are combined by `rlcheck.stats.merge`, so offender indices count from the
+`all_gather_object` and are combined by `rlcheck.core.stats.merge`, so offender indices count from the
 start of the global batch in rank order (rank 0's sequences first).
 
 One Monitor step over every rank, the way a distributed trainer should call it:
@@ -37,10 +37,11 @@ from typing import Any
 import numpy as np
 
 from rlcheck import errors
-from rlcheck.batch import StepBatch, concat_batches
+from rlcheck.core.batch import StepBatch, concat_batches
+from rlcheck.core.monitor import Monitor
+from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
+from rlcheck.core.types import StepReport
 from rlcheck.errors import ConfigError, MismatchHalt, RLCheckError
-from rlcheck.monitor import Monitor, StepReport
-from rlcheck.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
 
 __all__ = ["all_ranks_agree", "all_reduce_partial", "observe_across_ranks"]
 

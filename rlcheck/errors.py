@@ -3,10 +3,7 @@ what was wrong and how to fix it; `MismatchHalt` is the deliberate stop of a run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from rlcheck.monitor import StepReport
+from typing import Any
 
 
 class RLCheckError(Exception):
@@ -35,15 +32,15 @@ class RunDirError(RLCheckError, OSError):
 
 class RecordWriteError(RunDirError):
     """`Monitor.observe` could not record a step (metrics.jsonl or state.json failed mid-run, e.g. a
-    full disk). Raised after every other sink got the step and was flushed; the step's `StepReport`
+    full disk). Raised after the sinks got the step and were flushed; the step's `StepReport`
     rides on the error, so nothing computed is lost. The file is left holding whole lines only, and
     state.json the last step that was recorded; the Monitor's detectors in memory have seen the step.
 
     Attributes:
-        report: the `StepReport` of the step that could not be recorded.
+        report: the `StepReport` (`rlcheck.core.types`) of the step that could not be recorded.
     """
 
-    def __init__(self, report: StepReport, cause: BaseException):
+    def __init__(self, report: Any, cause: BaseException):
         self.report = report
         super().__init__(
             f"rlcheck could not record step {report.step}: {cause}. The other sinks received it and its "
@@ -57,14 +54,14 @@ class MismatchHalt(RLCheckError):
     dump and the monitor state are on disk before it is raised.
 
     Attributes:
-        report: the `StepReport` of the step that halted.
+        report: the `StepReport` (`rlcheck.core.types`) of the step that halted.
         reason: one line naming the alarm or limit that halted the run.
         dump_dir: where the step's forensic dump was written (None: no dump, see `problems`).
         problems: what could not be written (the step's record, the dump), one line each; the halt
             is raised all the same, the cause chained.
     """
 
-    def __init__(self, report: StepReport, reason: str, dump_dir: str | None = None,
+    def __init__(self, report: Any, reason: str, dump_dir: str | None = None,
                  problems: tuple[str, ...] = ()):
         self.report = report
         self.reason = reason

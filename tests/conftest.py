@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 
 
 def skewed_batch(

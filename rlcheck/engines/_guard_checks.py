@@ -1,5 +1,5 @@
 """The five lifecycle invariants the engine guard checks on each forward step (pure: a
-`StepRecord` in, `Violation`s out; see `rlcheck.engines._guard_record` for the record):
+`StepRecord` in, `Violation`s out; see `rlcheck.core.run.guard_record` for the record):
 
 (i)   prefill_from_zero  a request with no computed tokens runs as prefill from a zero state
 (ii)  slot_unique        a live request uses its own slot: the one assigned, used or held by no other
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.engines._guard_record import PoolInfo, StepRecord, Violation
+from rlcheck.core.run.guard_record import PoolInfo, StepRecord, Violation
 
 
 def _violation(rec: StepRecord, check: str, i: int, message: str, **kw: Any) -> Violation:

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlcheck.engines._guard_io import row_of
-from rlcheck.engines._guard_record import GroupOffsets, PoolInfo, Ragged, StepRecord, Violation
+from rlcheck.core.run.guard_files import row_of
+from rlcheck.core.run.guard_record import GroupOffsets, PoolInfo, Ragged, StepRecord, Violation
 from rlcheck.engines.vllm_faults import external_id
 
 MAX_LIST = 4096  # items of a list, or values of a tensor, a snapshot writes out

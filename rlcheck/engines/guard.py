@@ -18,7 +18,7 @@ before it is read) and applies each check's policy: record, warn (a RuntimeWarni
 MAX_WARNINGS) or raise (`rlcheck.errors.GuardViolation`, before the step's forward runs; close the
 engine afterwards, and drop a kept exception's `__traceback__`: its frames hold the in-process engine). `RLCHECK_BREAK_ON=<id>[,<id>...]` (or `GuardConfig.break_on`) writes a JSON
 snapshot of the scheduler output and the attention / Mamba metadata each step that request is
-scheduled, and with `RLCHECK_BREAK_PDB=1` (`break_pdb`) stops in pdb there. Files: `_guard_io`.
+scheduled, and with `RLCHECK_BREAK_PDB=1` (`break_pdb`) stops in pdb there. Files: `rlcheck.core.run.guard_files`.
 
 Where it hooks: two instance attributes of the engine's model runner (no class is patched):
 `execute_model` (to hold the step's SchedulerOutput) and `_model_forward`, which vLLM calls inside
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rlcheck.engines import _guard_io as gio
+from rlcheck.core.run import guard_files as gio
+from rlcheck.core.run.guard_record import CHECKS, INVARIANT, StepRecord, Violation
 from rlcheck.engines._guard_checks import InvariantChecker
-from rlcheck.engines._guard_record import CHECKS, INVARIANT, StepRecord, Violation
 from rlcheck.errors import ConfigError, GuardViolation
 
 POLICIES = ("record", "warn", "raise")
@@ -302,7 +302,7 @@ def install_guard(engine: Any, cfg: GuardConfig | None = None) -> Guard:
 def violations_to_alarms(step: int, violations: list[Any], severity: str = "critical") -> list[Any]:
     """The Monitor alarms of one step's guard violations (`Violation`s or their dicts): one per check,
     kind "signature" (signature SIGNATURE), its evidence in `details`."""
-    from rlcheck.detect.base import Alarm
+    from rlcheck.core.types import Alarm
 
     by_check: dict[str, list[dict[str, Any]]] = {}
     for v in violations:

@@ -279,7 +279,7 @@ def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens
     """The monitor's `StepBatch` of these rollouts against the trainer's logprobs of the same tokens
     (one array per rollout, same order); ids, tokens and engine context travel along. `tokens_train`:
     the ids the trainer scored, per rollout, if it tokenised on its own (checked against the sampled ids)."""
-    from rlcheck.batch import StepBatch
+    from rlcheck.core.batch import StepBatch
 
     if len(logp_train) != len(rollouts):
         raise InputError(f"{len(logp_train)} trainer logprob arrays for {len(rollouts)} rollouts")

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault, all_ids, per_sequence
 

@@ -9,7 +9,6 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck import metrics as K
-from rlcheck.dump import META
+from rlcheck.core import metrics as K
+from rlcheck.core.run import Run
+from rlcheck.core.stats import MIN_LOGPROB, StatsConfig
+from rlcheck.core.stats.sequences import catastrophic_sequences
 from rlcheck.forensics.evidence import Evidence, load_evidence
-from rlcheck.stats import MIN_LOGPROB, StatsConfig
-from rlcheck.stats.sequences import catastrophic_sequences
 
 CAUSES = {
     "healthy": "healthy: the engine and the trainer agree",
@@ -76,10 +75,9 @@ class Diagnosis:
                 "verdict": self.verdict.to_dict(), "findings": [f.to_dict() for f in self.findings]}
 
 
-def diagnose(path: str | Path, records: list[dict[str, Any]] | None = None) -> Diagnosis:
-    """Diagnose a run directory or a dump (see the module docstring); `records`: the run's step
-    records when already read (`rlcheck.summarize.read_records`)."""
-    ev = load_evidence(path, records)
+def diagnose(path: Run | str | Path) -> Diagnosis:
+    """Diagnose a run (a `Run`, or its directory) or a dump (see the module docstring)."""
+    ev = load_evidence(path)
     findings = [f for rule in RULES if (f := rule(ev)) is not None]
     if not findings:
         findings = [_healthy_or_unexplained(ev)]
@@ -126,7 +124,7 @@ def _affected_ids(ev: Evidence, steps: list[int], min_abs_diff: float) -> list[s
 def _catastrophic_rows(rows: list[dict[str, Any]], cfg: StatsConfig) -> np.ndarray:
     """(N,) bool: the dump's sequences the statistics count as catastrophic (`catastrophic_sequences`:
     a rate of their compared tokens at |d| >= catastrophic_tau), or holding a non-finite logprob
-    among their compared tokens (NaN, inf or a sentinel below MIN_LOGPROB), as `rlcheck.stats` does."""
+    among their compared tokens (NaN, inf or a sentinel below MIN_LOGPROB), as `rlcheck.core.stats` does."""
     lens = np.array([len(row["logp_rollout"]) for row in rows], dtype=np.int64)  # (N,)
     cu = np.concatenate([[0], np.cumsum(lens)])  # (N+1,)
     if not rows or cu[-1] == 0:
@@ -288,9 +286,7 @@ GUARD_CAUSE = {"slot_unique": "index_aliasing", "in_pool": "index_aliasing", "of
 def _guard_violations(ev: Evidence) -> list[dict[str, Any]]:
     """The engine guard's violations: DIR/guard/violations.jsonl (a run, a stress dump), else the
     first violation of each guard alarm the loop logged (`rlcheck.engines.guard.violations_to_alarms`)."""
-    from rlcheck.engines._guard_io import load_guard
-
-    data = load_guard(ev.path)
+    data = ev.guard()
     if data is not None and data.violations:
         return [v.to_dict() for v in data.violations]
     return [{**a["details"]["first"], "request_ids": a["details"].get("request_ids", []), "alarm_step": a["step"]}
@@ -302,7 +298,7 @@ def _engine_guard(ev: Evidence) -> Finding | None:
     shared slots (and (iii), (iv): ids past the pool or the offset range) are index aliasing; (i) a
     first prefill from old state and (v) a read of a slot nobody reinitialised are stale state. The
     cause with more broken requests is the finding."""
-    from rlcheck.engines._guard_record import INVARIANT
+    from rlcheck.core.run.guard_record import INVARIANT
 
     by_cause: dict[str, list[dict[str, Any]]] = {}
     for v in _guard_violations(ev):
@@ -412,7 +408,7 @@ def _note_restart(ev: Evidence, verdict: Finding) -> None:
     weights) in the verdict's evidence."""
     extra = {}
     if ev.source == "dump":  # the loop's scalars are in the dump's meta, not in its recomputed record
-        extra = json.loads((ev.path / META).read_text()).get("metrics", {})
+        extra = ev.meta().get("metrics", {})
     steps = [r["step"] for r in ev.records
              if r.get("alarms") and 0 <= {**r["metrics"], **extra}.get(RESTART_AGE, math.inf) <= 1]
     if steps:

@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.dump import META, SEQUENCES, read_dump
+from rlcheck.core.run import Run
+from rlcheck.core.run.dump import META, SEQUENCES, read_dump
+from rlcheck.core.run.guard_files import load_guard
+from rlcheck.core.run.journal import FILENAME
 from rlcheck.errors import InputError
-from rlcheck.sinks.jsonl import FILENAME
 
 
 @dataclass
@@ -27,25 +29,37 @@ class Evidence:
     """Step records in step order."""
     dump_rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     """step -> the sequences of that step's dump (request_id, max_abs_diff, first_divergence, ...)."""
+    run: Run | None = None
+    """The run read ("run"), for what else it holds (the guard's record, a dump's meta)."""
+    dump_meta: dict[str, Any] | None = None
+    """The dump's meta.json ("dump")."""
+
+    def guard(self) -> Any:
+        """The engine guard's record beside the evidence (run_dir/guard, or the dump's guard/)."""
+        return self.run.guard() if self.run is not None else load_guard(self.path)
+
+    def meta(self) -> dict[str, Any]:
+        """The meta.json of the dump read ("dump"), or of the run's newest whole dump; {} without."""
+        if self.dump_meta is not None:
+            return self.dump_meta
+        dumps = self.run.whole_dumps() if self.run is not None else []
+        return self.run.dump_meta(dumps[-1]) if dumps else {}
 
 
-def load_evidence(path: str | Path, records: list[dict[str, Any]] | None = None) -> Evidence:
-    """A run directory (holds metrics.jsonl; its dumps are read too) or one dump directory.
-    `records`: the run's `rlcheck.summarize.read_records(path)` when already read."""
-    from rlcheck.summarize import read_records
-
-    path = Path(path)
-    if records is not None or (path / FILENAME).is_file():
-        records = read_records(path) if records is None else records
-        ev = Evidence("run", path, sorted(records, key=lambda r: r["step"]))
-        for d in sorted((path / "dumps").glob("step_*")):
-            if (d / SEQUENCES).is_file() and (d / META).is_file():
-                rows, meta = read_dump(d)
-                ev.dump_rows[int(meta["step"])] = rows
+def load_evidence(path: Run | str | Path) -> Evidence:
+    """A run (a `Run`, or a directory holding metrics.jsonl; its dumps are read too, through the Run)
+    or one dump directory."""
+    if isinstance(path, Run) or (Path(path) / FILENAME).is_file():
+        run = Run.open(path)
+        ev = Evidence("run", run.path, sorted(run.records(), key=lambda r: r["step"]), run=run)
+        for d in run.whole_dumps():
+            rows, meta = run.dump(d)
+            ev.dump_rows[int(meta["step"])] = rows
         return ev
+    path = Path(path)
     if (path / SEQUENCES).is_file():
         rows, meta = read_dump(path)
-        return Evidence("dump", path, [dump_record(rows, meta)], {int(meta["step"]): rows})
+        return Evidence("dump", path, [dump_record(rows, meta)], {int(meta["step"]): rows}, dump_meta=meta)
     raise InputError(
         f"{path} is neither a run directory (with {FILENAME}) nor a dump (with {SEQUENCES} and {META})"
     )
@@ -53,9 +67,9 @@ def load_evidence(path: str | Path, records: list[dict[str, Any]] | None = None)
 
 def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """The step record of a dump: statistics and signature alarms recomputed from its sequences."""
-    from rlcheck.batch import StepBatch
-    from rlcheck.detect.signature import SignatureDetector
-    from rlcheck.stats import StatsConfig, compute
+    from rlcheck.core.batch import StepBatch
+    from rlcheck.core.detect.signature import SignatureDetector
+    from rlcheck.core.stats import StatsConfig, compute
 
     def column(name: str):
         values = [row.get(name) for row in rows]

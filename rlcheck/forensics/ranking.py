@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.sinks.jsonl import to_jsonable
-from rlcheck.stats import MIN_LOGPROB
-from rlcheck.stats.sequences import divergence, first_positions, segment_max
+from rlcheck.core.run.journal import to_jsonable
+from rlcheck.core.stats import MIN_LOGPROB
+from rlcheck.core.stats.sequences import divergence, first_positions, segment_max
 
 CONTEXT_TOKENS = 4
 """Tokens shown on each side of the divergent one."""

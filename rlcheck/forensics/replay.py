@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.dump import META, SEQUENCES, read_dump
+from rlcheck.core.run.dump import META, SEQUENCES, read_dump
+from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError
 from rlcheck.forensics.ranking import ReplayRecord, compare, rank, with_context
-from rlcheck.stats import StatsConfig
 
 DEFAULT_TAU = StatsConfig.divergence_tau
 """|d| above which a token diverges (first_divergence): the monitor's own divergence level."""

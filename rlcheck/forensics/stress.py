@@ -188,8 +188,8 @@ class StressResult:
         return self.num_requests / max(sum(self.seconds.values()), 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
+        from rlcheck.core.run.journal import to_jsonable
         from rlcheck.forensics.stress_report import guard_dict
-        from rlcheck.sinks.jsonl import to_jsonable
 
         wave = self.first_wave
         failing = [{"request_id": self.request_ids[i], "max_abs_diff": self.max_abs_diff[i],

@@ -7,7 +7,7 @@ the HF reference's (the side that judges here), tokens, and per-sequence meta co
 `batch_size`, `block`, `block_used`, `previous_holder`, `slot_reused`, `shared_with`
 (`rlcheck.forensics.slots`). `max_abs_diff` and `first_divergence` use the stress threshold.
 With the engine guard: a `guard_checks` column (the invariants each request broke), the guard's
-summary in the meta's context ("guard") and its files in OUT/guard/ (`rlcheck.engines._guard_io`).
+summary in the meta's context ("guard") and its files in OUT/guard/ (`rlcheck.core.run.guard_files`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ TRACE_COLUMNS = ("first_step", "last_step", "batch_size", "block", "block_used")
 def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: list[Any],
                  reference: list[np.ndarray]) -> Any:
     """Write the dump and stress.json into `out` (replaced); the result with its `dump_dir`."""
-    from rlcheck.batch import StepBatch
-    from rlcheck.dump import write_dump
+    from rlcheck.core.batch import StepBatch
+    from rlcheck.core.run.dump import write_dump
 
     cfg, contexts = result.config, result.contexts
     failing = set(result.failing)
@@ -128,7 +128,7 @@ def _render_guard(r: Any, console: Any, top: int) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from rlcheck.engines._guard_record import INVARIANT
+    from rlcheck.core.run.guard_record import INVARIANT
 
     s, violations = r.guard.summary, r.guard.violations
     if not violations:
@@ -153,7 +153,7 @@ def _cells(r: Any, i: int) -> tuple[str, ...]:
     block = "-" if c.block is None else str(c.block) + ("" if c.block_used == c.block else f" ({c.block_used})")
     shared = ", ".join(c.shared_with[:4]) + (f" +{len(c.shared_with) - 4}" if len(c.shared_with) > 4 else "")
     first = r.first_divergence[i]
-    from rlcheck.engines._guard_record import INVARIANT
+    from rlcheck.core.run.guard_record import INVARIANT
 
     checks = [] if r.guard is None else r.guard_checks.get(r.request_ids[i], [])
     guard = () if r.guard is None else (" ".join(INVARIANT[c] for c in checks) or "-",)

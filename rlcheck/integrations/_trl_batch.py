@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.batch import StepBatch, to_numpy
+from rlcheck.core.batch import StepBatch, to_numpy
 from rlcheck.errors import InputError
 
 ROLLOUT_KEY = "sampling_per_token_logps"

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.errors import ConfigError
 from rlcheck.faults import Fault, parse_inject
 from rlcheck.integrations._trl_batch import FORWARD_PREFIXES

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.types import StepReport
 from rlcheck.errors import MismatchHalt
 from rlcheck.faults import Fault
 from rlcheck.integrations._trl_batch import (
@@ -58,7 +60,6 @@ from rlcheck.integrations._trl_config import (
     trl_context,
 )
 from rlcheck.integrations._trl_sync import WeightSync
-from rlcheck.monitor import Monitor, MonitorConfig, StepReport
 
 HALTED_KEY = "rlcheck/halted"
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",

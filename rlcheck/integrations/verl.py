@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch, to_numpy
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch, to_numpy
 from rlcheck.errors import InputError
 
 ROLLOUT_KEY = "rollout_log_probs"

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.monitor import Monitor
+from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import VLLMConfig, to_step_batch
 from rlcheck.errors import ActorDiedError, ConfigError, MismatchHalt
 from rlcheck.faults import Fault
@@ -38,7 +40,6 @@ from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOU
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import AdditionTask, encode_prompts, reward
-from rlcheck.monitor import Monitor, StepReport
 from rlcheck.trainers import Sequences, TrainerConfig, group_advantages
 
 PHASES = ("generate", "recompute", "monitor", "update", "sync")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlcheck.detect.base import Alarm
+from rlcheck.core.types import Alarm
 from rlcheck.engines.vllm import VLLMConfig
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rlcheck.core.run.files import atomic_write_text
 from rlcheck.errors import RunDirError
-from rlcheck.rundir import atomic_write_text
 
 FILENAME = "report.html"
 

@@ -1,32 +1,27 @@
-"""Everything the report shows, collected from a run directory with the existing readers.
+"""Everything the report shows, collected from one `Run`.
 
-`collect(run_dir)` reads metrics.jsonl once (`rlcheck.summarize.read_records`) and hands the records
-to the summary (`rlcheck.summarize`) and the verdict (`rlcheck.forensics.diagnose`); it also reads
-the dumps' meta.json, loop.jsonl when the GRPO loop wrote one, the engine guard's output
-(run_dir/guard, `rlcheck.engines._guard_io`) when it ran, and rebuilds the periodic detector's
-periodogram. Nothing here draws.
+`collect(run)` opens the run once and hands it to the summary (`rlcheck.report.summary`) and the
+verdict (`rlcheck.forensics.diagnose`); the Run reads each file once (metrics.jsonl, state.json, the
+dumps, loop.jsonl, the engine guard's record) however many of them ask. It also rebuilds the
+periodic detector's periodogram. Nothing here draws.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlcheck import histogram as H
-from rlcheck import metrics as K
-from rlcheck.detect.periodic import PeriodicConfig
-from rlcheck.dump import META, SEQUENCES
-from rlcheck.errors import InputError
+from rlcheck.core import histogram as H
+from rlcheck.core import metrics as K
+from rlcheck.core.detect.periodic import PeriodicConfig
+from rlcheck.core.run import DumpInfo, Run
+from rlcheck.core.stats import StatsConfig
 from rlcheck.report.periodogram import Periodogram, periodogram, watched_metrics
-from rlcheck.sinks.jsonl import read_jsonl
-from rlcheck.stats import StatsConfig
 
-LOOP_FILE = "loop.jsonl"
 REWARD = "loop/reward_mean"
 MAX_OFFENDERS = 20
 """Rows of the run-wide offenders table."""
@@ -54,23 +49,11 @@ PANELS = (
 )
 
 
-@dataclass(frozen=True)
-class DumpInfo:
-    step: int
-    path: Path
-    reason: str
-    num_sequences: int | None
-    files: tuple[Path, ...]
-    """meta.json and sequences.parquet, those that exist."""
-    context: dict[str, Any]
-    """The meta's context: model, engine, sampling, trainer, fault."""
-
-
 @dataclass
 class RunData:
     run_dir: Path
     summary: dict[str, Any]
-    """`rlcheck.summarize.summarize(run_dir)`."""
+    """`rlcheck.report.summary.summarize(run_dir)`."""
     diagnosis: Any
     """`rlcheck.forensics.diagnose.Diagnosis` of the run."""
     steps: np.ndarray
@@ -96,35 +79,32 @@ class RunData:
     """loop.jsonl lines (reward, loss, sync_skipped, seconds per phase); [] without one."""
     periodograms: list[Periodogram] = field(default_factory=list)
     guard: Any = None
-    """The engine guard's output (`rlcheck.engines._guard_io.GuardData`: summary, violations, break
+    """The engine guard's output (`rlcheck.core.run.guard_files.GuardData`: summary, violations, break
     snapshots); None when the run has no run_dir/guard."""
 
 
-def collect(run_dir: str | Path) -> RunData:
-    """Read the run directory; a missing directory or one without metrics.jsonl is an InputError."""
-    from rlcheck.engines._guard_io import load_guard
+def collect(run: Run | str | Path) -> RunData:
+    """Read the run (a `Run`, or its directory, opened once): an InputError when it is missing or
+    holds no metrics.jsonl records."""
     from rlcheck.forensics.diagnose import diagnose
-    from rlcheck.summarize import read_records, summarize
+    from rlcheck.report.summary import summarize
 
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise InputError(f"{run_dir} does not exist or is not a directory: pass an rlcheck run directory")
-    raw = read_records(run_dir)  # raises InputError without metrics.jsonl or records; read once
-    summary, diagnosis = summarize(run_dir, records=raw), diagnose(run_dir, raw)
+    run = Run.open(run)
+    raw = run.records()  # raises InputError without metrics.jsonl or records
+    summary, diagnosis = summarize(run), diagnose(run)
     records = sorted(raw, key=lambda r: int(r["step"]))
     steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
-    watched = watched_metrics(run_dir, PeriodicConfig())
+    watched = watched_metrics(run.state(), PeriodicConfig())
     series = _series(records, {k for p in PANELS for k in p.keys} | set(watched))
     alarms = [a for r in records for a in r.get("alarms") or ()]
     worst = _worst_record(records)
-    dumps = _dumps(run_dir)
     return RunData(
-        run_dir=run_dir, summary=summary, diagnosis=diagnosis, steps=steps, series=series,
+        run_dir=run.path, summary=summary, diagnosis=diagnosis, steps=steps, series=series,
         alarms=alarms, hist_run=_sum_hists(records), worst_step=None if worst is None else int(worst["step"]),
         hist_worst=None if worst is None else worst.get("abs_diff_hist"),
         offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
-        dumps=dumps, context=_context(dumps), loop=_loop(run_dir),
-        periodograms=_periodograms(watched, steps, series, alarms), guard=load_guard(run_dir),
+        dumps=run.dumps(), context=run.context(), loop=run.loop(),
+        periodograms=_periodograms(watched, steps, series, alarms), guard=run.guard(),
     )
 
 
@@ -173,30 +153,3 @@ def _worst_offenders(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     rows = ({**o, "step": int(r["step"])} for r in records for o in r.get("offenders") or () if isinstance(o, dict))
     return heapq.nlargest(MAX_OFFENDERS, rows, key=score)
-
-
-def _dumps(run_dir: Path) -> list[DumpInfo]:
-    out = []
-    for d in sorted((run_dir / "dumps").glob("step_*")):
-        if not d.is_dir():
-            continue
-        try:
-            meta = json.loads((d / META).read_text())
-        except (OSError, ValueError):
-            meta = {}
-        step = meta.get("step", d.name.removeprefix("step_"))
-        out.append(DumpInfo(
-            step=int(step) if str(step).isdigit() else -1, path=d, reason=str(meta.get("reason", "")),
-            num_sequences=meta.get("num_sequences"), files=tuple(d / f for f in (META, SEQUENCES) if (d / f).is_file()),
-            context=meta.get("context") if isinstance(meta.get("context"), dict) else {},
-        ))
-    return out
-
-
-def _context(dumps: list[DumpInfo]) -> dict[str, Any]:
-    return next((d.context for d in reversed(dumps) if d.context), {})
-
-
-def _loop(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / LOOP_FILE
-    return list(read_jsonl(path)) if path.is_file() else []

@@ -17,11 +17,11 @@ def _e(x: Any) -> str:
 
 
 def guard_section(guard: Any, link: Callable[[Path], str]) -> str:
-    """HTML of `guard` (`rlcheck.engines._guard_io.GuardData`, or None: ""); `link(path)` makes a
+    """HTML of `guard` (`rlcheck.core.run.guard_files.GuardData`, or None: ""); `link(path)` makes a
     relative link to a snapshot file."""
     if guard is None:
         return ""
-    from rlcheck.engines._guard_record import CHECKS
+    from rlcheck.core.run.guard_record import CHECKS
 
     s = guard.summary
     pool = s.get("pool") or {}

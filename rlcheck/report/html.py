@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 from rlcheck import __version__
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.report import plots
 from rlcheck.report.data import PANELS, RunData
 from rlcheck.report.guard import guard_section

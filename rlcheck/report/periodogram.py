@@ -1,6 +1,6 @@
 """The periodic detector's view of a run: its fold score C(P) for every period P, at one step.
 
-The series is replayed through a `PeriodicDetector` (`rlcheck.detect.periodic`) to rebuild the exact
+The series is replayed through a `PeriodicDetector` (`rlcheck.core.detect.periodic`) to rebuild the exact
 z-score history it held at that step: the step of the first periodic alarm on the metric, else the
 run's last step. Only the last `window + history` steps are replayed (the rolling baseline and the
 z history are both bounded), so a 100k-step run costs the same as a short one. The scores are the
@@ -13,14 +13,12 @@ plot is what the live detector decided.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlcheck.detect.periodic import PeriodicConfig, PeriodicDetector
+from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
 
 _ANY = 1e-12  # a threshold and a hit fraction that every scored fold passes
 
@@ -45,14 +43,12 @@ class Periodogram:
     """z-scores the detector held at `step`."""
 
 
-def watched_metrics(run_dir: Path, cfg: PeriodicConfig) -> tuple[str, ...]:
-    """Metrics the run's periodic detector watched: the keys of its saved state, else `cfg.metrics`."""
-    from rlcheck.monitor import STATE_FILE
-
+def watched_metrics(state: dict[str, Any] | None, cfg: PeriodicConfig) -> tuple[str, ...]:
+    """Metrics the run's periodic detector watched: the keys of its saved `state` (the run's
+    state.json, `Run.state()`), else `cfg.metrics`."""
     try:
-        state = json.loads((run_dir / STATE_FILE).read_text())
-        watched = tuple(state["detectors"]["periodic"])
-    except (OSError, ValueError, KeyError, TypeError):
+        watched = tuple(state["detectors"]["periodic"])  # type: ignore[index]
+    except (KeyError, TypeError):
         return cfg.metrics
     return watched or cfg.metrics
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.detect.base import severity_rank
+from rlcheck.core.types import severity_rank
 from rlcheck.report.data import Panel
 from rlcheck.report.periodogram import Periodogram
 

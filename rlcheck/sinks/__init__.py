@@ -1,11 +1,13 @@
-"""Where each step's record goes: `metrics.jsonl` (always, essential), the console, W&B.
+"""Views of each step's record: the console, W&B, your own. The record itself is the run's journal,
+`metrics.jsonl`, which the Monitor's `Run` always writes (`rlcheck.core.run.journal`); the name
+"jsonl" is still accepted in a sink list and means that journal, nothing more.
 
 Every sink gets `log(step, record)` with one record per step:
 
     {
       "step": int,
       "time": float,                       # unix seconds
-      "metrics": {key: float},             # keys from rlcheck.metrics
+      "metrics": {key: float},             # keys from rlcheck.core.metrics
       "alarms": [Alarm.to_dict()],         # kind, metric, step, severity, message, details
       "offenders": [Offender.to_dict()],   # request_id, index, max_abs_diff, first_divergence
                                            #   (int or None), length, mean_diff, nonfinite
@@ -13,7 +15,7 @@ Every sink gets `log(step, record)` with one record per step:
       "events": [dict],                    # optional
     }
 
-    sinks = make_sinks(["jsonl", "console", "wandb"], run_dir, WandbConfig(mode="offline"))
+    sinks = make_sinks(["console", "wandb"], run_dir, WandbConfig(mode="offline"))
     sinks.log(step, record); ...; sinks.close()
 
 `wandb` and `rich` are imported only when their sink is built.
@@ -29,7 +31,6 @@ from typing import Any
 from rlcheck.errors import ConfigError
 from rlcheck.sinks.base import FanOut, Sink, SinkInitError, SinkWarning
 from rlcheck.sinks.console import ConsoleSink
-from rlcheck.sinks.jsonl import JsonlSink, read_jsonl
 from rlcheck.sinks.wandb import WandbConfig, WandbSink
 
 SINK_NAMES = ("jsonl", "console", "wandb")
@@ -38,14 +39,12 @@ __all__ = [
     "SINK_NAMES",
     "ConsoleSink",
     "FanOut",
-    "JsonlSink",
     "Sink",
     "SinkInitError",
     "SinkWarning",
     "WandbConfig",
     "WandbSink",
     "make_sinks",
-    "read_jsonl",
 ]
 
 
@@ -81,7 +80,7 @@ def make_sinks(
 
 def _make_one(name: str, run_dir: Path, wandb_config: WandbConfig | None, wandb_run: Any) -> Sink | None:
     if name == "jsonl":
-        return JsonlSink(run_dir)
+        return None  # the journal: written by the Run whatever the sinks
     if name == "console":
         return ConsoleSink()
     try:

@@ -4,8 +4,8 @@ A sink receives one record per step (schema in `rlcheck/sinks/__init__.py`) thro
 `log(step, record)`; `flush()` makes what it has seen durable, `close()` releases it. The base class
 does nothing, so a sink implements only what it needs. `FanOut` forwards every call to its sinks and
 keeps a broken optional sink (W&B down, terminal gone) from stopping training: the sink is warned
-about once and dropped. A sink with `essential = True` (the JSONL log) is the run's record of truth:
-its errors propagate.
+about once and dropped. A sink of yours with `essential = True` has its errors propagate instead (the
+run's own record, metrics.jsonl, is not a sink: the Monitor's `Run` writes it before any view).
 """
 
 from __future__ import annotations

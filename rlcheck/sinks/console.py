@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.errors import ConfigError
 from rlcheck.sinks.base import Sink
 

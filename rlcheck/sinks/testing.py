@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlcheck import metrics as K
-from rlcheck.detect.base import Alarm
+from rlcheck.core import metrics as K
+from rlcheck.core.types import Alarm, Offender
 from rlcheck.sinks.base import Sink
-from rlcheck.stats import Offender
 
 
 class RecordingSink(Sink):

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck import histogram as H
-from rlcheck import metrics as K
+from rlcheck.core import histogram as H
+from rlcheck.core import metrics as K
+from rlcheck.core.types import Offender
 from rlcheck.errors import ConfigError
 from rlcheck.sinks.base import Sink, SinkInitError, SinkWarning
-from rlcheck.stats import Offender
 
 MODES = ("online", "offline", "disabled", "shared")
 OFFENDERS_KEY = "rlcheck/offenders"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
 
 

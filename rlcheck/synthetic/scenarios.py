@@ -123,8 +123,8 @@ def run_scenario(s: Scenario, seed: int, run_dir: str | os.PathLike, fault: Fiel
     """Feed the scenario through a `Monitor` (the default config, JSONL sink, in `run_dir`); a halt
     is counted and the run goes on, unless `stop_on_halt`. `monitor_config(run_dir)` overrides the
     config."""
-    from rlcheck.monitor import Monitor, MonitorConfig
-    from rlcheck.stats import compute_partial, merge
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+    from rlcheck.core.stats import compute_partial, merge
 
     cfg = (monitor_config or (lambda d: MonitorConfig(run_dir=d, sinks=("jsonl",))))(run_dir)
     stream = FieldStream(dataclasses.replace(s.field, seed=seed), fault, s.num_steps)

@@ -13,10 +13,10 @@ import torch
 
 from rlcheck.engines.hf import is_recurrent, right_padded
 from rlcheck.errors import InputError
-from rlcheck.logprobs import token_logprobs
 from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
 from rlcheck.trainers.config import TrainerConfig
+from rlcheck.trainers.logprobs import token_logprobs
 from rlcheck.trainers.loss import clipped_surrogate
 
 

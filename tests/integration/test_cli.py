@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.errors import MismatchHalt
 from rlcheck.faults import parse_inject
-from rlcheck.monitor import Monitor, MonitorConfig
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 RLCHECK = str(Path(sys.executable).with_name("rlcheck"))

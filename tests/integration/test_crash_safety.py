@@ -18,8 +18,8 @@ import time
 import pytest
 
 from rlcheck import HaltConfig, Monitor, MonitorConfig
+from rlcheck.core.run.journal import read_jsonl
 from rlcheck.errors import RunDirError
-from rlcheck.sinks import read_jsonl
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 NUM_STEPS = 60
@@ -30,8 +30,9 @@ CFG = dict(num_sequences=32, mean_length=20, spike_every=4, spike_phase=1, spike
 CHILD = f"""
 import os, signal, sys
 from rlcheck import HaltConfig, Monitor, MonitorConfig, StepBatch
-from rlcheck import dump, rundir
-from rlcheck.sinks.jsonl import JsonlSink
+from rlcheck.core.run import dump
+from rlcheck.core.run import files as rundir
+from rlcheck.core.run.journal import Journal
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 run_dir, kill_at, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -69,7 +70,7 @@ for step in range(start, {NUM_STEPS}):
         elif where == "mid_state":
             after_line(lambda: setattr(os, "replace", die))
         elif where == "mid_line":
-            JsonlSink._write = half_line
+            Journal._write = half_line
         elif where == "mid_dump":
             dump._fsync_file = dump_fsync
             batch = StepBatch.from_packed(batch.logp_rollout, batch.logp_train - 2.0, batch.cu_seqlens,

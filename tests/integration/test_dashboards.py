@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dashboards"))
 import rlcheck_dashboards as D  # noqa: E402
 
 from rlcheck import Monitor, MonitorConfig  # noqa: E402
-from rlcheck.monitor import HaltConfig  # noqa: E402
+from rlcheck.core.monitor import HaltConfig  # noqa: E402
+from rlcheck.core.stats import StatsConfig  # noqa: E402
 from rlcheck.sinks import WandbConfig  # noqa: E402
 from rlcheck.sinks import wandb as W  # noqa: E402
 from rlcheck.sinks.testing import read_offline_run  # noqa: E402
-from rlcheck.stats import StatsConfig  # noqa: E402
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch  # noqa: E402
 
 THRESHOLDS = (0.05, 0.3, 2.0)  # not the defaults: the dashboards must follow the configuration

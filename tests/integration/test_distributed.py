@@ -15,10 +15,10 @@ import time
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch, concat_batches
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch, concat_batches
+from rlcheck.core.stats import StatsConfig, compute, compute_partial, finalize
 from rlcheck.errors import ConfigError
-from rlcheck.stats import StatsConfig, compute, compute_partial, finalize
 
 WORLD_SIZE = 2
 
@@ -35,8 +35,8 @@ def _rank_main(rank: int, port: int, batch, cfgs: list[StatsConfig], out_dir: st
     this step and contributes `empty_partial`; the others split the batch."""
     import torch.distributed as dist
 
+    from rlcheck.core.stats import empty_partial
     from rlcheck.distributed import all_reduce_partial
-    from rlcheck.stats import empty_partial
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
@@ -123,9 +123,9 @@ def _observe_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
     compare); each step's outcome ("ok", metrics), ("halt", ...) or ("error", ...) is pickled."""
     import torch.distributed as dist
 
+    from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.distributed import all_ranks_agree, observe_across_ranks
     from rlcheck.errors import MismatchHalt
-    from rlcheck.monitor import Monitor, MonitorConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     cfg = MonitorConfig(run_dir=f"{out_dir}/run", sinks=("jsonl",))

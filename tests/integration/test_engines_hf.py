@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from rlcheck.engines.hf import HFScorer, HFScorerConfig, _groups  # noqa: E402
 from rlcheck.errors import ConfigError, InputError  # noqa: E402
-from rlcheck.testing import tiny_causal_lm  # noqa: E402
+from rlcheck.synthetic.streams import tiny_causal_lm  # noqa: E402
 
 VOCAB = 512
 

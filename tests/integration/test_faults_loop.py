@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from rlcheck.detect import DetectorsConfig, RobustZConfig
+from rlcheck.core.detect import DetectorsConfig, RobustZConfig
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import run_grpo
 from rlcheck.loop.presets import tiny_cpu
-from rlcheck.monitor import Monitor, MonitorConfig
 
 ONSET = 12
 DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))

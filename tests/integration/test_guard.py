@@ -184,7 +184,7 @@ class TestStressGuard:
     def test_cli_stale_state(self, tiny_model, tmp_path):
         """`rlcheck stress --guard --inject stale-state`: exit 1, the guard's ids in stress.json and the dump
         meta equal the fault's, the per-request column, and diagnose names stale state from the guard."""
-        from rlcheck.dump import read_dump
+        from rlcheck.core.run.dump import read_dump
         from rlcheck.forensics.diagnose import diagnose
 
         out = tmp_path / "run"

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.engines.guard import GUARD_METRIC
 from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import run_grpo
 from rlcheck.loop.presets import tiny_cpu
-from rlcheck.monitor import Monitor, MonitorConfig
 
 
 def _run(model, run_dir, spec: str | None, steps: int):

@@ -15,7 +15,7 @@ import socket
 import pytest
 import torch
 
-from rlcheck.testing import tiny_causal_lm
+from rlcheck.synthetic.streams import tiny_causal_lm
 
 WORLD_SIZE = 2
 V = 512
@@ -40,7 +40,7 @@ GRAD_NAMES = ("lm_head.weight", "model.layers.1.mlp.down_proj.weight")
 
 def _plain() -> tuple:
     model = _tiny_llama()
-    from rlcheck.logprobs import token_logprobs
+    from rlcheck.trainers.logprobs import token_logprobs
 
     logp = token_logprobs(model, _batch(), temperature=0.8, chunk_size=5).logp
     logp.sum().backward()
@@ -80,7 +80,7 @@ def _deepspeed(model):
 
 
 def _score(model) -> torch.Tensor:
-    from rlcheck.logprobs import token_logprobs
+    from rlcheck.trainers.logprobs import token_logprobs
 
     return token_logprobs(model, _batch(), temperature=0.8, chunk_size=5).logp
 

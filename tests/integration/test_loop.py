@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.dump import read_dump
+from rlcheck.core import metrics as K
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.run.dump import read_dump
 from rlcheck.faults import SkipSync
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import GRPOLoop, run_grpo
 from rlcheck.loop.presets import tiny_cpu
-from rlcheck.monitor import Monitor, MonitorConfig
 
 
 def _lines(path):

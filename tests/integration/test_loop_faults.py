@@ -14,13 +14,13 @@ from dataclasses import replace
 
 import pytest
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.errors import ActorDiedError, ConfigError, MismatchHalt
 from rlcheck.forensics.diagnose import RESTART_AGE, diagnose
 from rlcheck.loop import GRPOLoop, LoopResult
 from rlcheck.loop.presets import tiny_cpu
 from rlcheck.loop.recovery import ENGINE_RESTARTS, STEPS_SINCE_RESTART
-from rlcheck.monitor import Monitor, MonitorConfig
 from rlcheck.sinks import Sink
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from rlcheck import HaltConfig, MismatchHalt, Monitor, MonitorConfig, StepBatch
-from rlcheck import metrics as K
-from rlcheck.dump import read_dump
-from rlcheck.sinks import SinkWarning, WandbSink, read_jsonl
+from rlcheck.core import metrics as K
+from rlcheck.core.run.dump import read_dump
+from rlcheck.core.run.journal import read_jsonl
+from rlcheck.sinks import SinkWarning, WandbSink
 from rlcheck.sinks.testing import RecordingSink, read_offline_run
 from rlcheck.sinks.wandb import OFFENDER_COLUMNS, OFFENDERS_KEY
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch

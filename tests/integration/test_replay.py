@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("torch")
 
-from rlcheck.dump import write_dump  # noqa: E402
+from rlcheck.core.run.dump import write_dump  # noqa: E402
 from rlcheck.engines.hf import HFScorer, HFScorerConfig  # noqa: E402
 from rlcheck.engines.vllm import VLLMConfig, VLLMEngine, to_step_batch  # noqa: E402
 from rlcheck.forensics import replay  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.errors import MismatchHalt
 
 pytest.importorskip("trl")
@@ -79,8 +79,8 @@ def _run_drill(model: str, out, dispatch: str) -> Drill:
     """A 5-step `RLCheckGRPOTrainer` run with stale-weights@2, vLLM in bf16 (TRL's default)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from rlcheck.core.monitor import MonitorConfig
     from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
-    from rlcheck.monitor import MonitorConfig
 
     t0 = time.perf_counter()
     trainer = RLCheckGRPOTrainer(
@@ -226,8 +226,8 @@ class TestAttachMonitor:
         import trl.generation.vllm_generation as vg
         from trl import GRPOTrainer
 
+        from rlcheck.core.monitor import MonitorConfig
         from rlcheck.integrations.trl import attach_monitor
-        from rlcheck.monitor import MonitorConfig
 
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM sizes its cache from the machine's RAM

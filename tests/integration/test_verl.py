@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch
-from rlcheck.dump import read_dump
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.run.dump import read_dump
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.integrations import verl as V
-from rlcheck.monitor import Monitor, MonitorConfig
 
 pytestmark = pytest.mark.slow
 verl = pytest.importorskip("verl", reason="pip install --no-deps verl==0.9.1 (see the module docstring)")

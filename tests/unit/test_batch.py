@@ -1,11 +1,11 @@
-"""Tests of rlcheck.batch.StepBatch: the three constructors agree, and bad input is named."""
+"""Tests of rlcheck.core.batch.StepBatch: the three constructors agree, and bad input is named."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import InputError, RLCheckError
 
 try:  # imported here, not per test, so that no single test pays the import

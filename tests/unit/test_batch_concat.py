@@ -1,11 +1,11 @@
-"""`rlcheck.batch.concat_batches`: several batches (the ranks' of one step) joined into one."""
+"""`rlcheck.core.batch.concat_batches`: several batches (the ranks' of one step) joined into one."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rlcheck.batch import StepBatch, concat_batches
+from rlcheck.core.batch import StepBatch, concat_batches
 from rlcheck.errors import InputError
 
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlcheck.cli import app
-from rlcheck.cli_paths import model_output, model_source, output_dir, output_file
+from rlcheck.cli.paths import model_output, model_source, output_dir, output_file
 from rlcheck.errors import PathError
 
 

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlcheck import HaltConfig, MismatchHalt, Monitor, MonitorConfig, StepBatch
-from rlcheck import rundir as R
-from rlcheck.dump import read_dump, write_dump
+from rlcheck.core.run import files as R
+from rlcheck.core.run.dump import read_dump, write_dump
+from rlcheck.core.run.journal import read_jsonl
 from rlcheck.errors import RecordWriteError, RunDirError
-from rlcheck.sinks import read_jsonl
 from rlcheck.sinks.testing import RecordingSink
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
@@ -77,7 +77,7 @@ class TestResumeAfterCrash:
     def test_empty_step_replayed_as_empty(self, tmp_path, monkeypatch):
         """An empty step (every token masked) logged just before the process died is replayed as
         empty: the resumed run's halting streak and detectors equal an uninterrupted run's."""
-        from rlcheck.detect import Alarm
+        from rlcheck.core.detect import Alarm
 
         def observe(m, s):
             b = synthetic_batch(CFG, s)
@@ -195,7 +195,7 @@ class TestHaltEvidence:
     def test_dump_failure_still_halts(self, tmp_path, monkeypatch):
         """A dump that cannot be written does not replace the halt: MismatchHalt names the problem."""
         m = mon(tmp_path)
-        monkeypatch.setattr("rlcheck.monitor.write_dump", _raise(OSError(errno.ENOSPC, "No space left on device")))
+        monkeypatch.setattr("rlcheck.core.run.run.write_dump", _raise(OSError(errno.ENOSPC, "No space left on device")))
         with pytest.raises(MismatchHalt, match="dump could not be written.*No space") as info:
             m.observe(0, bad_batch(0))
         assert info.value.dump_dir is None and isinstance(info.value.__cause__, OSError)
@@ -204,7 +204,7 @@ class TestHaltEvidence:
     def test_record_failure_on_halting_step_still_halts(self, tmp_path, monkeypatch):
         """If the halting step's line cannot be written, the halt is raised with the dump and the problem."""
         m = mon(tmp_path)
-        monkeypatch.setattr("rlcheck.sinks.jsonl.JsonlSink._write", _raise(OSError(errno.ENOSPC, "disk full")))
+        monkeypatch.setattr("rlcheck.core.run.journal.Journal._write", _raise(OSError(errno.ENOSPC, "disk full")))
         with pytest.raises(MismatchHalt, match="record was not written.*disk full") as info:
             m.observe(0, bad_batch(0))
         assert read_dump(info.value.dump_dir)[1]["step"] == 0
@@ -213,7 +213,7 @@ class TestHaltEvidence:
 class TestAtomicDump:
     def test_crash_mid_dump_leaves_no_dump(self, tmp_path, monkeypatch):
         """A failure after the parquet is written leaves neither a step dir nor a temp dir."""
-        monkeypatch.setattr("rlcheck.dump._fsync_file", _raise(OSError(errno.EIO, "I/O error")))
+        monkeypatch.setattr("rlcheck.core.run.dump._fsync_file", _raise(OSError(errno.EIO, "I/O error")))
         with pytest.raises(OSError):
             write_dump(tmp_path / "dumps" / "step_000002", synthetic_batch(CFG, 2), step=2)
         assert list((tmp_path / "dumps").iterdir()) == []
@@ -221,7 +221,7 @@ class TestAtomicDump:
     def test_failed_rewrite_keeps_old_dump(self, tmp_path, monkeypatch):
         """Writing a step's dump again and failing leaves the old dump whole."""
         where = write_dump(tmp_path / "step_000002", synthetic_batch(CFG, 2), step=2, reason="first")
-        monkeypatch.setattr("rlcheck.dump._fsync_file", _raise(OSError(errno.EIO, "I/O error")))
+        monkeypatch.setattr("rlcheck.core.run.dump._fsync_file", _raise(OSError(errno.EIO, "I/O error")))
         with pytest.raises(OSError):
             write_dump(where, synthetic_batch(CFG, 3), step=2, reason="second")
         assert read_dump(where)[1]["reason"] == "first"

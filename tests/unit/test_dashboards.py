@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dashboards"))
 import push  # noqa: E402
 import rlcheck_dashboards as D  # noqa: E402
 
-from rlcheck import metrics as K  # noqa: E402
+from rlcheck.core import metrics as K  # noqa: E402
 from rlcheck.sinks import wandb as W  # noqa: E402
 
 

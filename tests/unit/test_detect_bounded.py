@@ -11,9 +11,9 @@ from collections import deque
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.detect import DetectorsConfig, build_detectors
-from rlcheck.stats import StatsConfig, compute
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import DetectorsConfig, build_detectors
+from rlcheck.core.stats import StatsConfig, compute
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 POOL = 256

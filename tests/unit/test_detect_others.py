@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.detect import (
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import (
     Alarm,
     DetectorsConfig,
     DriftConfig,
@@ -22,7 +22,7 @@ from rlcheck.detect import (
     build_detectors,
 )
 from rlcheck.errors import ConfigError
-from rlcheck.testing import metric_stream
+from rlcheck.synthetic.streams import metric_stream
 
 
 def run(detector, metrics_list, start=0):

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.detect import DetectorsConfig, PeriodicConfig, PeriodicDetector, build_detectors
-from rlcheck.testing import metric_stream
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import DetectorsConfig, PeriodicConfig, PeriodicDetector, build_detectors
+from rlcheck.synthetic.streams import metric_stream
 
 
 def first_alarm(detector, stream, start=0):

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from rlcheck.batch import StepBatch
-from rlcheck.detect.signature import SignatureConfig
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect.signature import SignatureConfig
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import CAUSES, _sparse_sequences, diagnose
 from rlcheck.forensics.evidence import Evidence, load_evidence
 from rlcheck.forensics.render import render_diagnosis
-from rlcheck.monitor import Monitor, MonitorConfig
-from rlcheck.stats import StatsConfig
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 ONSET = 32

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcheck.detect import ThresholdConfig
-from rlcheck.monitor import DEFAULT_HARD_LIMITS, HaltConfig
+from rlcheck.core.detect import ThresholdConfig
+from rlcheck.core.monitor import DEFAULT_HARD_LIMITS, HaltConfig
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from rlcheck import HaltConfig, Monitor, MonitorConfig, StepBatch
-from rlcheck.dump import read_dump, write_dump
-from rlcheck.stats import StatsConfig
+from rlcheck.core.run.dump import read_dump, write_dump
+from rlcheck.core.stats import StatsConfig
 
 
 def masked_batch() -> StepBatch:

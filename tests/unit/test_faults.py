@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
 from rlcheck.faults import (
     FAULTS,

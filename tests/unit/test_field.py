@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
+from rlcheck.core.stats import compute
 from rlcheck.errors import ConfigError
-from rlcheck.stats import compute
 from rlcheck.synthetic import FieldConfig, FieldFault, FieldStream
 from rlcheck.synthetic.scenarios import (
     CALIBRATION_SEEDS,

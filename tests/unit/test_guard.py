@@ -11,6 +11,8 @@ import json
 import numpy as np
 import pytest
 
+from rlcheck.core.run.guard_files import GuardOutput, load_guard, record_to_dict, safe_name
+from rlcheck.core.run.guard_record import CHECKS, GroupOffsets, PoolInfo, Ragged, StepRecord, Violation
 from rlcheck.engines._guard_checks import (
     InvariantChecker,
     SlotHistory,
@@ -19,8 +21,6 @@ from rlcheck.engines._guard_checks import (
     check_prefill_from_zero,
     check_slot_unique,
 )
-from rlcheck.engines._guard_io import GuardOutput, load_guard, record_to_dict, safe_name
-from rlcheck.engines._guard_record import CHECKS, GroupOffsets, PoolInfo, Ragged, StepRecord, Violation
 from rlcheck.engines._guard_vllm import MAX_LIST, to_json
 from rlcheck.engines.guard import SIGNATURE, GuardConfig, violations_to_alarms
 from rlcheck.errors import ConfigError, GuardViolation
@@ -316,7 +316,7 @@ class TestReportGuardSection:
         """The section lists every check, the violations escaped, and links the snapshots."""
         from pathlib import Path
 
-        from rlcheck.engines._guard_io import GuardData
+        from rlcheck.core.run.guard_files import GuardData
         from rlcheck.report.guard import guard_section
 
         vs = check_slot_unique(rec(2, ["<b>", "c"], [1, 1], assigned=[1, 5]))
@@ -328,7 +328,7 @@ class TestReportGuardSection:
 
     def test_report_page(self, tmp_path):
         """`rlcheck report` on a run directory holding guard output shows the guard section and its verdict."""
-        from rlcheck.monitor import Monitor, MonitorConfig
+        from rlcheck.core.monitor import Monitor, MonitorConfig
         from rlcheck.report import write_report
         from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 

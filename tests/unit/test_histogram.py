@@ -1,11 +1,11 @@
-"""Tests of rlcheck.histogram: exact bin edges, quantiles read back within one bin."""
+"""Tests of rlcheck.core.histogram: exact bin edges, quantiles read back within one bin."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rlcheck import histogram as H
+from rlcheck.core import histogram as H
 
 BIN_RTOL = 1.0 / 16  # bins are 1/16 octave wide: a quantile is off by at most one bin width
 

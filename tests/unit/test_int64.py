@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlcheck import histogram as H
-from rlcheck.batch import StepBatch, segment_token_indices
+from rlcheck.core import histogram as H
+from rlcheck.core.batch import StepBatch, segment_token_indices
+from rlcheck.core.stats import StatsConfig, compute_partial, merge
+from rlcheck.core.stats.sequences import first_in_segments, segment_max
 from rlcheck.errors import InputError
-from rlcheck.stats import StatsConfig, compute_partial, merge
-from rlcheck.stats.sequences import first_in_segments, segment_max
 
 RLCHECK = Path(__file__).resolve().parents[2] / "rlcheck"
 BIG = 2**32  # the first offset a uint32 cannot hold
@@ -36,7 +36,7 @@ NARROW_CASTS = {"int", "short"}  # torch: tensor.int() is int32, tensor.short() 
 ALLOWED = {
     # |d| binning reads the exponent and top mantissa bits of the float32 bit pattern: a view of
     # float bits, never an offset or a count.
-    ("histogram.py", "abs_histogram", "np.uint32"),
+    ("core/histogram.py", "abs_histogram", "np.uint32"),
 }
 
 
@@ -107,7 +107,7 @@ class TestNarrowIntScan:
 
     def test_catches_a_regression_in_batch(self):
         """batch.py with its int64 offset conversion turned into int32 is reported, in that function."""
-        source = (RLCHECK / "batch.py").read_text()
+        source = (RLCHECK / "core" / "batch.py").read_text()
         narrowed = source.replace("a.astype(np.int64, copy=False)", "a.astype(np.int32, copy=False)")
         assert narrowed != source
         assert ("_int_array", "np.int32") in {(f, e) for f, e, _ in narrow_int_uses(narrowed)}
@@ -174,7 +174,7 @@ class TestPositionsFromCuSeqlens:
     def test_offsets_past_2_32(self):
         """Packed position ids of sequences starting past 2**32 restart at 0, in int64."""
         torch = pytest.importorskip("torch")
-        from rlcheck.logprobs import _positions_from_cu_seqlens
+        from rlcheck.trainers.logprobs import _positions_from_cu_seqlens
 
         cu = torch.tensor([2 * BIG, 2 * BIG + 3, 2 * BIG + 3, 2 * BIG + 5])
         got = _positions_from_cu_seqlens(cu, "cpu")
@@ -183,7 +183,7 @@ class TestPositionsFromCuSeqlens:
     def test_int32_cu_seqlens(self):
         """flash-attn style int32 cu_seqlens give int64 position ids."""
         torch = pytest.importorskip("torch")
-        from rlcheck.logprobs import _positions_from_cu_seqlens
+        from rlcheck.trainers.logprobs import _positions_from_cu_seqlens
 
         got = _positions_from_cu_seqlens(torch.tensor([0, 2, 5], dtype=torch.int32), "cpu")
         assert got.dtype == torch.int64 and got.tolist() == [[0, 1, 0, 1, 2]]

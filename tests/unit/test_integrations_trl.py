@@ -95,7 +95,7 @@ class TestToStepBatch:
         with a warning instead of an exception that would stop TRL's training loop."""
         import json
 
-        from rlcheck.monitor import Monitor, MonitorConfig
+        from rlcheck.core.monitor import Monitor, MonitorConfig
 
         out = trl_output()
         out["completion_mask"] = torch.zeros_like(out["completion_mask"])

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.stats import StatsConfig, compute_partial, finalize
 from rlcheck.errors import InputError
 from rlcheck.integrations import verl as V
-from rlcheck.monitor import Monitor, MonitorConfig
-from rlcheck.stats import StatsConfig, compute_partial, finalize
 
 
 def verl_fields(num_prompts: int = 3, n: int = 4, prompt_len: int = 6, response_len: int = 10, seed: int = 0):

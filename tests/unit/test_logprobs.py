@@ -1,4 +1,4 @@
-"""`rlcheck.logprobs`: chunked token logprobs equal the naive log_softmax + gather, values and grads."""
+"""`rlcheck.trainers.logprobs`: chunked token logprobs equal the naive log_softmax + gather, values and grads."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlcheck.errors import ConfigError, InputError
-from rlcheck.logprobs import chunked_token_logprobs, default_chunk_size, token_logprobs
-from rlcheck.testing import tiny_causal_lm
+from rlcheck.synthetic.streams import tiny_causal_lm
+from rlcheck.trainers.logprobs import chunked_token_logprobs, default_chunk_size, token_logprobs
 
 N, H, V = 301, 64, 512
 

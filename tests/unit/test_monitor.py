@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from rlcheck import HaltConfig, MismatchHalt, Monitor, MonitorConfig, StepBatch
-from rlcheck import metrics as K
-from rlcheck.detect import DetectorsConfig, SignatureConfig
-from rlcheck.dump import read_dump
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import DetectorsConfig, SignatureConfig
+from rlcheck.core.run.dump import read_dump
+from rlcheck.core.run.journal import read_jsonl
+from rlcheck.core.stats import compute_partial, merge
 from rlcheck.errors import InputError, RLCheckError, RunDirError
-from rlcheck.sinks import read_jsonl
-from rlcheck.stats import compute_partial, merge
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 SMALL = SyntheticConfig(num_sequences=24, mean_length=40)
@@ -112,7 +112,7 @@ class TestMonitorAPI:
     def test_outside_alarms_are_logged_and_halt(self, tmp_path):
         """An alarm found outside the Monitor (the engine guard's) is logged and halts under the policy;
         a wrong step or a non-Alarm is an InputError."""
-        from rlcheck.detect import Alarm
+        from rlcheck.core.detect import Alarm
 
         mon = monitor(tmp_path)
         rng = np.random.default_rng(0)
@@ -361,7 +361,7 @@ class TestEmptyStep:
 
     def test_observe_partial_of_no_sequence(self, tmp_path):
         """observe_partial of statistics with no sequence at all (every rank empty)."""
-        from rlcheck.stats import empty_partial
+        from rlcheck.core.stats import empty_partial
 
         self._check_empty(tmp_path, lambda mon, s: mon.observe_partial(s, empty_partial()), 0)
 
@@ -373,7 +373,7 @@ class TestEmptyStep:
 
     def test_empty_step_dump(self, tmp_path):
         """A halt from outside alarms on an empty step still writes its dump."""
-        from rlcheck.detect import Alarm
+        from rlcheck.core.detect import Alarm
 
         guard = Alarm("signature", "guard/violations", 0, "critical", "engine guard: slot shared")
         z = -np.ones((2, 5))

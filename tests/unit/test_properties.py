@@ -21,10 +21,18 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch
-from rlcheck.monitor import HaltConfig, Monitor, MonitorConfig
-from rlcheck.stats import MIN_LOGPROB, PartialStats, StatsConfig, compute, compute_partial, finalize, merge
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig
+from rlcheck.core.stats import (
+    MIN_LOGPROB,
+    PartialStats,
+    StatsConfig,
+    compute,
+    compute_partial,
+    finalize,
+    merge,
+)
 
 EXAMPLES = int(os.environ.get("RLCHECK_PROPERTY_EXAMPLES", "100"))
 FAST = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,7 +125,7 @@ def cases(draw, *, edge_tokens_in: bool = False, nonfinite: bool = True) -> Case
 
 
 def _expected_keys(metrics: dict[str, float], cfg: StatsConfig, has_tokens: bool) -> set[str]:
-    """The documented key set (rlcheck.stats.finalize): a metric that is undefined is absent."""
+    """The documented key set (rlcheck.core.stats.finalize): a metric that is undefined is absent."""
     always = {K.TOKEN_COUNT, K.TOKEN_MASKED_COUNT, K.NONFINITE_COUNT, K.RATIO_CLIPPED_COUNT, K.SEQ_COUNT,
               K.SEQ_EMPTY_COUNT, K.SEQ_FLAGGED_FRAC, K.SEQ_CATASTROPHIC_COUNT, K.SEQ_CATASTROPHIC_FRAC,
               K.SIG_EARLY_DIV_COUNT, K.SIG_EARLY_ANY_COUNT, K.SIG_EARLY_ANY_EXPECTED}

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlcheck.batch import StepBatch
-from rlcheck.dump import SEQUENCES, write_dump
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.run.dump import SEQUENCES, write_dump
 from rlcheck.errors import InputError
 from rlcheck.forensics.ranking import (
     Context,

@@ -13,16 +13,16 @@ from urllib.parse import unquote
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.detect import PeriodicConfig, PeriodicDetector
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import PeriodicConfig, PeriodicDetector
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.errors import InputError, MismatchHalt
-from rlcheck.monitor import Monitor, MonitorConfig
 from rlcheck.report import write_report
 from rlcheck.report.data import PANELS, collect
 from rlcheck.report.periodogram import periodogram, replay_z
 from rlcheck.report.plots import alarm_steps, downsample, to_svg
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
-from rlcheck.testing import metric_stream
+from rlcheck.synthetic.streams import metric_stream
 
 PERIOD = 4
 EVIL = "<script>alert('x')</script>"

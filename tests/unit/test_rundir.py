@@ -1,4 +1,4 @@
-"""Tests of rlcheck.rundir: atomic JSON, the start-up write probe, the lines a crash left uncommitted,
+"""Tests of rlcheck.core.run.files: atomic JSON, the start-up write probe, the lines a crash left uncommitted,
 and the lock that keeps one live Monitor per run directory."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from rlcheck import rundir as R
+from rlcheck.core.run import files as R
+from rlcheck.core.run.journal import Journal
 from rlcheck.errors import RunDirError
-from rlcheck.sinks import JsonlSink
 from rlcheck.sinks.testing import example_record
 
 
@@ -82,10 +82,10 @@ class TestPrepare:
 
 class TestUncommittedRecords:
     def _log(self, run_dir, steps):
-        sink = JsonlSink(run_dir)
+        journal = Journal(run_dir)
         for s in steps:
-            sink.log(s, example_record(s))
-        sink.close()
+            journal.append(s, example_record(s))
+        journal.close()
         return R.jsonl_bytes(run_dir)
 
     def test_none_when_in_step(self, tmp_path):

@@ -14,10 +14,10 @@ import pytest
 
 import rlcheck
 from rlcheck import MismatchHalt, Monitor, MonitorConfig, StepBatch
-from rlcheck.dump import TOKEN_COLUMNS, read_dump
+from rlcheck.core.run.dump import TOKEN_COLUMNS, read_dump
+from rlcheck.core.run.journal import read_jsonl
 from rlcheck.errors import InputError
 from rlcheck.forensics.replay import load_sequences
-from rlcheck.sinks import read_jsonl
 from rlcheck.sinks.wandb import OFFENDER_COLUMNS
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 

@@ -8,14 +8,14 @@ import sys
 import pytest
 
 from rlcheck.errors import ConfigError
-from rlcheck.sinks import ConsoleSink, JsonlSink, make_sinks
+from rlcheck.sinks import ConsoleSink, make_sinks
 
 
 class TestMakeSinks:
     def test_builds_in_order(self, tmp_path):
-        """Named sinks are built in the order given."""
+        """Named sinks are built in the order given; "jsonl" names the Run's journal and builds no sink."""
         fan = make_sinks(["console", "jsonl"], tmp_path)
-        assert [type(s) for s in fan.sinks] == [ConsoleSink, JsonlSink]
+        assert [type(s) for s in fan.sinks] == [ConsoleSink]
         fan.close()
 
     def test_unknown_name(self, tmp_path):

@@ -1,4 +1,4 @@
-"""Tests of rlcheck.stats against a slow, obviously-correct reference written here with plain loops.
+"""Tests of rlcheck.core.stats against a slow, obviously-correct reference written here with plain loops.
 
 The reference implements design.md's definitions per sequence, in float64, one token at a time; the
 library computes the same numbers vectorised (segment reductions, expm1, merged sums). Masked-out
@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pytest
 
-from rlcheck import metrics as K
-from rlcheck.batch import StepBatch
-from rlcheck.stats import (
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats import (
     RATIO_LOG_CAP,
     StatsConfig,
     compute,

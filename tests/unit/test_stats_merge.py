@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from rlcheck import StepBatch
-from rlcheck import metrics as K
-from rlcheck.stats import StatsConfig, compute, compute_partial, empty_partial, finalize, merge
+from rlcheck.core import metrics as K
+from rlcheck.core.stats import StatsConfig, compute, compute_partial, empty_partial, finalize, merge
 
 
 class TestMerge:

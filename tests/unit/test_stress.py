@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from rlcheck.dump import read_dump
+from rlcheck.core.run.dump import read_dump
 from rlcheck.engines.vllm_faults import SlotEvent
 from rlcheck.errors import ConfigError
 from rlcheck.forensics.diagnose import diagnose

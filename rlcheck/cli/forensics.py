@@ -13,8 +13,8 @@ from pathlib import Path
 
 import typer
 
-from rlcheck.cli import _console, app
-from rlcheck.cli_paths import existing_dir, output_dir
+from rlcheck.cli.app import _console, app
+from rlcheck.cli.paths import existing_dir, output_dir
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
 from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
 from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE

@@ -1,19 +1,20 @@
-"""`run_dir/metrics.jsonl`: one JSON object per step, the run's durable record.
+"""`run_dir/metrics.jsonl`: one JSON object per step, the run's journal (its durable record, always
+written by the `Run` the Monitor owns; sinks are views of the same records).
 
-Each line is written with a single `os.write` on an `O_APPEND` descriptor and fsynced before `log`
+Each line is written with a single `os.write` on an `O_APPEND` descriptor and fsynced before `append`
 returns, so a crash leaves only whole lines (at worst a truncated last one, which `read_jsonl`
 skips). A write that fails or comes up short (disk full) is truncated away before the error is
 raised, so a later line never glues onto a part. If the file was left ending mid-line (a kill in
 the middle of a large write), opening it again starts a fresh line first, so a resumed run never
 glues its records onto a broken one. The durability rules of the whole run directory are in
-`rlcheck.rundir`.
+`rlcheck.core.run.files`.
 
 Non-finite floats (anywhere in the record) are written as the JSON strings "NaN", "Infinity" and
 "-Infinity", so every line is strict JSON and NaN stays distinguishable from inf. `read_jsonl` turns
 them back into floats where the schema says float: the values of `metrics` and the `max_abs_diff` /
 `mean_diff` of each offender; elsewhere (e.g. alarm `details`) they stay strings.
 
-    from rlcheck.sinks import read_jsonl
+    from rlcheck.core.run.journal import read_jsonl
     records = read_jsonl("runs/exp1/metrics.jsonl"); print(records.num_skipped)
 """
 
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.errors import RunDirError
-from rlcheck.sinks.base import Sink
 
 FILENAME = "metrics.jsonl"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -58,10 +58,8 @@ def encode_line(record: dict[str, Any]) -> bytes:
     return (text + "\n").encode("utf-8")
 
 
-class JsonlSink(Sink):
+class Journal:
     """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl`."""
-
-    essential = True
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.path = Path(run_dir) / FILENAME
@@ -73,9 +71,9 @@ class JsonlSink(Sink):
         except OSError as e:
             raise RunDirError(f"cannot open {self.path} for appending: {e}; check the run directory") from e
 
-    def log(self, step: int, record: dict[str, Any]) -> None:
+    def append(self, step: int, record: dict[str, Any]) -> None:
         if self._fd is None:
-            raise RunDirError(f"JsonlSink for {self.path} is closed; step {step} was not written")
+            raise RunDirError(f"the journal {self.path} is closed; step {step} was not written")
         line = encode_line(record)
         size = os.fstat(self._fd).st_size
         try:
@@ -86,7 +84,7 @@ class JsonlSink(Sink):
 
     def flush(self) -> None:
         if self._fd is not None:
-            os.fsync(self._fd)  # every log already fsynced; cheap when nothing is pending
+            os.fsync(self._fd)  # every append already fsynced; cheap when nothing is pending
 
     def close(self) -> None:
         if self._fd is not None:

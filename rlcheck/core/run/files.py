@@ -4,11 +4,11 @@ after a crash. The Monitor uses these; nothing here knows about statistics.
 What is fsynced (every write the Monitor makes):
 
     metrics.jsonl   each step is one `os.write` of a whole line on an O_APPEND descriptor, fsynced
-                    before the sink returns (`rlcheck.sinks.jsonl`); a failed or short write is
+                    before the sink returns (`rlcheck.core.run.journal`); a failed or short write is
                     truncated away, so the file holds only whole lines
     state.json      every step: written to `.state.json.tmp`, fsynced, renamed over, directory fsynced
     dumps/step_N/   files written and fsynced in a hidden temp dir, renamed into place, parent
-                    fsynced, all before `MismatchHalt` is raised (`rlcheck.dump`)
+                    fsynced, all before `MismatchHalt` is raised (`rlcheck.core.run.dump`)
     start           a probe file is created, written, fsynced and deleted, so an unwritable or full
                     run directory is a `RunDirError` from the constructor, not from step 500
     W&B, console    not ours to fsync (wandb writes its own files; the console is flushed)
@@ -39,9 +39,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from rlcheck.core.run.journal import FILENAME as JSONL_FILE
+from rlcheck.core.run.journal import Records, read_jsonl
 from rlcheck.errors import RunDirError
-from rlcheck.sinks.jsonl import FILENAME as JSONL_FILE
-from rlcheck.sinks.jsonl import Records, read_jsonl
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"

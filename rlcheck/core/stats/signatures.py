@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlcheck.batch import segment_token_indices
-from rlcheck.stats.sums import sum64, sum_product
+from rlcheck.core.batch import segment_token_indices
+from rlcheck.core.stats.sums import sum64, sum_product
 
 
 def signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch) -> None:

@@ -4,7 +4,8 @@ alarms, logs and, when the run has gone wrong, a halt with the evidence on disk.
     mon = Monitor(MonitorConfig(run_dir="runs/x"))
     report = mon.observe(step, StepBatch.from_ragged(...))   # may raise MismatchHalt
 
-`observe` validates, computes (`rlcheck.stats`), runs every detector, logs to every sink, saves the
+`observe` validates, computes (`rlcheck.core.stats`), runs every detector, appends the step's record
+to the run's journal (metrics.jsonl, through the `Run` it owns), shows it to every sink, saves the
 detector state atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies
 the halt policy: on halt it flushes the sinks, writes the step's dump and raises `MismatchHalt`.
 Hard limits alarm (critical) whether or not halting is on, and a NaN/inf logprob always does, whatever
@@ -12,14 +13,14 @@ Hard limits alarm (critical) whether or not halting is on, and a NaN/inf logprob
 masked, e.g. TRL's `mask_truncated_completions`, or no sequence on any rank) is logged as empty
 (`"empty": true`, counts only) with a warning and skipped by the detectors, never an exception.
 
-One live Monitor per run dir (`rundir.RunDirLock`, released by `close()` and on process death); a
+One live Monitor per run dir (`Run.create` locks it, released by `close()` and on process death); a
 Monitor that resumes a run warns naming the step it resumes after, counts the resume in state.json
 (`resumes`) and marks its first record (`"resumed": {"after_step": ..., "count": ...}`).
 
-Crash safety (`rlcheck.rundir` has the fsync rules): each step's metrics.jsonl line is fsynced before
-state.json is saved; a new Monitor replays any line a killed process logged after its last state
+Crash safety (`rlcheck.core.run.files` has the fsync rules): each step's metrics.jsonl line is fsynced
+before state.json is saved; a new Monitor replays any line a killed process logged after its last state
 save, so the detectors' history continues exactly and no step is logged twice. A disk that fills
-mid-run raises `RecordWriteError` (with the step's report on it) after the other sinks got the step;
+mid-run raises `RecordWriteError` (with the step's report on it) after the sinks got the step;
 on a halting step the halt is raised all the same, naming what could not be written.
 """
 
@@ -28,37 +29,24 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlcheck import metrics as K
-from rlcheck import rundir
-from rlcheck.batch import StepBatch
-from rlcheck.detect import Alarm, build_detectors, severity_rank
-from rlcheck.dump import dump_dir, remove_partial_dumps, write_dump
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
+from rlcheck.core.detect import Alarm, build_detectors, severity_rank
+from rlcheck.core.run import Run
+from rlcheck.core.run.files import STATE_FILE
+from rlcheck.core.stats import PartialStats, compute_partial, finalize
+from rlcheck.core.types import StepReport
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
-from rlcheck.monitor_config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
-from rlcheck.rundir import STATE_FILE
-from rlcheck.stats import Offender, PartialStats, compute_partial, finalize
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
 STATE_VERSION = 1
-
-
-@dataclass
-class StepReport:
-    """What one `observe` call found."""
-
-    step: int
-    metrics: dict[str, float]
-    alarms: list[Alarm]
-    offenders: tuple[Offender, ...]
-    halted: bool = False
-    halt_reason: str = ""
 
 
 def _check_step(step: Any) -> int:
@@ -105,27 +93,25 @@ class Monitor:
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        rundir.prepare(self.run_dir)
-        self._lock = rundir.RunDirLock(self.run_dir)  # before anything in the run dir is read or changed
+        self.run = Run.create(self.run_dir)
         try:
-            remove_partial_dumps(self.run_dir)
             self.detectors = build_detectors(cfg.detectors)
             self.last_step: int | None = None
             self.streak = 0
             self.alarm_counts: dict[str, int] = {}
             self.resumes = 0
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
-            if (self.run_dir / STATE_FILE).exists():
+            if self.run.has_state():
                 if not cfg.resume:
                     raise RunDirError(
                         f"{self.run_dir} already holds a run (state.json); pass resume=True to continue it, "
                         "or choose a new run_dir"
                     )
                 self._load_state()
-            self._has_state = (self.run_dir / STATE_FILE).exists()
+            self._has_state = self.run.has_state()
             self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
         except BaseException:
-            self._lock.release()
+            self.run.close()
             raise
 
     # ---- public API ----------------------------------------------------------------------------
@@ -153,8 +139,8 @@ class Monitor:
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
-        return write_dump(
-            dump_dir(self.run_dir, step), batch, step=step, reason=reason,
+        return self.run.write_dump(
+            step, batch, reason=reason,
             metrics=report.metrics if report else None,
             alarms=[a.to_dict() for a in report.alarms] if report else (),
             offenders=[o.to_dict() for o in report.offenders] if report else (),
@@ -162,11 +148,11 @@ class Monitor:
         )
 
     def close(self) -> None:
-        """Close the sinks and release the run dir (a second call does nothing more)."""
+        """Close the sinks and the run (its journal, its lock); a second call does nothing more."""
         try:
             self.sinks.close()
         finally:
-            self._lock.release()
+            self.run.close()
 
     def __enter__(self) -> Monitor:
         return self
@@ -240,9 +226,13 @@ class Monitor:
         return record
 
     def _record(self, report: StepReport, record: dict[str, Any]) -> RecordWriteError | None:
-        """Log to every sink, then save the state; an I/O failure comes back as the error to raise."""
+        """Append to the journal, show to every sink, then save the state; an I/O failure of the
+        journal or the state comes back as the error to raise (after the sinks got the step)."""
         try:
-            self.sinks.log(report.step, record)
+            try:
+                self.run.append(report.step, record)
+            finally:
+                self.sinks.log(report.step, record)
             self._save_state()
         except OSError as exc:
             self._flush_quietly()
@@ -253,9 +243,10 @@ class Monitor:
 
     def _flush_quietly(self) -> list[str]:
         try:
+            self.run.flush()
             self.sinks.flush()
         except Exception as exc:  # the caller is already raising about this run directory
-            return [f"flushing the sinks failed ({exc})"]
+            return [f"flushing the journal or the sinks failed ({exc})"]
         return []
 
     def _hard_limit_alarms(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
@@ -335,13 +326,11 @@ class Monitor:
         }
 
     def _save_state(self) -> None:
-        state = self.state_dict()
-        state["jsonl_bytes"] = rundir.jsonl_bytes(self.run_dir)  # what this state has seen of metrics.jsonl
-        rundir.atomic_write_json(self.run_dir / STATE_FILE, state)
+        self.run.save_state(self.state_dict())  # with what this state has seen of metrics.jsonl
 
     def _load_state(self) -> None:
         path = self.run_dir / STATE_FILE
-        state = rundir.read_state(path)
+        state = self.run.read_state()
         if state.get("version") != STATE_VERSION:
             raise RunDirError(f"{path} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
         self.last_step = state.get("last_step")
@@ -361,7 +350,7 @@ class Monitor:
         """Feed the detectors the metrics.jsonl lines a killed process logged after its last state
         save (their metrics are exactly what its detectors saw), so no step is lost or repeated; say
         what was replayed (for the resume warning)."""
-        records = rundir.uncommitted_records(self.run_dir, committed)
+        records = self.run.uncommitted(committed)
         replayed = []
         added_after = (K.ALARM_COUNT, K.MONITOR_SECONDS)  # and the caller's extra keys, outside the prefix
         for rec in records:

@@ -1,19 +1,18 @@
 """`rlcheck summarize RUN_DIR`: what a run's metrics.jsonl says, at a glance.
 
-`summarize(run_dir)` returns a plain dict (steps, alarms grouped by kind and metric, the worst steps,
+`summarize(run)` (a `Run`, or a run directory) returns a plain dict (steps, alarms grouped by kind and metric, the worst steps,
 metric ranges, dumps); `render(summary, console)` prints it as rich tables.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import numpy as np
 
-from rlcheck import metrics as K
-from rlcheck.errors import InputError
-from rlcheck.sinks.jsonl import FILENAME, Records, read_jsonl
+from rlcheck.core import metrics as K
+from rlcheck.core.run import Run
 
 RANGE_KEYS = (
     K.ABS_DIFF_MEAN, K.ABS_DIFF_P99, K.ABS_DIFF_MAX, K.KL_K3, K.MULT_PROB_ERROR, K.PROB_ABS_DIFF_MEAN,
@@ -21,23 +20,10 @@ RANGE_KEYS = (
 )
 
 
-def read_records(run_dir: str | Path) -> Records:
-    """The step records of a run directory's metrics.jsonl, in file order; InputError when there is
-    none. Read once and pass to `summarize` and `diagnose` when a caller needs both."""
-    run_dir = Path(run_dir)
-    path = run_dir / FILENAME
-    if not path.is_file():
-        raise InputError(f"{run_dir} has no {FILENAME}: is it an rlcheck run directory?")
-    records = read_jsonl(path)
-    if not records:
-        raise InputError(f"{path} holds no complete step record")
-    return records
-
-
-def summarize(run_dir: str | Path, worst: int = 5, records: Records | None = None) -> dict[str, Any]:
-    """`records`: the run's `read_records(run_dir)` when already read."""
-    run_dir = Path(run_dir)
-    records = read_records(run_dir) if records is None else records
+def summarize(run: Run | str | os.PathLike[str], worst: int = 5) -> dict[str, Any]:
+    """The summary of a run (a `Run`, or its directory, opened once); InputError without records."""
+    run = Run.open(run)
+    records = run.records()
     steps = [int(r["step"]) for r in records]
     alarms: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in records:
@@ -61,9 +47,9 @@ def summarize(run_dir: str | Path, worst: int = 5, records: Records | None = Non
          "top_offender": (r.get("offenders") or [{}])[0].get("request_id")}
         for v, s, r in scored[:worst]
     ]
-    dumps = sorted(str(p) for p in (run_dir / "dumps").glob("step_*") if p.is_dir())
+    dumps = [str(p) for p in run.dump_paths()]
     return {
-        "run_dir": str(run_dir),
+        "run_dir": str(run.path),
         "num_steps": len(records),
         "first_step": min(steps),
         "last_step": max(steps),

@@ -1,6 +1,6 @@
 """Signature detector: per-step token-level shapes that name a cause (design.md, failure shapes).
 
-It reads the `sig/` and `seq/` statistics that `rlcheck.stats` computes from the tokens:
+It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes from the tokens:
 
 | signature            | shape                                                              | default   |
 |----------------------|--------------------------------------------------------------------|-----------|
@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcheck import metrics as K
-from rlcheck.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.core import metrics as K
+from rlcheck.core.detect.base import SEVERITIES, Alarm, Detector
 from rlcheck.errors import ConfigError
 
 

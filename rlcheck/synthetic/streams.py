@@ -1,7 +1,7 @@
 """Helpers for testing rlcheck and integrations with it: heavy-tailed metric streams with injected
 periodic spikes, the shape the detectors must tell apart from noise.
 
-    from rlcheck.testing import metric_stream
+    from rlcheck.synthetic.streams import metric_stream
     stream = metric_stream(2000, seed=0, noise="t5", spike_every=12, spike_start=500, spike_mad=5)
     for step, metrics in enumerate(stream.metrics): ...
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
 from rlcheck.errors import ConfigError
 
 NOISES = ("gaussian", "t5", "contaminated", "ar1")

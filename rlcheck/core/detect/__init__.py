@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlcheck.detect.base import KINDS, SEVERITIES, Alarm, Detector, severity_rank
-from rlcheck.detect.periodic import PeriodicConfig, PeriodicDetector
-from rlcheck.detect.robust import DriftConfig, DriftDetector, RobustZConfig, RobustZDetector
-from rlcheck.detect.signature import SignatureConfig, SignatureDetector
-from rlcheck.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
+from rlcheck.core.detect.base import KINDS, SEVERITIES, Alarm, Detector, severity_rank
+from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
+from rlcheck.core.detect.robust import DriftConfig, DriftDetector, RobustZConfig, RobustZDetector
+from rlcheck.core.detect.signature import SignatureConfig, SignatureDetector
+from rlcheck.core.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The Monitor's configuration: where it writes (`MonitorConfig`) and when it halts (`HaltConfig`).
-Both are re-exported by `rlcheck.monitor` and `rlcheck`."""
+Both are re-exported by `rlcheck.core.monitor` and `rlcheck`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcheck import metrics as K
-from rlcheck.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.core import metrics as K
+from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import ConfigError
-from rlcheck.stats import StatsConfig
 
 DEFAULT_HARD_LIMITS = {
     K.NONFINITE_COUNT: 0.0,  # any NaN/inf logprob

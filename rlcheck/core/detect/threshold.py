@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcheck import metrics as K
-from rlcheck.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.core import metrics as K
+from rlcheck.core.detect.base import SEVERITIES, Alarm, Detector
 from rlcheck.errors import ConfigError
 
 

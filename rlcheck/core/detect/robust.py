@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rlcheck import metrics as K
-from rlcheck.detect.base import SEVERITIES, Alarm, Detector
-from rlcheck.detect.rolling import RollingBaseline
+from rlcheck.core import metrics as K
+from rlcheck.core.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.core.detect.rolling import RollingBaseline
 from rlcheck.errors import ConfigError
 
 WATCHED = (K.ABS_DIFF_CLIPPED_MEAN, K.ABS_DIFF_P99)

@@ -6,7 +6,7 @@
                                           plus the batch's per-sequence meta columns
     dumps/step_NNNNNN/meta.json           step, reason, metrics, alarms, offenders, versions, context
 
-`max_abs_diff` and `first_divergence` are the statistics' own (`rlcheck.stats`): over the tokens they
+`max_abs_diff` and `first_divergence` are the statistics' own (`rlcheck.core.stats`): over the tokens they
 compare, so masked-out tokens never count and a dump agrees with the step's offenders in metrics.jsonl.
 
 Atomic: both files are written and fsynced in a hidden temp dir (`dumps/.step_NNNNNN.*`), which is
@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.batch import StepBatch
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.run.files import fsync_dir
+from rlcheck.core.run.journal import to_jsonable
+from rlcheck.core.stats import StatsConfig, compute_partial
 from rlcheck.errors import InputError
-from rlcheck.rundir import fsync_dir
-from rlcheck.sinks.jsonl import to_jsonable
-from rlcheck.stats import StatsConfig, compute_partial
 
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
@@ -219,17 +219,17 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def read_dump(directory: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays), and meta.json."""
+def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays), and meta.json (`meta`:
+    already read by the caller)."""
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     if not (directory / SEQUENCES).is_file() or not (directory / META).is_file():
         raise InputError(f"{directory} is not an rlcheck dump (needs {SEQUENCES} and {META})")
-    table = pq.read_table(directory / SEQUENCES)
-    rows = table.to_pylist()
+    with open(directory / SEQUENCES, "rb") as f:
+        rows = pq.read_table(f).to_pylist()
     for row in rows:
         for key in ("logp_rollout", "logp_train"):
             row[key] = np.asarray(row[key], dtype=np.float64)
-    meta = json.loads((directory / META).read_text())
-    return rows, meta
+    return rows, json.loads((directory / META).read_text()) if meta is None else meta

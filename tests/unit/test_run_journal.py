@@ -1,4 +1,4 @@
-"""Tests of rlcheck.sinks.jsonl: the durable metrics.jsonl log."""
+"""Tests of rlcheck.core.run.journal: the durable metrics.jsonl log."""
 
 from __future__ import annotations
 
@@ -9,21 +9,20 @@ import os
 import numpy as np
 import pytest
 
+from rlcheck.core.run.journal import FILENAME, Journal, read_jsonl
 from rlcheck.errors import RunDirError
-from rlcheck.sinks import JsonlSink, read_jsonl
-from rlcheck.sinks.jsonl import FILENAME
 from rlcheck.sinks.testing import example_record
 
 
 def _log_steps(run_dir, records):
-    sink = JsonlSink(run_dir)
+    journal = Journal(run_dir)
     for r in records:
-        sink.log(r["step"], r)
-    sink.close()
+        journal.append(r["step"], r)
+    journal.close()
     return run_dir / FILENAME
 
 
-class TestJsonlSink:
+class TestJournal:
     def test_round_trip(self, tmp_path):
         """Records read back equal the records logged, one line each."""
         records = [example_record(s, abs_diff_mean=0.01 * (s + 1), alarms=s) for s in range(3)]
@@ -35,22 +34,22 @@ class TestJsonlSink:
 
     def test_one_write_and_fsync_per_step(self, tmp_path, monkeypatch):
         """Each step is one os.write of a whole newline-terminated line, fsynced before log returns."""
-        sink = JsonlSink(tmp_path)
+        journal = Journal(tmp_path)
         calls = []
         real_write, real_fsync = os.write, os.fsync
         monkeypatch.setattr(os, "write", lambda fd, b: calls.append(("write", fd, bytes(b))) or real_write(fd, b))
         monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", fd, None)) or real_fsync(fd))
         for step in range(2):
-            sink.log(step, example_record(step, alarms=1))
+            journal.append(step, example_record(step, alarms=1))
         monkeypatch.undo()
-        sink.close()
+        journal.close()
         assert [c[0] for c in calls] == ["write", "fsync", "write", "fsync"]
         lines = [c[2] for c in calls if c[0] == "write"]
         assert all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in lines)
         assert [json.loads(line)["step"] for line in lines] == [0, 1]
 
     def test_appends_across_reopen(self, tmp_path):
-        """A second sink on the same run directory appends after the first one's lines."""
+        """A second journal on the same run directory appends after the first one's lines."""
         _log_steps(tmp_path, [example_record(0)])
         path = _log_steps(tmp_path, [example_record(1)])
         assert [r["step"] for r in read_jsonl(path)] == [0, 1]
@@ -72,33 +71,33 @@ class TestJsonlSink:
 
     def test_closed_sink_raises(self, tmp_path):
         """Logging after close is a RunDirError, never a write to a recycled descriptor."""
-        sink = JsonlSink(tmp_path)
-        sink.close()
-        sink.close()
+        journal = Journal(tmp_path)
+        journal.close()
+        journal.close()
         with pytest.raises(RunDirError, match="closed"):
-            sink.log(0, example_record(0))
+            journal.append(0, example_record(0))
 
     def test_unwritable_run_dir(self, tmp_path):
         """A run directory that is a file gives a RunDirError naming the path."""
         blocker = tmp_path / "run"
         blocker.write_text("")
         with pytest.raises(RunDirError, match="run"):
-            JsonlSink(blocker)
+            Journal(blocker)
 
     def test_failed_write_is_truncated_away(self, tmp_path, monkeypatch):
         """A short write (disk full) is a RunDirError naming step and file; the part written is cut
         away, so the file is as before and the next line starts clean."""
-        sink = JsonlSink(tmp_path)
-        sink.log(0, example_record(0))
+        journal = Journal(tmp_path)
+        journal.append(0, example_record(0))
         before = (tmp_path / FILENAME).read_bytes()
         real_write = os.write
         monkeypatch.setattr(os, "write", lambda fd, b: real_write(fd, bytes(b)[:10]))
         with pytest.raises(RunDirError, match=r"step 1 to .*metrics\.jsonl.*short write"):
-            sink.log(1, example_record(1))
+            journal.append(1, example_record(1))
         monkeypatch.undo()
         assert (tmp_path / FILENAME).read_bytes() == before
-        sink.log(2, example_record(2))
-        sink.close()
+        journal.append(2, example_record(2))
+        journal.close()
         back = read_jsonl(tmp_path / FILENAME)
         assert [r["step"] for r in back] == [0, 2] and back.num_skipped == 0
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from rlcheck import histogram as H
-from rlcheck import metrics as K
-from rlcheck.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
+from rlcheck.core import histogram as H
+from rlcheck.core import metrics as K
+from rlcheck.core.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
 
 
 def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str, float], tuple[Offender, ...]]:

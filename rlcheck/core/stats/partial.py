@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from rlcheck import histogram as H
-from rlcheck.batch import StepBatch
-from rlcheck.stats.sequences import sequence_stats
-from rlcheck.stats.signatures import signature_stats
-from rlcheck.stats.sums import sum64, sum_product
-from rlcheck.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
+from rlcheck.core import histogram as H
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats.sequences import sequence_stats
+from rlcheck.core.stats.signatures import signature_stats
+from rlcheck.core.stats.sums import sum64, sum_product
+from rlcheck.core.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
 
 _F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
 _R_FROM_E = -4.0  # every d above this: r^2 > e^-8, so sum e^2 + 2 sum e + n loses at most ~4 digits

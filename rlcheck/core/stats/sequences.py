@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from rlcheck import histogram as H
-from rlcheck.stats.types import Offender, _rank
+from rlcheck.core import histogram as H
+from rlcheck.core.types import Offender, rank_offenders
 
 
 def segment_max(x: np.ndarray, cu: np.ndarray) -> np.ndarray:
@@ -125,7 +125,7 @@ def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hi
     score = np.where(seq_bad, np.inf, seq_max)
     k = min(cfg.top_k, num)
     top = np.argsort(-score, kind="stable")[:k]  # ties go to the lower index, as in merge()
-    return _rank(
+    return rank_offenders(
         [
             Offender(
                 request_id=batch.request_ids[i],

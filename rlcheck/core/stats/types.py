@@ -1,4 +1,5 @@
-"""The statistics' configuration and data types: StatsConfig, Offender, PartialStats and merge."""
+"""The statistics' configuration and data types: StatsConfig, PartialStats and merge (`Offender` lives
+in `rlcheck.core.types`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rlcheck.core.types import Offender, rank_offenders
 from rlcheck.errors import ConfigError
 
 RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
@@ -69,38 +71,6 @@ class StatsConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
-class Offender:
-    """A sequence among the step's worst by max |d|."""
-
-    request_id: str
-    index: int  # position of the sequence in the observed batch
-    max_abs_diff: float  # over its finite tokens
-    first_divergence: int | None  # first token with |d| > divergence_tau (or non-finite); None if none
-    length: int
-    mean_diff: float  # mean d over its valid tokens
-    nonfinite: bool = False
-
-    @property
-    def score(self) -> float:
-        return math.inf if self.nonfinite else self.max_abs_diff
-
-    def to_dict(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "index": self.index,
-            "max_abs_diff": self.max_abs_diff,
-            "first_divergence": self.first_divergence,
-            "length": self.length,
-            "mean_diff": self.mean_diff,
-            "nonfinite": self.nonfinite,
-        }
-
-
-def _rank(offenders: Sequence[Offender], k: int) -> tuple[Offender, ...]:
-    return tuple(sorted(offenders, key=lambda o: (-o.score, o.index))[:k])
-
-
 @dataclass
 class PartialStats:
     """Mergeable statistics of some sequences. Keys are internal; `finalize` names the metrics."""
@@ -132,7 +102,7 @@ def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialSta
         maxima={key: max(p.maxima[key] for p in parts) for key in first.maxima},
         minima={key: min(p.minima[key] for p in parts) for key in first.minima},
         hists={key: np.sum([p.hists[key] for p in parts], axis=0) for key in first.hists},
-        offenders=_rank(offenders, k),
+        offenders=rank_offenders(offenders, k),
         num_sequences=offset,
         thresholds=first.thresholds,
         top_k=k,

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck import metrics as K
-from rlcheck.detect.base import SEVERITIES, Alarm, Detector
-from rlcheck.detect.rolling import RollingBaseline
+from rlcheck.core import metrics as K
+from rlcheck.core.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.core.detect.rolling import RollingBaseline
 from rlcheck.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """The `rlcheck` command line. Each command maps onto the library; `rlcheck --help` lists them.
 
-Every path argument is checked before any work starts (`rlcheck.cli_paths`, which says what may be
+Every path argument is checked before any work starts (`rlcheck.cli.paths`, which says what may be
 written where); an error a user can cause (`RLCheckError`) prints as one `rlcheck: error:` line and
 exits 2. No command runs a shell or another program.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperGroup
 
-from rlcheck.cli_paths import existing_dir, model_output, model_source, optional_dir, output_dir, output_file
+from rlcheck.cli.paths import existing_dir, model_output, model_source, optional_dir, output_dir, output_file
 from rlcheck.errors import RLCheckError
 from rlcheck.forensics.replay import DEFAULT_TAU, DEFAULT_THRESHOLD
 
@@ -57,8 +57,8 @@ def summarize(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Alarms, worst steps and metric ranges of a run."""
-    from rlcheck.summarize import render
-    from rlcheck.summarize import summarize as summarize_run
+    from rlcheck.report.summary import render
+    from rlcheck.report.summary import summarize as summarize_run
 
     summary = summarize_run(existing_dir(run_dir, "RUN_DIR"), worst=worst)
     if as_json:
@@ -102,7 +102,7 @@ def demo(
     spike_start: int = typer.Option(60, min=0, help="--synthetic: first step that may spike."),
 ) -> None:
     """GRPO on a tiny model trained on the task, with vLLM rollouts and an FSDP2/DeepSpeed trainer on Ray, monitored."""
-    from rlcheck.summarize import render, summarize
+    from rlcheck.report.summary import render, summarize
 
     console = _console()
     if run_dir is None:
@@ -111,7 +111,7 @@ def demo(
     if not synthetic:
         model_source(model, "--model")
     if synthetic:
-        from rlcheck.demo_synthetic import run_demo as run_synthetic
+        from rlcheck.demo.synthetic import run_demo as run_synthetic
 
         found = run_synthetic(run_dir, steps or 200, period, spike_start, seed,
                               ("jsonl", "wandb") if wandb else ("jsonl",), console)
@@ -120,7 +120,7 @@ def demo(
         if not any(a.kind == "periodic" for a in found["alarms"]):
             raise typer.Exit(1)
         return
-    from rlcheck.demo import DemoOptions, demo_succeeded, run_demo
+    from rlcheck.demo.run import DemoOptions, demo_succeeded, run_demo
     from rlcheck.trainers import BACKENDS
 
     if trainer not in BACKENDS:
@@ -229,7 +229,7 @@ def make_model(
     )
 
 
-import rlcheck.cli_forensics  # noqa: E402,F401 - registers `stress` and `sweep` on `app`
+import rlcheck.cli.forensics  # noqa: E402,F401 - registers `stress` and `sweep` on `app`
 
 
 def main() -> None:

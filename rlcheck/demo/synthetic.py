@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
+from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.errors import MismatchHalt
-from rlcheck.monitor import Monitor, MonitorConfig
 from rlcheck.synthetic import SyntheticConfig, is_spike, synthetic_batch
 
 

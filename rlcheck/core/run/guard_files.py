@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlcheck.engines._guard_record import CHECKS, StepRecord, Violation
-from rlcheck.rundir import atomic_write_text
+from rlcheck.core.run.files import atomic_write_text
+from rlcheck.core.run.guard_record import CHECKS, StepRecord, Violation
 
 GUARD_DIR = "guard"
 SUMMARY = "summary.json"
@@ -54,7 +54,7 @@ def row_of(rec: StepRecord, i: int) -> dict[str, Any]:
 
 
 def _dumps(x: Any, indent: int | None = None) -> str:
-    from rlcheck.sinks.jsonl import to_jsonable
+    from rlcheck.core.run.journal import to_jsonable
 
     return json.dumps(to_jsonable(x), allow_nan=False, default=str, indent=indent)
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcheck import metrics as K
+from rlcheck.core import metrics as K
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.types import StepReport
 from rlcheck.faults import Fault, SkipSync, parse_inject
 from rlcheck.loop.driver import PHASES
-from rlcheck.monitor import Monitor, MonitorConfig, StepReport
 
 DEFAULT_STEPS = 20
 INJECTED_MAX_STEPS = 100

@@ -20,10 +20,10 @@ sequence as flagged and catastrophic.
 
 from __future__ import annotations
 
-from rlcheck.batch import StepBatch
-from rlcheck.stats.finalize import finalize
-from rlcheck.stats.partial import compute_partial, empty_partial
-from rlcheck.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, Offender, PartialStats, StatsConfig, merge
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats.finalize import finalize
+from rlcheck.core.stats.partial import compute_partial, empty_partial
+from rlcheck.core.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, Offender, PartialStats, StatsConfig, merge
 
 
 def compute(batch: StepBatch, cfg: StatsConfig | None = None) -> tuple[dict[str, float], tuple[Offender, ...]]:

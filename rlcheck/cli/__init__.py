@@ -1,0 +1,5 @@
+"""The `rlcheck` command."""
+
+from rlcheck.cli.app import app, main
+
+__all__ = ["app", "main"]

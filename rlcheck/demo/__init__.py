@@ -1,0 +1,1 @@
+"""`rlcheck demo`: the real loop (`run`) and the synthetic stream (`synthetic`)."""
