@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck import errors
-from rlcheck.core.batch import StepBatch, concat_batches
+from rlcheck.core.batch import StepBatch
 from rlcheck.core.monitor import Monitor
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
 from rlcheck.core.types import StepReport
@@ -195,7 +195,7 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
     if rank == 0 and monitor is not None and monitor.cfg.halt.dump:
         held = [b for b in batches if b is not None]
         try:
-            where = str(monitor.dump(step, concat_batches(held), report, reason=reason)) if held else None
+            where = str(monitor.dump(step, StepBatch.concat(held), report, reason=reason)) if held else None
         except Exception as exc:  # the halt matters more than its evidence
             problems = (f"the dump could not be written ({type(exc).__name__}: {exc})",)
             warnings.warn(f"rlcheck: the dump of step {step} failed ({exc})", RuntimeWarning, stacklevel=3)

@@ -9,9 +9,10 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
     tokens, tokens_train      (M,) int64   optional: sampled ids, and the ids the trainer scored
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
-mask, as verl and TRL hold them) or `from_packed`; `concat_batches` joins several (the ranks' batches
-of one step, for its dump). Every constructor validates and raises
-`rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout.
+mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
+several (the ranks' batches of one step, for its dump). Every constructor validates and raises
+`rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout. Reading
+and packing the constructors' inputs is `rlcheck.core.batch_build`.
 """
 
 from __future__ import annotations
@@ -22,86 +23,22 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.batch_build import (
+    bool_array,
+    float_array,
+    int_array,
+    packed_from_padded,
+    packed_from_ragged,
+    request_id_tuple,
+    to_numpy,
+)
 from rlcheck.errors import InputError
+
+__all__ = ["MAX_LOGPROB", "StepBatch", "concat_batches", "segment_token_indices", "to_numpy"]
 
 # A logprob above this is not a logprob (a logit or a probability was passed); bf16 log-softmax can
 # land a hair above zero, so a small tolerance is allowed.
 MAX_LOGPROB = 1e-3
-
-
-def to_numpy(x: Any, name: str) -> np.ndarray:
-    """Any array-like (numpy, torch on any device, list) as a numpy array, without copying numpy."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "detach"):  # torch.Tensor, imported lazily by whoever made it
-        t = x.detach()
-        if t.dtype.is_floating_point and t.dtype.itemsize < 4:  # bf16/fp16 have no numpy twin
-            t = t.float()
-        return t.cpu().numpy()
-    try:
-        return np.asarray(x)
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"{name}: cannot be read as an array ({exc})") from None
-
-
-def _float_array(x: Any, name: str) -> np.ndarray:
-    a = to_numpy(x, name)
-    if a.dtype.kind != "f":
-        raise InputError(
-            f"{name}: expected floating-point logprobs, got dtype {a.dtype}; "
-            "pass the per-token log-probabilities as float32 or float64"
-        )
-    if a.dtype.itemsize < 4:
-        a = a.astype(np.float32)
-    return a
-
-
-def _int_array(x: Any, name: str) -> np.ndarray:
-    a = to_numpy(x, name)
-    if a.size == 0:  # [] reads as float64
-        return a.astype(np.int64)
-    if a.dtype.kind not in "iu":
-        raise InputError(f"{name}: expected integer values, got dtype {a.dtype}")
-    return a.astype(np.int64, copy=False)
-
-
-def _bool_array(x: Any, name: str) -> np.ndarray:
-    a = to_numpy(x, name)
-    if a.dtype.kind == "b" or a.size == 0:
-        return a.astype(bool, copy=False)
-    if a.dtype.kind in "iu":
-        if a.size and (a.min() < 0 or a.max() > 1):
-            raise InputError(f"{name}: a mask holds 0/1 or booleans, found values outside [0, 1]")
-        return a.astype(bool)
-    raise InputError(f"{name}: expected a boolean (or 0/1) mask, got dtype {a.dtype}")
-
-
-def _request_ids(ids: Any, num_sequences: int) -> tuple[str, ...]:
-    if ids is None:
-        raise InputError(
-            "request_ids is required: pass the engine's request id of every sequence, "
-            "so that offenders and dumps can name the guilty requests"
-        )
-    if isinstance(ids, str):
-        raise InputError("request_ids: expected a sequence of strings, got a single string")
-    ids = list(to_numpy(ids, "request_ids").tolist()) if hasattr(ids, "detach") else list(ids)
-    if len(ids) != num_sequences:
-        raise InputError(f"request_ids: {len(ids)} ids for {num_sequences} sequences")
-    out = []
-    for i, rid in enumerate(ids):
-        if rid is None or (isinstance(rid, str) and not rid):
-            raise InputError(f"request_ids[{i}] is missing (None or empty)")
-        if not isinstance(rid, (str, int, np.integer)):
-            raise InputError(f"request_ids[{i}]: expected a string, got {type(rid).__name__}")
-        out.append(str(rid))
-    if len(set(out)) != len(out):
-        seen: set[str] = set()
-        dup = next(r for r in out if r in seen or seen.add(r))
-        raise InputError(
-            f"request_ids: {dup!r} appears more than once; every sampled sequence needs its own id "
-            "(for G samples of one prompt, append the sample index)"
-        )
-    return tuple(out)
 
 
 def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
@@ -161,22 +98,22 @@ class StepBatch:
         meta: Mapping[str, Sequence[Any]] | None = None,
     ) -> StepBatch:
         """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets)."""
-        lr = _float_array(logp_rollout, "logp_rollout")
-        lt = _float_array(logp_train, "logp_train")
-        cu = _int_array(cu_seqlens, "cu_seqlens")
+        lr = float_array(logp_rollout, "logp_rollout")
+        lt = float_array(logp_train, "logp_train")
+        cu = int_array(cu_seqlens, "cu_seqlens")
         if cu.ndim != 1 or cu.shape[0] < 1:
             raise InputError("cu_seqlens: expected a 1-D array of N+1 sequence offsets")
         return cls(
             logp_rollout=lr,
             logp_train=lt,
             cu_seqlens=cu,
-            request_ids=_request_ids(request_ids, cu.shape[0] - 1),
-            mask=None if mask is None else _bool_array(mask, "mask"),
-            tokens=None if tokens is None else _int_array(tokens, "tokens"),
-            tokens_train=None if tokens_train is None else _int_array(tokens_train, "tokens_train"),
+            request_ids=request_id_tuple(request_ids, cu.shape[0] - 1),
+            mask=None if mask is None else bool_array(mask, "mask"),
+            tokens=None if tokens is None else int_array(tokens, "tokens"),
+            tokens_train=None if tokens_train is None else int_array(tokens_train, "tokens_train"),
             prompt_tokens=None
             if prompt_tokens is None
-            else tuple(_int_array(p, f"prompt_tokens[{i}]").reshape(-1) for i, p in enumerate(prompt_tokens)),
+            else tuple(int_array(p, f"prompt_tokens[{i}]").reshape(-1) for i, p in enumerate(prompt_tokens)),
             meta=dict(meta or {}),
         )
 
@@ -194,47 +131,8 @@ class StepBatch:
         meta: Mapping[str, Sequence[Any]] | None = None,
     ) -> StepBatch:
         """From one 1-D array (or list) per sequence for each per-token field."""
-        if isinstance(logp_rollout, np.ndarray) or hasattr(logp_rollout, "detach"):
-            raise InputError("from_ragged takes a list of per-sequence arrays; use from_packed or from_padded")
-        n = len(logp_rollout)
-        if n == 0:
-            raise InputError("empty batch: no sequences to compare")
-        if len(logp_train) != n:
-            raise InputError(f"logp_train has {len(logp_train)} sequences, logp_rollout has {n}")
-        rollout = [_float_array(x, f"logp_rollout[{i}]").reshape(-1) for i, x in enumerate(logp_rollout)]
-        train = [_float_array(x, f"logp_train[{i}]").reshape(-1) for i, x in enumerate(logp_train)]
-        lens = np.fromiter((x.shape[0] for x in rollout), dtype=np.int64, count=n)
-        for i, (a, b) in enumerate(zip(rollout, train, strict=True)):
-            if a.shape != b.shape:
-                raise InputError(
-                    f"sequence {i}: logp_rollout has {a.shape[0]} tokens, logp_train has {b.shape[0]}"
-                )
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-
-        def cat(parts: Sequence[Any] | None, name: str, conv) -> np.ndarray | None:
-            if parts is None:
-                return None
-            if len(parts) != n:
-                raise InputError(f"{name} has {len(parts)} sequences, logp_rollout has {n}")
-            arrs = [conv(p, f"{name}[{i}]").reshape(-1) for i, p in enumerate(parts)]
-            for i, a in enumerate(arrs):
-                if a.shape[0] != lens[i]:
-                    raise InputError(f"sequence {i}: {name} has {a.shape[0]} entries for {lens[i]} tokens")
-            return np.concatenate(arrs) if arrs else np.zeros(0)
-
-        dtype = np.result_type(*(x.dtype for x in rollout + train if x.size)) if lens.any() else np.float32
-        return cls.from_packed(
-            np.concatenate(rollout).astype(dtype, copy=False),
-            np.concatenate(train).astype(dtype, copy=False),
-            cu,
-            request_ids,
-            mask=cat(mask, "mask", _bool_array),
-            tokens=cat(tokens, "tokens", _int_array),
-            tokens_train=cat(tokens_train, "tokens_train", _int_array),
-            prompt_tokens=prompt_tokens,
-            meta=meta,
-        )
+        packed = packed_from_ragged(logp_rollout, logp_train, tokens, mask, tokens_train)
+        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta, **packed)
 
     @classmethod
     def from_padded(
@@ -255,45 +153,8 @@ class StepBatch:
         inside that span (tool output, say) stay in the sequence as masked tokens, so positions such
         as the first divergence are counted from the start of the response.
         """
-        lr = _float_array(logp_rollout, "logp_rollout")
-        lt = _float_array(logp_train, "logp_train")
-        m = _bool_array(mask, "mask")
-        if lr.ndim != 2:
-            raise InputError(f"from_padded expects [B, T] arrays, logp_rollout has shape {lr.shape}")
-        for name, a in (("logp_train", lt), ("mask", m)):
-            if a.shape != lr.shape:
-                raise InputError(f"{name} has shape {a.shape}, logp_rollout has shape {lr.shape}")
-        if lr.shape[0] == 0:
-            raise InputError("empty batch: no sequences to compare")
-        b, t = lr.shape
-        any_in = m.any(axis=1)
-        first = np.where(any_in, m.argmax(axis=1), 0)  # (B,)
-        last = np.where(any_in, t - 1 - m[:, ::-1].argmax(axis=1), -1)  # (B,)
-        cols = np.arange(t, dtype=np.int64)
-        keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
-        lens = keep.sum(axis=1, dtype=np.int64)
-        cu = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-
-        def pick(x: Any, name: str) -> np.ndarray | None:
-            if x is None:
-                return None
-            a = _int_array(x, name)
-            if a.shape != lr.shape:
-                raise InputError(f"{name} has shape {a.shape}, logp_rollout has shape {lr.shape}")
-            return a[keep]
-
-        return cls.from_packed(
-            lr[keep],
-            lt[keep],
-            cu,
-            request_ids,
-            mask=m[keep],
-            tokens=pick(tokens, "tokens"),
-            tokens_train=pick(tokens_train, "tokens_train"),
-            prompt_tokens=prompt_tokens,
-            meta=meta,
-        )
+        packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train)
+        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta, **packed)
 
     # ---- validation ----------------------------------------------------------------------------
 
@@ -365,32 +226,39 @@ class StepBatch:
             meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
         )
 
+    # ---- joining -------------------------------------------------------------------------------
+
+    @classmethod
+    def concat(cls, batches: Sequence[StepBatch]) -> StepBatch:
+        """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
+        indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
+        A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
+        tokens, prompts and meta columns are kept when every batch has them; request ids must stay
+        unique across the batches. One batch is returned as it is."""
+        if not batches:
+            raise InputError("concat_batches needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+        offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])  # (K,) first token of each batch
+        cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
+
+        def cat(name: str) -> np.ndarray | None:
+            parts = [getattr(b, name) for b in batches]
+            return None if any(p is None for p in parts) else np.concatenate(parts)
+
+        masks = [np.ones(b.num_tokens, dtype=bool) if b.mask is None else b.mask for b in batches]
+        any_mask = any(b.mask is not None for b in batches)
+        prompts = [b.prompt_tokens for b in batches]
+        keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
+        return cls.from_packed(
+            cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
+            [r for b in batches for r in b.request_ids],
+            mask=np.concatenate(masks) if any_mask else None, tokens=cat("tokens"), tokens_train=cat("tokens_train"),
+            prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
+            meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
+        )
+
 
 def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
-    """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
-    indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
-    A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
-    tokens, prompts and meta columns are kept when every batch has them; request ids must stay
-    unique across the batches."""
-    if not batches:
-        raise InputError("concat_batches needs at least one batch")
-    if len(batches) == 1:
-        return batches[0]
-    offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])  # (K,) first token of each batch
-    cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
-
-    def cat(name: str) -> np.ndarray | None:
-        parts = [getattr(b, name) for b in batches]
-        return None if any(p is None for p in parts) else np.concatenate(parts)
-
-    masks = [np.ones(b.num_tokens, dtype=bool) if b.mask is None else b.mask for b in batches]
-    any_mask = any(b.mask is not None for b in batches)
-    prompts = [b.prompt_tokens for b in batches]
-    keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
-    return StepBatch.from_packed(
-        cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
-        [r for b in batches for r in b.request_ids],
-        mask=np.concatenate(masks) if any_mask else None, tokens=cat("tokens"), tokens_train=cat("tokens_train"),
-        prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
-        meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
-    )
+    """`StepBatch.concat(batches)`: one batch of several batches' sequences, in the given order."""
+    return StepBatch.concat(batches)

@@ -1,4 +1,5 @@
-"""`rlcheck.core.batch.concat_batches`: several batches (the ranks' of one step) joined into one."""
+"""`rlcheck.core.batch.StepBatch.concat` (and `concat_batches`): several batches (the ranks' of one step)
+joined into one."""
 
 from __future__ import annotations
 
@@ -57,3 +58,19 @@ class TestConcatBatches:
         b = StepBatch.from_ragged([[-1.0]], [[-1.0]], ["a"])
         with pytest.raises(InputError, match="more than once"):
             concat_batches([b, b])
+
+
+class TestStepBatchConcat:
+    def test_equals_concat_batches(self):
+        """The classmethod joins parts field by field as `concat_batches` does, and refuses what it refuses."""
+        whole = whole_batch()
+        parts = [whole.select([2]), whole.select([0, 1])]
+        joined, expected = StepBatch.concat(parts), concat_batches(parts)
+        for name in ("logp_rollout", "logp_train", "cu_seqlens", "mask", "tokens", "tokens_train"):
+            np.testing.assert_array_equal(getattr(joined, name), getattr(expected, name))
+        assert joined.request_ids == expected.request_ids == ("c", "a", "b")
+        assert dict(joined.meta) == dict(expected.meta)
+        assert [p.tolist() for p in joined.prompt_tokens] == [p.tolist() for p in expected.prompt_tokens]
+        assert StepBatch.concat([whole]) is whole
+        with pytest.raises(InputError, match="at least one"):
+            StepBatch.concat([])

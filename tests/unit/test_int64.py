@@ -106,11 +106,11 @@ class TestNarrowIntScan:
         assert narrow_int_uses(f"def f(x, lens, pos):\n    {snippet.replace(chr(10), chr(10) + '    ')}\n")
 
     def test_catches_a_regression_in_batch(self):
-        """batch.py with its int64 offset conversion turned into int32 is reported, in that function."""
-        source = (RLCHECK / "core" / "batch.py").read_text()
+        """batch_build.py with its int64 offset conversion turned into int32 is reported, in that function."""
+        source = (RLCHECK / "core" / "batch_build.py").read_text()
         narrowed = source.replace("a.astype(np.int64, copy=False)", "a.astype(np.int32, copy=False)")
         assert narrowed != source
-        assert ("_int_array", "np.int32") in {(f, e) for f, e, _ in narrow_int_uses(narrowed)}
+        assert ("int_array", "np.int32") in {(f, e) for f, e, _ in narrow_int_uses(narrowed)}
 
     def test_ignores_prose_and_wide_types(self):
         """Docstrings, comments, int64 and int() conversions are not reported."""
