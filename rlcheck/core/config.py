@@ -58,8 +58,9 @@ class MonitorConfig:
     run_dir: str | os.PathLike
     """Where metrics.jsonl, state.json, dumps/ and wandb/ go; created if missing."""
     sinks: tuple[Any, ...] = ("jsonl", "console")
-    """Any of "jsonl", "console", "wandb", or your own `rlcheck.sinks.Sink` instances. JSONL is what
-    summarize, diagnose and report read."""
+    """Views of each step's record: any of "console", "wandb", or your own `rlcheck.sinks.Sink`
+    instances. The record itself, metrics.jsonl (what summarize, diagnose and report read), is the
+    run's journal and always written; "jsonl" is accepted here and names it."""
     stats: StatsConfig = field(default_factory=StatsConfig)
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
     halt: HaltConfig = field(default_factory=HaltConfig)

@@ -37,7 +37,9 @@ import numpy as np
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
-from rlcheck.core.detect import Alarm, build_detectors, severity_rank
+from rlcheck.core.detect import Alarm, build_detectors
+from rlcheck.core.halting import HaltPolicy
+from rlcheck.core.inputs import check_alarms, check_extra, check_step, is_empty_step
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
 from rlcheck.core.stats import PartialStats, compute_partial, finalize
@@ -47,42 +49,6 @@ from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirErr
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
 STATE_VERSION = 1
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise InputError(f"step must be a non-negative integer, got {step!r}")
-    return int(step)
-
-
-def _check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
-    if not extra:
-        return {}
-    out = {}
-    for key, value in extra.items():
-        if not isinstance(key, str) or not key or key.startswith(K.PREFIX):
-            raise InputError(f"extra metric name {key!r}: use a non-empty name outside {K.PREFIX!r}")
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            raise InputError(f"extra metric {key!r} must be a number, got {type(value).__name__}") from None
-    return out
-
-
-def _is_empty_step(metrics: Mapping[str, float]) -> bool:
-    """No token left to compare (every one masked out, or no sequence at all) and none non-finite."""
-    return metrics.get(K.TOKEN_COUNT, 0.0) == 0 and metrics.get(K.NONFINITE_COUNT, 0.0) == 0
-
-
-def _check_alarms(alarms: Sequence[Alarm], step: int) -> list[Alarm]:
-    """Alarms found outside the Monitor for `step`: Alarm objects of this step."""
-    out = list(alarms)
-    for a in out:
-        if not isinstance(a, Alarm):
-            raise InputError(f"alarms must be rlcheck Alarm objects, got {type(a).__name__}")
-        if a.step != step:
-            raise InputError(f"an alarm for step {a.step} was passed with step {step}")
-    return out
 
 
 class Monitor:
@@ -97,7 +63,7 @@ class Monitor:
         try:
             self.detectors = build_detectors(cfg.detectors)
             self.last_step: int | None = None
-            self.streak = 0
+            self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
             self.resumes = 0
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
@@ -129,13 +95,13 @@ class Monitor:
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(_check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
+        return self._observe(check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given."""
-        return self._observe(_check_step(step), partial, batch, time.perf_counter(), extra, alarms)
+        return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms)
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -164,8 +130,8 @@ class Monitor:
 
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = ()) -> StepReport:
-        extra = _check_extra(extra)
-        outside = _check_alarms(outside, step)  # before any state changes
+        extra = check_extra(extra)
+        outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
             self._save_state()
             self._has_state = True
@@ -176,7 +142,7 @@ class Monitor:
                 stacklevel=3,
             )
         metrics, offenders = finalize(partial, self.cfg.stats)
-        empty = _is_empty_step(metrics)
+        empty = is_empty_step(metrics)
         if empty:
             warnings.warn(
                 f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} sequences, "
@@ -188,14 +154,14 @@ class Monitor:
         for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)
         alarms += outside
-        hard = self._hard_limit_alarms(step, metrics)
+        hard = self.policy.hard_limit_alarms(step, metrics)
         alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics.update(extra)
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders)
         self._advance(step, alarms, empty)
-        self._decide_halt(report, hard)
+        self.policy.decide(report, hard)
 
         write_error = self._record(report, self._step_record(report, partial, empty))
         if write_error is None:
@@ -249,55 +215,17 @@ class Monitor:
             return [f"flushing the journal or the sinks failed ({exc})"]
         return []
 
-    def _hard_limit_alarms(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
-        """Critical alarms of the hard limits, and of any NaN/inf logprob whatever `hard_limits` holds
-        (a NaN is never a matter of taste); raised with halting on or off, they halt at once when on."""
-        out = []
-        nonfinite = metrics.get(K.NONFINITE_COUNT, 0.0)
-        if nonfinite > 0:
-            out.append(Alarm(
-                "threshold", K.NONFINITE_COUNT, step, "critical",
-                f"{K.NONFINITE_COUNT} = {nonfinite:.4g}: NaN/inf logprobs, always critical",
-                {"value": nonfinite, "limit": 0.0, "hard_limit": True},
-            ))
-        for key, limit in self.cfg.halt.hard_limits.items():
-            if key == K.NONFINITE_COUNT and nonfinite > 0:
-                continue  # the alarm above says it
-            value = metrics.get(key)
-            if value is not None and value > limit:
-                out.append(Alarm(
-                    "threshold", key, step, "critical",
-                    f"{key} = {value:.4g} is past the hard limit {limit:g}",
-                    {"value": value, "limit": limit, "hard_limit": True},
-                ))
-        return out
-
-    def _qualifying(self, alarms: list[Alarm]) -> list[Alarm]:
-        h = self.cfg.halt
-        return [a for a in alarms if a.kind in h.kinds and severity_rank(a.severity) >= severity_rank(h.min_severity)]
+    @property
+    def streak(self) -> int:
+        """Steps in a row with a halting alarm (`HaltPolicy`)."""
+        return self.policy.streak
 
     def _advance(self, step: int, alarms: list[Alarm], empty: bool = False) -> None:
-        """Bookkeeping of one observed step: the halting streak (an empty step without a halting alarm
-        neither extends nor breaks it), the last step, alarm counts."""
-        if self.cfg.halt.enabled:
-            if self._qualifying(alarms):
-                self.streak += 1
-            elif not empty:
-                self.streak = 0
+        """Bookkeeping of one observed step: the halting streak, the last step, alarm counts."""
+        self.policy.advance(alarms, empty)
         self.last_step = step
         for a in alarms:
             self.alarm_counts[a.kind] = self.alarm_counts.get(a.kind, 0) + 1
-
-    def _decide_halt(self, report: StepReport, hard: list[Alarm]) -> None:
-        """After `_advance`: hard limits halt at once, other qualifying alarms after `patience` steps."""
-        if not self.cfg.halt.enabled:
-            return
-        if hard:
-            report.halted, report.halt_reason = True, hard[0].message
-        elif self.streak >= self.cfg.halt.patience and self._qualifying(report.alarms):
-            first = self._qualifying(report.alarms)[0]
-            report.halted = True
-            report.halt_reason = f"{first.kind} alarm on {first.metric}: {first.message}"
 
     def _halt(self, report: StepReport, batch: StepBatch | None, write_error: RecordWriteError | None) -> None:
         """Flush, dump, raise `MismatchHalt`: raised even when a write failed, naming what is missing."""
@@ -334,7 +262,7 @@ class Monitor:
         if state.get("version") != STATE_VERSION:
             raise RunDirError(f"{path} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
         self.last_step = state.get("last_step")
-        self.streak = int(state.get("streak", 0))
+        self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
         self.resumes = int(state.get("resumes", 0)) + 1
         for kind, det_state in state.get("detectors", {}).items():

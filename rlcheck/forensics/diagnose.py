@@ -10,7 +10,6 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,61 +17,25 @@ import numpy as np
 
 from rlcheck.core import metrics as K
 from rlcheck.core.run import Run
-from rlcheck.core.stats import MIN_LOGPROB, StatsConfig
-from rlcheck.core.stats.sequences import catastrophic_sequences
+from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.evidence import Evidence, load_evidence
+from rlcheck.forensics.findings import CAUSES, Diagnosis, Finding
+from rlcheck.forensics.queries import (
+    MAX_IDS,
+    affected_ids,
+    alarm_steps,
+    alarms_of,
+    catastrophic_ids,
+    metric_series,
+    rising,
+    spearman,
+)
 
-CAUSES = {
-    "healthy": "healthy: the engine and the trainer agree",
-    "numeric_noise": "numeric noise (bf16, kernels, batch variance)",
-    "logit_processing": "temperature / logit-processing mismatch",
-    "weights_out_of_sync": "weights not synced, or synced late",
-    "stale_state": "stale recurrent state (Mamba slot reused, decode before prefill)",
-    "index_aliasing": "state-index overflow / aliasing (a slot offset that wrapped)",
-    "token_misalignment": "token misalignment (off-by-one, chat template, tokenizer drift)",
-    "unexplained": "alarms that match no known shape",
-}
-MAX_IDS = 50
+__all__ = ["CAUSES", "RESTART_AGE", "RULES", "Diagnosis", "Finding", "diagnose"]
+
 RESTART_AGE = "loop/steps_since_engine_restart"
 """The loop's `rlcheck.loop.recovery.STEPS_SINCE_RESTART` (spelled here: diagnose does not import the loop)."""
 
-
-@dataclass
-class Finding:
-    cause: str
-    confidence: float
-    evidence: list[str]
-    affected_steps: list[int] = field(default_factory=list)
-    affected_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def title(self) -> str:
-        return CAUSES[self.cause]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"cause": self.cause, "title": self.title, "confidence": round(self.confidence, 3),
-                "evidence": self.evidence, "affected_steps": self.affected_steps,
-                "affected_request_ids": self.affected_request_ids}
-
-
-@dataclass
-class Diagnosis:
-    source: str
-    path: str
-    num_steps: int
-    findings: list[Finding]
-
-    @property
-    def verdict(self) -> Finding:
-        return self.findings[0]
-
-    @property
-    def healthy(self) -> bool:
-        return self.verdict.cause == "healthy"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "path": self.path, "num_steps": self.num_steps,
-                "verdict": self.verdict.to_dict(), "findings": [f.to_dict() for f in self.findings]}
 
 
 def diagnose(path: Run | str | Path) -> Diagnosis:
@@ -86,109 +49,12 @@ def diagnose(path: Run | str | Path) -> Diagnosis:
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 
 
-# ---- reading the evidence ----------------------------------------------------------------------
-
-
-def _alarms(ev: Evidence, *, kind: str | None = None, signatures: tuple[str, ...] = ()) -> list[dict]:
-    out = []
-    for r in ev.records:
-        for a in r.get("alarms", []):
-            if (kind is None or a["kind"] == kind) and (not signatures or a["details"].get("signature") in signatures):
-                out.append(a)
-    return out
-
-
-def _steps(alarms: list[dict]) -> list[int]:
-    return sorted({int(a["step"]) for a in alarms})
-
-
-def _series(ev: Evidence, key: str) -> tuple[np.ndarray, np.ndarray]:
-    pairs = [(r["step"], r["metrics"][key]) for r in ev.records if r["metrics"].get(key) is not None]
-    steps, values = zip(*pairs, strict=True) if pairs else ((), ())
-    return np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64)
-
-
-def _affected_ids(ev: Evidence, steps: list[int], min_abs_diff: float) -> list[str]:
-    """Request ids at `steps` whose max |d| reaches `min_abs_diff`: every sequence where the step has a
-    dump, the logged offenders (top-k) elsewhere."""
-    ids: list[str] = []
-    by_step = {r["step"]: r for r in ev.records}
-    for s in steps:
-        rows = ev.dump_rows.get(s) or by_step.get(s, {}).get("offenders", [])
-        hit = sorted((row for row in rows if (row.get("max_abs_diff") or 0.0) >= min_abs_diff),
-                     key=lambda row: -row["max_abs_diff"])
-        ids += [row["request_id"] for row in hit if row["request_id"] not in ids]
-    return ids[:MAX_IDS]
-
-
-def _catastrophic_rows(rows: list[dict[str, Any]], cfg: StatsConfig) -> np.ndarray:
-    """(N,) bool: the dump's sequences the statistics count as catastrophic (`catastrophic_sequences`:
-    a rate of their compared tokens at |d| >= catastrophic_tau), or holding a non-finite logprob
-    among their compared tokens (NaN, inf or a sentinel below MIN_LOGPROB), as `rlcheck.core.stats` does."""
-    lens = np.array([len(row["logp_rollout"]) for row in rows], dtype=np.int64)  # (N,)
-    cu = np.concatenate([[0], np.cumsum(lens)])  # (N+1,)
-    if not rows or cu[-1] == 0:
-        return np.zeros(len(rows), dtype=bool)
-    lr = np.concatenate([np.asarray(row["logp_rollout"], dtype=np.float64) for row in rows])  # (M,)
-    lt = np.concatenate([np.asarray(row["logp_train"], dtype=np.float64) for row in rows])  # (M,)
-    mask = np.concatenate([np.ones(n, dtype=bool) if row.get("mask") is None else np.asarray(row["mask"], dtype=bool)
-                           for row, n in zip(rows, lens.tolist(), strict=True)])
-    finite = (lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB)  # False for NaN, -inf and sentinels
-    valid = mask & finite
-    with np.errstate(invalid="ignore"):
-        ad = np.where(valid, np.abs(lt - lr), 0.0)
-    seq_of = np.repeat(np.arange(len(rows)), lens)  # (M,)
-    counts = np.bincount(seq_of, weights=valid, minlength=len(rows))
-    bad = np.bincount(seq_of, weights=mask & ~finite, minlength=len(rows)) > 0
-    return catastrophic_sequences(ad, cu, counts, cfg) | bad
-
-
-def _catastrophic_ids(ev: Evidence, alarms: list[dict[str, Any]]) -> list[str]:
-    """Request ids of the catastrophic sequences at the alarms' steps, worst max |d| first: exactly
-    those of the step's dump, where it has one; elsewhere the logged offenders can only approximate
-    (they carry no rate of tokens): the worst of them at max |d| >= catastrophic_tau (or non-finite),
-    as many as the step's signature counted."""
-    cfg = StatsConfig()
-    count = {}
-    for a in alarms:
-        count[int(a["step"])] = max(count.get(int(a["step"]), 0), int(a["details"].get("count", 0)))
-    by_step = {r["step"]: r for r in ev.records}
-    ids: list[str] = []
-    for s in sorted(count):
-        if s in ev.dump_rows:
-            rows = ev.dump_rows[s]
-            hit = [row for row, cat in zip(rows, _catastrophic_rows(rows, cfg).tolist(), strict=True) if cat]
-        else:
-            rows = by_step.get(s, {}).get("offenders", [])
-            hit = [row for row in rows if row.get("nonfinite") or (row.get("max_abs_diff") or 0.0) >= cfg.catastrophic_tau]
-            hit = sorted(hit, key=lambda row: (not row.get("nonfinite"), -(row.get("max_abs_diff") or 0.0)))[:count[s]]
-        hit.sort(key=lambda row: -(row.get("max_abs_diff") or 0.0))
-        ids += [row["request_id"] for row in hit if row["request_id"] not in ids]
-    return ids[:MAX_IDS]
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    if x.size < 3 or np.ptp(y) == 0:
-        return 0.0
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def _rising(x: np.ndarray, y: np.ndarray) -> bool:
-    """At least 4 points that climb with the step (rank correlation >= 0.8) to a last third at least
-    1.5x the first third (medians: one noisy end point does not decide)."""
-    if x.size < 4 or _spearman(x, y) < 0.8:
-        return False
-    third = max(1, x.size // 3)
-    return bool(np.median(y[-third:]) >= 1.5 * np.median(y[:third]))
-
-
 # ---- one rule per family of shapes ---------------------------------------------------------------
 
 
 def _misalignment(ev: Evidence) -> Finding | None:
-    shift = _alarms(ev, kind="signature", signatures=("shift_by_one",))
-    tokens = _alarms(ev, kind="signature", signatures=("token_id_mismatch",))
+    shift = alarms_of(ev, kind="signature", signatures=("shift_by_one",))
+    tokens = alarms_of(ev, kind="signature", signatures=("token_id_mismatch",))
     if not shift and not tokens:
         return None
     evidence = []
@@ -198,23 +64,23 @@ def _misalignment(ev: Evidence) -> Finding | None:
     if tokens:
         a = tokens[0]
         evidence.append(f"step {a['step']}: {a['message']}")
-    steps = _steps(shift + tokens)
+    steps = alarm_steps(shift + tokens)
     evidence.append(f"on {len(steps)} step(s), first {steps[0]}")
     tau = StatsConfig().divergence_tau
     return Finding("token_misalignment", 0.95 if shift and tokens else 0.85, evidence, steps,
-                   _affected_ids(ev, steps, tau))
+                   affected_ids(ev, steps, tau))
 
 
 def _logit_processing(ev: Evidence) -> Finding | None:
-    slope = _alarms(ev, kind="signature", signatures=("systematic_slope",))
+    slope = alarms_of(ev, kind="signature", signatures=("systematic_slope",))
     if not slope:
         return None
-    misaligned = set(_steps(_alarms(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch"))))
+    misaligned = set(alarm_steps(alarms_of(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch"))))
     slope = [a for a in slope if a["step"] not in misaligned]
     if not slope:
         return None
-    steps = _steps(slope)
-    anomalous = _steps(_alarms(ev))
+    steps = alarm_steps(slope)
+    anomalous = alarm_steps(alarms_of(ev))
     s = np.median([a["details"]["slope"] for a in slope])
     c = np.median([a["details"]["corr"] for a in slope])
     share = len(steps) / max(len(anomalous), 1)
@@ -222,16 +88,16 @@ def _logit_processing(ev: Evidence) -> Finding | None:
                 f"alarmed steps (median slope {s:.3f}, corr {c:.2f})",
                 "a trainer temperature of T x (1 + slope) relative to the engine's would give this slope"]
     return Finding("logit_processing", 0.6 + 0.3 * share, evidence, steps,
-                   _affected_ids(ev, steps, StatsConfig().divergence_tau))
+                   affected_ids(ev, steps, StatsConfig().divergence_tau))
 
 
 def _sparse_sequences(ev: Evidence) -> Finding | None:
-    early = _alarms(ev, kind="signature", signatures=("early_divergence",))
-    sparse = _alarms(ev, kind="signature", signatures=("sparse_catastrophic",))
+    early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
+    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic",))
     if not early and not sparse:
         return None
-    steps = _steps(early + sparse)
-    ids = _catastrophic_ids(ev, early + sparse)
+    steps = alarm_steps(early + sparse)
+    ids = catastrophic_ids(ev, early + sparse)
     a = (early or sparse)[0]
     evidence = [f"step {a['step']}: {a['message']}",
                 f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
@@ -290,7 +156,7 @@ def _guard_violations(ev: Evidence) -> list[dict[str, Any]]:
     if data is not None and data.violations:
         return [v.to_dict() for v in data.violations]
     return [{**a["details"]["first"], "request_ids": a["details"].get("request_ids", []), "alarm_step": a["step"]}
-            for a in _alarms(ev, kind="signature", signatures=("engine_guard",))]
+            for a in alarms_of(ev, kind="signature", signatures=("engine_guard",))]
 
 
 def _engine_guard(ev: Evidence) -> Finding | None:
@@ -328,11 +194,11 @@ def _engine_guard(ev: Evidence) -> Finding | None:
 
 
 def _weights(ev: Evidence) -> Finding | None:
-    periodic = _alarms(ev, kind="periodic")
+    periodic = alarms_of(ev, kind="periodic")
     if periodic:
         a = periodic[0]
         p, phase = int(a["details"]["period"]), int(a["details"]["phase"])
-        steps, values = _series(ev, a["metric"])
+        steps, values = metric_series(ev, a["metric"])
         clean = values[steps % p != phase]
         base = np.median(clean) if clean.size else 0.0
         spread = 1.4826 * np.median(np.abs(clean - base)) if clean.size else 0.0
@@ -341,15 +207,15 @@ def _weights(ev: Evidence) -> Finding | None:
         hit = [int(s) for s, v in zip(steps, values, strict=True) if s % p == phase and v > cut]
         evidence = [f"{a['metric']} spikes every {p} steps (steps = {phase} mod {p}), {len(hit)} spikes "
                     f"between clean steps: the shape of a weight sync left out every {p} updates"]
-        return Finding("weights_out_of_sync", 0.9, evidence, hit, _affected_ids(ev, hit[-3:], 0.0)[:20])
-    behind_steps, behind = _series(ev, "loop/weights_behind")
-    anomalous = _steps(_alarms(ev))
+        return Finding("weights_out_of_sync", 0.9, evidence, hit, affected_ids(ev, hit[-3:], 0.0)[:20])
+    behind_steps, behind = metric_series(ev, "loop/weights_behind")
+    anomalous = alarm_steps(alarms_of(ev))
     lagging = [int(s) for s, b in zip(behind_steps, behind, strict=True) if b > 0 and int(s) in anomalous]
     growing = _growing(ev, anomalous)
     if lagging:
         evidence = [f"the loop reports rollout weights behind the trainer's on {len(lagging)} alarmed step(s), "
                     f"first {lagging[0]}", *(growing.evidence if growing else [])]
-        return Finding("weights_out_of_sync", 0.95, evidence, lagging, _affected_ids(ev, lagging[-1:], 0.0)[:20])
+        return Finding("weights_out_of_sync", 0.95, evidence, lagging, affected_ids(ev, lagging[-1:], 0.0)[:20])
     return growing
 
 
@@ -357,29 +223,29 @@ def _growing(ev: Evidence, anomalous: list[int]) -> Finding | None:
     """Mismatch that grows step after step since it appeared: syncs stopped (stale weights)."""
     if not anomalous:
         return None
-    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     after = steps >= anomalous[0]
     x, y = steps[after], values[after]
-    if not _rising(x, y):
+    if not rising(x, y):
         return None
     evidence = [f"mean |d| grows from {y[0]:.3g} at step {x[0]} to {y[-1]:.3g} at step {x[-1]} "
-                f"(rank correlation with the step {_spearman(x, y):.2f}): weights not synced since step ~{x[0]}"]
-    return Finding("weights_out_of_sync", 0.8, evidence, [int(s) for s in x], _affected_ids(ev, [int(x[-1])], 0.0)[:20])
+                f"(rank correlation with the step {spearman(x, y):.2f}): weights not synced since step ~{x[0]}"]
+    return Finding("weights_out_of_sync", 0.8, evidence, [int(s) for s in x], affected_ids(ev, [int(x[-1])], 0.0)[:20])
 
 
 def _numeric_noise(ev: Evidence) -> Finding | None:
     """A persistent, flat, symmetric rise over most sequences, with no signature."""
-    anomalous = _steps(_alarms(ev))
-    if not anomalous or _alarms(ev, kind="signature") or _alarms(ev, kind="periodic"):
+    anomalous = alarm_steps(alarms_of(ev))
+    if not anomalous or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
         return None
-    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     after = steps >= anomalous[0]
     x, y = steps[after], values[after]
     persistent = len(anomalous) >= 0.8 * x.size
-    flat = not _rising(x, y)
+    flat = not rising(x, y)
     m = {}
     for key in (K.DIFF_MEAN, K.ABS_DIFF_P50):
-        s, v = _series(ev, key)  # a record may lack a key: select by step, not by position
+        s, v = metric_series(ev, key)  # a record may lack a key: select by step, not by position
         m[key] = float(np.median(v[s >= anomalous[0]])) if np.any(s >= anomalous[0]) else math.nan
     level = float(np.median(y))
     symmetric = abs(m[K.DIFF_MEAN]) <= 0.3 * level  # False when the key was never logged (nan)
@@ -389,18 +255,18 @@ def _numeric_noise(ev: Evidence) -> Finding | None:
     evidence = [f"mean |d| rose to a steady {level:.3g} at step {x[0]} and stays there",
                 f"symmetric (mean d {m[K.DIFF_MEAN]:.2g}) and spread over the tokens (median |d| "
                 f"{m[K.ABS_DIFF_P50]:.2g}): precision noise, not a per-request fault"]
-    return Finding("numeric_noise", 0.7, evidence, [int(s) for s in x], _affected_ids(ev, [int(x[-1])], 0.0)[:20])
+    return Finding("numeric_noise", 0.7, evidence, [int(s) for s in x], affected_ids(ev, [int(x[-1])], 0.0)[:20])
 
 
 def _healthy_or_unexplained(ev: Evidence) -> Finding:
-    alarms = _alarms(ev)
-    steps, values = _series(ev, K.ABS_DIFF_MEAN)
+    alarms = alarms_of(ev)
+    steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     if not alarms:
         top = f"; mean |d| at most {values.max():.3g}" if values.size else ""
         return Finding("healthy", 0.9 if len(ev.records) >= 10 else 0.6, [f"{len(ev.records)} step(s), no alarm{top}"])
     kinds = sorted({f"{a['kind']}:{a['metric'].removeprefix(K.PREFIX)}" for a in alarms})
     return Finding("unexplained", 0.3, [f"{len(alarms)} alarm(s) ({', '.join(kinds[:6])}) fit no known shape"],
-                   _steps(alarms))
+                   alarm_steps(alarms))
 
 
 def _note_restart(ev: Evidence, verdict: Finding) -> None:

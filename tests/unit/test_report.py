@@ -224,3 +224,54 @@ class TestWriteReport:
         page = write_report(long_run(tmp_path / "long", 8_000)).read_text()
         assert len(page.encode()) < 1_000_000
         assert page.count("<title>step ") == MAX_TIPS and page.count("data:image/png;base64,") == 1
+
+
+OPEN_COUNTER = """
+import collections, os, sys
+run_dir = os.path.realpath(sys.argv[1])
+opened = collections.Counter()
+
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.realpath(os.fsdecode(args[0]))
+        writing = isinstance(args[1], str) and any(c in args[1] for c in "wax+")
+        if path.startswith(run_dir + os.sep) and not writing and not (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR)):
+            opened[os.path.relpath(path, run_dir)] += 1
+
+sys.addaudithook(hook)
+from rlcheck.cli import main
+sys.argv = ["rlcheck", "report", run_dir, "--out", sys.argv[2]]
+try:
+    main()
+except SystemExit as done:
+    assert done.code in (0, None), done.code
+for name, n in sorted(opened.items()):
+    print("opened", n, name)
+"""
+
+
+class TestReadsOnce:
+    def test_report_reads_each_file_of_the_run_once(self, run, tmp_path):
+        """`rlcheck report RUN_DIR` (summary, diagnosis, panels, dumps, loop, guard) opens every file of
+        the run directory it reads exactly once (an audit hook counts the opens)."""
+        import shutil
+        import subprocess
+        import sys
+
+        run_dir = tmp_path / "run"
+        shutil.copytree(run, run_dir)
+        guard = run_dir / "guard"
+        guard.mkdir()
+        (guard / "summary.json").write_text(json.dumps({"checks": {}}))
+        (guard / "violations.jsonl").write_text("")
+        done = subprocess.run([sys.executable, "-c", OPEN_COUNTER, str(run_dir), str(tmp_path / "r.html")],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = done.stdout
+        counts = {line.split(" ", 2)[2]: int(line.split(" ", 2)[1]) for line in out.splitlines()
+                  if line.startswith("opened ")}
+        dump = next(p.relative_to(run_dir) for p in (run_dir / "dumps").glob("step_*"))
+        must = {"metrics.jsonl", "state.json", "loop.jsonl", "guard/summary.json", "guard/violations.jsonl",
+                f"{dump}/meta.json", f"{dump}/sequences.parquet"}
+        assert must <= counts.keys(), counts
+        assert {name: n for name, n in counts.items() if n != 1} == {}
