@@ -26,6 +26,8 @@ Where it hooks: two instance attributes of the engine's model runner (no class i
 are about to read. An injected fault (`rlcheck.engines.vllm_faults`) rewrites that metadata earlier,
 in `_build_attention_metadata` (:4142); the two compose in either order of installation and the
 guard sees the fault's rewrite, as the kernels do. What it reads: `rlcheck.engines._guard_vllm`.
+Its settings, `GuardConfig`, are `rlcheck.engines._guard_config`; its alarms, `violations_to_alarms`,
+`rlcheck.engines._guard_alarms` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -35,74 +37,21 @@ import sys
 import time
 import warnings
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rlcheck.core.run import guard_files as gio
 from rlcheck.core.run.guard_record import CHECKS, INVARIANT, StepRecord, Violation
+from rlcheck.engines._guard_alarms import GUARD_METRIC, SIGNATURE, violations_to_alarms
 from rlcheck.engines._guard_checks import InvariantChecker
+from rlcheck.engines._guard_config import BREAK_ENV, BREAK_PDB_ENV, POLICIES, GuardConfig
 from rlcheck.errors import ConfigError, GuardViolation
 
-POLICIES = ("record", "warn", "raise")
+__all__ = ["BREAK_ENV", "BREAK_PDB_ENV", "CHECKS", "GUARD_METRIC", "INVARIANT", "MAX_WARNINGS", "POLICIES", "SIGNATURE",
+           "Guard", "GuardConfig", "StepRecord", "Violation", "install_guard", "violations_to_alarms"]
+
 MAX_WARNINGS = 20
-BREAK_ENV, BREAK_PDB_ENV = "RLCHECK_BREAK_ON", "RLCHECK_BREAK_PDB"
-GUARD_METRIC = "guard/violations"
-"""The metric a guard alarm is about (the loop may log it as an extra scalar: violations per step)."""
-SIGNATURE = "engine_guard"
-"""`details["signature"]` of the alarms `violations_to_alarms` makes."""
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    run_dir: str | None = None
-    """Where DIR/guard/ goes (violations.jsonl as they happen; trace.jsonl and summary.json on flush and
-    close; break snapshots). None: kept in memory (snapshots then go to runs/guard-break)."""
-    policy: str = "warn"
-    """What a violation does unless `policies` says otherwise: record, warn or raise (POLICIES)."""
-    policies: dict[str, str] = field(default_factory=dict)
-    """Per-check policy, {check: policy}; checks: prefill_from_zero, slot_unique, in_pool, offset_fits,
-    freed_reinit."""
-    capacity: int = 1024
-    """Forward steps kept in the ring buffer (the trace)."""
-    max_violations: int = 10_000
-    """Violations kept (the first per request and check); later ones are only counted."""
-    offset_limit: int = 2**31
-    """The offset integer's range, in elements (2**31: a signed 32-bit index)."""
-    offset_margin: float = 0.5
-    """Room to spare: an end offset past offset_margin * offset_limit breaks check (iv)."""
-    break_on: tuple[str, ...] = ()
-    """Request ids (as `LLM.generate` reports them) to snapshot each step they are scheduled;
-    RLCHECK_BREAK_ON adds to them."""
-    break_pdb: bool = False
-    """Stop in pdb after each snapshot (RLCHECK_BREAK_PDB=1 sets it)."""
-    max_snapshots: int = 16
-    """Snapshots per break request."""
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"guard policy must be one of {POLICIES}, got {self.policy!r}")
-        for check, policy in self.policies.items():
-            if check not in CHECKS or policy not in POLICIES:
-                raise ConfigError(f"guard policies: {check!r}: {policy!r}; checks are {sorted(CHECKS)}, "
-                                  f"policies {POLICIES}")
-        for name in ("capacity", "max_violations", "offset_limit", "max_snapshots"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"guard {name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.offset_margin <= 1:
-            raise ConfigError(f"guard offset_margin must be in (0, 1], got {self.offset_margin}")
-        if isinstance(self.break_on, str) or not all(isinstance(r, str) and r for r in self.break_on):
-            raise ConfigError(f"guard break_on must be a tuple of request ids, got {self.break_on!r}")
-
-    def policy_for(self, check: str) -> str:
-        return self.policies.get(check, self.policy)
-
-    def with_env(self, environ: dict[str, str] | None = None) -> GuardConfig:
-        """This config with RLCHECK_BREAK_ON (comma-separated ids) and RLCHECK_BREAK_PDB=1 applied."""
-        env = os.environ if environ is None else environ
-        ids = tuple(r.strip() for r in env.get(BREAK_ENV, "").split(",") if r.strip())
-        pdb = env.get(BREAK_PDB_ENV, "").strip().lower() in ("1", "true", "yes")
-        return replace(self, break_on=tuple(dict.fromkeys(self.break_on + ids)), break_pdb=self.break_pdb or pdb)
 
 
 class Guard:
@@ -297,25 +246,3 @@ def install_guard(engine: Any, cfg: GuardConfig | None = None) -> Guard:
     if "_model_forward" in runner.__dict__:
         raise ConfigError("this engine already has a guard; close it first")
     return Guard(runner, (cfg or GuardConfig()).with_env())
-
-
-def violations_to_alarms(step: int, violations: list[Any], severity: str = "critical") -> list[Any]:
-    """The Monitor alarms of one step's guard violations (`Violation`s or their dicts): one per check,
-    kind "signature" (signature SIGNATURE), its evidence in `details`."""
-    from rlcheck.core.types import Alarm
-
-    by_check: dict[str, list[dict[str, Any]]] = {}
-    for v in violations:
-        d = v.to_dict() if isinstance(v, Violation) else dict(v)
-        by_check.setdefault(d["check"], []).append(d)
-    alarms = []
-    for check, ds in by_check.items():
-        ids = list(dict.fromkeys(d.get("rollout_request_id") or d["request_id"] for d in ds))
-        first, invariant = ds[0], INVARIANT[check]
-        alarms.append(Alarm("signature", GUARD_METRIC, step, severity, (
-            f"engine guard {invariant} {check}: {len(ids)} request(s), first {first['message']}"), {
-            "signature": SIGNATURE, "check": check, "invariant": invariant, "request_ids": ids[:50],
-            "engine_steps": sorted({d["step"] for d in ds})[:50],
-            "slots": sorted({d["slot"] for d in ds if d.get("slot") is not None})[:50],
-            "num_violations": len(ds), "first": first}))
-    return alarms

@@ -1,0 +1,38 @@
+"""The engine guard's violations as Monitor alarms: `violations_to_alarms` turns one step's violations
+(`Violation`s or their dicts) into one "signature" alarm per check, on the metric GUARD_METRIC with
+signature SIGNATURE, its evidence (request ids, engine steps, slots, the first violation) in
+`details`; the loop raises them with the step's other alarms. `rlcheck.engines.guard` re-exports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcheck.core.run.guard_record import INVARIANT, Violation
+
+GUARD_METRIC = "guard/violations"
+"""The metric a guard alarm is about (the loop may log it as an extra scalar: violations per step)."""
+SIGNATURE = "engine_guard"
+"""`details["signature"]` of the alarms `violations_to_alarms` makes."""
+
+
+def violations_to_alarms(step: int, violations: list[Any], severity: str = "critical") -> list[Any]:
+    """The Monitor alarms of one step's guard violations (`Violation`s or their dicts): one per check,
+    kind "signature" (signature SIGNATURE), its evidence in `details`."""
+    from rlcheck.core.types import Alarm
+
+    by_check: dict[str, list[dict[str, Any]]] = {}
+    for v in violations:
+        d = v.to_dict() if isinstance(v, Violation) else dict(v)
+        by_check.setdefault(d["check"], []).append(d)
+    alarms = []
+    for check, ds in by_check.items():
+        ids = list(dict.fromkeys(d.get("rollout_request_id") or d["request_id"] for d in ds))
+        first, invariant = ds[0], INVARIANT[check]
+        alarms.append(Alarm("signature", GUARD_METRIC, step, severity, (
+            f"engine guard {invariant} {check}: {len(ids)} request(s), first {first['message']}"), {
+            "signature": SIGNATURE, "check": check, "invariant": invariant, "request_ids": ids[:50],
+            "engine_steps": sorted({d["step"] for d in ds})[:50],
+            "slots": sorted({d["slot"] for d in ds if d.get("slot") is not None})[:50],
+            "num_violations": len(ds), "first": first}))
+    return alarms
