@@ -37,9 +37,10 @@ def row(name: str, res) -> str:
 
 
 def bench_arch(arch: str, args) -> None:
+    from rlcheck.forensics.render import show_value
     from rlcheck.forensics.replay import load_scorer
     from rlcheck.forensics.stress import StressConfig, parse_inject, run_stress
-    from rlcheck.forensics.sweep import parse_knob, run_sweep, show_value
+    from rlcheck.forensics.sweep import parse_knob, run_sweep
     from rlcheck.modelzoo import build_model
 
     with tempfile.TemporaryDirectory() as tmp:

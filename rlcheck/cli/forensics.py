@@ -1,6 +1,5 @@
 """`rlcheck stress` and `rlcheck sweep`: vLLM under memory pressure and load, every output replayed
-through the HF reference, one run or one knob at a time. Registered on `rlcheck.cli.app` when
-`rlcheck.cli` is imported (it imports this module)."""
+through the HF reference, one run or one knob at a time (`rlcheck.forensics.stress`, `.sweep`)."""
 
 from __future__ import annotations
 
@@ -13,12 +12,12 @@ from pathlib import Path
 
 import typer
 
-from rlcheck.cli.app import _console, app
+from rlcheck.cli.base import app, console
 from rlcheck.cli.paths import existing_dir, output_dir
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
-from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
+from rlcheck.forensics.stress_config import FP32_THRESHOLD, StressConfig, parse_inject, parse_size
 from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE
-from rlcheck.forensics.sweep import RESULT_FILE as SWEEP_FILE
+from rlcheck.forensics.stress_report import SWEEP_FILE
 from rlcheck.forensics.sweep import SWEEP_REQUESTS
 
 
@@ -36,9 +35,6 @@ def _phases():
 
 def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, max_num_seqs: int, kv_cache: str,
                    batched_tokens: int | None, dtype: str, seed: int, inject: str | None, threshold: float | None):
-    from rlcheck.forensics.stress import StressConfig, parse_inject
-    from rlcheck.forensics.sweep import parse_size
-
     fault, boundary = parse_inject(inject)
     # vLLM logs to stdout at INFO by default: keep stdout for the table or the JSON
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -92,7 +88,7 @@ def stress(
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
-        render_stress(result, _console(), top=top)
+        render_stress(result, console(), top=top)
     if result.failing or (result.guard is not None and result.guard.violations):
         raise typer.Exit(1)
 
@@ -109,7 +105,8 @@ def sweep(
 ) -> None:
     """Change one knob at a time (cache budget, max sequences, samples per prompt, batched tokens) and
     record, per value, the failures, the first failing request and the failing fraction: a table and a plot."""
-    from rlcheck.forensics.sweep import parse_knob, render_sweep, run_sweep, write_sweep
+    from rlcheck.forensics.stress_report import render_sweep, write_sweep
+    from rlcheck.forensics.sweep import parse_knob, run_sweep
 
     knobs = [parse_knob(k) for k in knob]
     base = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
@@ -121,5 +118,5 @@ def sweep(
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "plot": None if png is None else str(png)}, indent=1))
         return
-    render_sweep(result, _console())
+    render_sweep(result, console())
     typer.echo(f"table: {table}; plot: {png or 'not drawn (pip install matplotlib)'}")

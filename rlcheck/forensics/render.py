@@ -1,8 +1,10 @@
-"""Console output of the forensic commands (rich)."""
+"""Console output of the forensic commands (rich), and the formatting helpers they share."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from rlcheck.forensics.stress_config import UNITS
 
 
 def render_diagnosis(diagnosis, console: Any, max_ids: int = 10) -> None:
@@ -67,3 +69,11 @@ def _replay_cells(rec) -> tuple[str, ...]:
         "" if ctx is None else f"{ctx.logp_rollout:.3g}/{ctx.logp_reference:.3g}",
         "" if ctx is None else ctx.marked,
     )
+
+
+def show_value(knob: str, value: int) -> str:
+    """kv_cache_bytes in the largest binary unit that divides it; other knobs as they are."""
+    if knob != "kv_cache_bytes":
+        return str(value)
+    unit = next((u for u in ("G", "M", "K") if value % UNITS[u.lower()] == 0), "")
+    return f"{value // UNITS[unit.lower()]}{unit}iB" if unit else f"{value}B"

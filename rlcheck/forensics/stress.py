@@ -23,6 +23,9 @@ hook, so the tool can be shown to find what it claims. With `out_dir` the run is
 violations name the broken invariant, the requests, the engine step and the slot from the engine
 run alone, before any replay; they go into stress.json ("guard"), the dump's meta (context.guard),
 a per-request `guard_checks` column, and OUT/guard/ (summary, violations, trace).
+
+The settings live in `rlcheck.forensics.stress_config`, the result in `rlcheck.forensics.stress_results`,
+its files and console table in `rlcheck.forensics.stress_report`; this module runs the engine and the replay.
 """
 
 from __future__ import annotations
@@ -30,184 +33,18 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlcheck.errors import ConfigError
-from rlcheck.forensics.slots import SlotContext, id_key, slot_context
+from rlcheck.forensics.slots import SlotContext, slot_context
+from rlcheck.forensics.stress_config import FAULTS, FP32_THRESHOLD, Progress, StressConfig, parse_inject
+from rlcheck.forensics.stress_results import StressResult
 
-FAULTS = ("none", "stale-state", "index-wrap")
-FP32_THRESHOLD = 1e-3
-"""Max |d| (nats) over which a request fails when the engine runs in float32: greedy fp32 vLLM agrees
-with the fp32 reference to ~1e-5 over thousands of requests (BENCHMARKS.md), while a stale or
-aliased state is off by 0.1 to 20 nats; lower-precision engines use replay's DEFAULT_THRESHOLD."""
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
-
-
-@dataclass(frozen=True)
-class StressConfig:
-    model: str
-    """Local model directory (HF layout); a Mamba or hybrid model for the slot trace."""
-    num_requests: int = 2000
-    """Requests (sequences) sent to the engine at once."""
-    samples_per_prompt: int = 8
-    """Each prompt is sent this many times in a row (rollouts per prompt: more requests at once)."""
-    max_tokens: int = 8
-    """Tokens generated per request (always that many: EOS is ignored)."""
-    min_prompt_tokens: int = 4
-    max_prompt_tokens: int = 16
-    """Prompt lengths, drawn uniformly from the seed; prompts are random non-special token ids."""
-    max_num_seqs: int = 64
-    """vLLM's concurrency limit (sequences per engine step)."""
-    kv_cache_bytes: int = 8 << 20
-    """vLLM's KV and Mamba state cache budget: the memory lever (8 MiB: ~100 slots of the tiny mamba2)."""
-    max_num_batched_tokens: int | None = None
-    """Tokens per engine step (None: vLLM's default)."""
-    max_model_len: int = 256
-    dtype: str = "float32"
-    seed: int = 0
-    """Seed of the prompts and of the engine."""
-    fault: str = "none"
-    """An engine fault to inject (FAULTS): proves that stress finds it."""
-    boundary: int | None = None
-    """index-wrap: blocks at or past it wrap (None: max_num_seqs // 2)."""
-    threshold: float | None = None
-    """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
-    guard: bool = False
-    """Run the engine guard during generation (lifecycle invariants, policy "record")."""
-
-    def __post_init__(self) -> None:
-        if self.fault not in FAULTS:
-            raise ConfigError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
-        if self.boundary is not None and (self.fault != "index-wrap" or self.boundary < 1):
-            raise ConfigError("boundary is for index-wrap only and must be >= 1")
-        positive = ("num_requests", "samples_per_prompt", "max_tokens", "min_prompt_tokens", "max_num_seqs",
-                    "kv_cache_bytes", "max_model_len")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_prompt_tokens < self.min_prompt_tokens:
-            raise ConfigError("max_prompt_tokens must be >= min_prompt_tokens")
-        if self.max_prompt_tokens + self.max_tokens > self.max_model_len:
-            raise ConfigError(f"max_prompt_tokens + max_tokens ({self.max_prompt_tokens + self.max_tokens}) "
-                              f"must fit max_model_len ({self.max_model_len})")
-        if self.threshold is not None and not self.threshold > 0:
-            raise ConfigError(f"threshold must be > 0, got {self.threshold}")
-
-    @property
-    def fault_boundary(self) -> int | None:
-        if self.fault != "index-wrap":
-            return None
-        return self.boundary if self.boundary is not None else max(1, self.max_num_seqs // 2)
-
-    @property
-    def fail_threshold(self) -> float:
-        from rlcheck.forensics.replay import DEFAULT_THRESHOLD
-
-        if self.threshold is not None:
-            return self.threshold
-        return FP32_THRESHOLD if self.dtype == "float32" else DEFAULT_THRESHOLD
-
-
-def parse_inject(text: str | None) -> tuple[str, int | None]:
-    """`--inject` as (fault, boundary): "stale-state", "index-wrap", "index-wrap=4", "none" or None."""
-    name, _, value = (text or "none").strip().partition("=")
-    if name not in FAULTS:
-        raise ConfigError(f"--inject {text!r}: choose stale-state or index-wrap[=B] (B: the wrap boundary, in blocks)")
-    if not value:
-        return name, None
-    if name != "index-wrap" or not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"--inject {text!r}: only index-wrap takes a value, a boundary >= 1 (index-wrap=4)")
-    return name, int(value)
-
-
-@dataclass(frozen=True)
-class StressResult:
-    config: StressConfig
-    request_ids: tuple[str, ...]  # vLLM's request ids, arrival order
-    max_abs_diff: tuple[float, ...]  # per request, vs the reference (inf: non-finite)
-    first_divergence: tuple[int | None, ...]  # first response token over the threshold
-    contexts: tuple[SlotContext, ...]
-    fault_affected: dict[str, str]  # the injected fault's own account of whom it touched
-    num_blocks: int | None  # blocks in the engine's cache (state slots)
-    num_steps: int | None  # engine steps traced
-    trace: str  # "slot trace", or why there is none
-    seconds: dict[str, float] = field(default_factory=dict)  # build, generate, score
-    dump_dir: str | None = None
-    guard: Any = None  # the engine guard's `GuardOutput` (summary, violations, trace) with cfg.guard
-
-    @cached_property
-    def guard_checks(self) -> dict[str, list[str]]:
-        """Request id -> the guard checks it broke (empty without a guard)."""
-        out: dict[str, list[str]] = {}
-        for v in self.guard.violations if self.guard is not None else ():
-            out.setdefault(v.request_id, []).append(v.check)
-        return out
-
-    @property
-    def threshold(self) -> float:
-        return self.config.fail_threshold
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
-
-    @cached_property
-    def failing(self) -> list[int]:
-        """Arrival indices of the failing requests."""
-        return [i for i, m in enumerate(self.max_abs_diff) if m > self.threshold]
-
-    @property
-    def failing_request_ids(self) -> list[str]:
-        return [self.request_ids[i] for i in self.failing]
-
-    @property
-    def failing_fraction(self) -> float:
-        return len(self.failing) / max(self.num_requests, 1)
-
-    @property
-    def first_failing_index(self) -> int | None:
-        return self.failing[0] if self.failing else None
-
-    @property
-    def first_wave(self) -> tuple[int, int] | None:
-        """(requests that got a never-used slot, how many of them fail); None without a trace."""
-        fresh = [c.arrival for c in self.contexts if c.slot_reused is False]
-        if not fresh:
-            return None
-        return len(fresh), sum(self.max_abs_diff[i] > self.threshold for i in fresh)
-
-    @property
-    def requests_per_second(self) -> float:
-        return self.num_requests / max(sum(self.seconds.values()), 1e-9)
-
-    def to_dict(self) -> dict[str, Any]:
-        from rlcheck.core.run.journal import to_jsonable
-        from rlcheck.forensics.stress_report import guard_dict
-
-        wave = self.first_wave
-        failing = [{"request_id": self.request_ids[i], "max_abs_diff": self.max_abs_diff[i],
-                    "first_divergence": self.first_divergence[i], "slot_reused": self.contexts[i].slot_reused,
-                    "guard_checks": self.guard_checks.get(self.request_ids[i], []),
-                    **asdict(self.contexts[i])} for i in self.failing]
-        return to_jsonable({
-            "num_requests": self.num_requests, "failing_request_ids": self.failing_request_ids,
-            "num_failing": len(self.failing), "failing_fraction": self.failing_fraction,
-            "first_failing_index": self.first_failing_index, "threshold": self.threshold,
-            "first_wave": None if wave is None else {"num_requests": wave[0], "num_failing": wave[1]},
-            "fault": {"name": self.config.fault, "boundary": self.config.fault_boundary,
-                      "affected_request_ids": sorted(self.fault_affected, key=id_key)},
-            "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace},
-            "seconds": self.seconds, "requests_per_second": self.requests_per_second,
-            "config": asdict(self.config), "dump_dir": self.dump_dir, "failing": failing,
-            "guard": None if self.guard is None else guard_dict(self.guard),
-        })
+__all__ = ["FAULTS", "FP32_THRESHOLD", "Progress", "StressConfig", "StressResult", "make_prompts", "parse_inject",
+           "progress_bar", "run_stress"]
 
 
 def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress: Progress | None = None,

@@ -1,5 +1,7 @@
-"""What a stress run leaves behind: a dump that `rlcheck diagnose` and `rlcheck replay` read, its
-stress.json, and the console table.
+"""What a stress run or a sweep leaves behind: the files and the console tables. A stress run: a dump
+that `rlcheck diagnose` and `rlcheck replay` read, its stress.json, and the table of failing requests
+(`write_stress`, `render_stress`). A sweep: sweep.json, sweep.png and its table (`write_sweep`,
+`plot_sweep`, `render_sweep`). The results themselves live in `rlcheck.forensics.stress_results`.
 
 The dump is one step (step 0) of every request: `logp_rollout` the engine's logprobs, `logp_train`
 the HF reference's (the side that judges here), tokens, and per-sequence meta columns: `arrival`,
@@ -19,12 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.forensics.render import show_value
+from rlcheck.forensics.stress_results import StressResult, SweepResult, guard_dict
+
 RESULT_FILE = "stress.json"
+SWEEP_FILE, PLOT_FILE = "sweep.json", "sweep.png"
 TRACE_COLUMNS = ("first_step", "last_step", "batch_size", "block", "block_used")
 
 
-def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: list[Any],
-                 reference: list[np.ndarray]) -> Any:
+def write_stress(out: Path, result: StressResult, prompts: list[list[int]], rollouts: list[Any],
+                 reference: list[np.ndarray]) -> StressResult:
     """Write the dump and stress.json into `out` (replaced); the result with its `dump_dir`."""
     from rlcheck.core.batch import StepBatch
     from rlcheck.core.run.dump import write_dump
@@ -70,13 +76,11 @@ def write_stress(out: Path, result: Any, prompts: list[list[int]], rollouts: lis
     return result
 
 
-def render_stress(result: Any, console: Any, top: int = 20) -> None:
+def render_stress(result: StressResult, console: Any, top: int = 20) -> None:
     """Header, the first `top` failing requests (arrival order) with their context, and the verdict."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
-
-    from rlcheck.forensics.sweep import show_value
 
     r, cfg = result, result.config
     fault = cfg.fault + (f" (boundary {cfg.fault_boundary})" if cfg.fault_boundary else "")
@@ -114,16 +118,7 @@ def render_stress(result: Any, console: Any, top: int = 20) -> None:
         console.print(f"dump: {escape(r.dump_dir)} (rlcheck diagnose {escape(r.dump_dir)})")
 
 
-def guard_dict(output: Any, max_violations: int = 200) -> dict[str, Any]:
-    """The guard's part of stress.json (and, shorter, of the dump's meta): counts, every request id
-    per broken check, the first violations."""
-    s = output.summary
-    return {"num_violations": s["num_violations"], "counts": s["counts"], "request_ids": s["request_ids"],
-            "num_steps": s["num_steps"], "pool": s["pool"], "seconds": s["seconds"], "error": s["error"],
-            "violations": [v.to_dict() for v in output.violations[:max_violations]]}
-
-
-def _render_guard(r: Any, console: Any, top: int) -> None:
+def _render_guard(r: StressResult, console: Any, top: int) -> None:
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -148,7 +143,7 @@ def _render_guard(r: Any, console: Any, top: int) -> None:
                   "(from the engine run alone, before any replay)")
 
 
-def _cells(r: Any, i: int) -> tuple[str, ...]:
+def _cells(r: StressResult, i: int) -> tuple[str, ...]:
     c = r.contexts[i]
     block = "-" if c.block is None else str(c.block) + ("" if c.block_used == c.block else f" ({c.block_used})")
     shared = ", ".join(c.shared_with[:4]) + (f" +{len(c.shared_with) - 4}" if len(c.shared_with) > 4 else "")
@@ -160,3 +155,67 @@ def _cells(r: Any, i: int) -> tuple[str, ...]:
     return (r.request_ids[i], str(c.arrival), f"{r.max_abs_diff[i]:.3g}", "-" if first is None else str(first),
             "-" if c.first_step is None else str(c.first_step), "-" if c.batch_size is None else str(c.batch_size),
             block, c.previous or "-", shared or "-", *guard)
+
+
+def write_sweep(result: SweepResult, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """sweep.json (the table) and sweep.png (the plot; None when matplotlib is missing) in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / SWEEP_FILE
+    try:
+        png: Path | None = plot_sweep(result, out / PLOT_FILE)
+    except ImportError:
+        png = None
+    table.write_text(json.dumps({**result.to_dict(), "plot": None if png is None else str(png)}, indent=1))
+    return table, png
+
+
+def plot_sweep(result: SweepResult, path: Path) -> Path:
+    """One panel per knob: failing fraction (bars) and first failing arrival index (dots) per value."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    knobs = list(dict.fromkeys(p.knob for p in result.points))
+    fig = Figure(figsize=(4.5 * len(knobs), 3.6), layout="constrained")
+    for ax, knob in zip(fig.subplots(1, len(knobs), squeeze=False)[0], knobs, strict=True):
+        pts = [p for p in result.points if p.knob == knob]
+        xs = range(len(pts))
+        bars = ax.bar(xs, [p.failing_fraction for p in pts], color="tab:red", alpha=0.7)
+        ax.bar_label(bars, [f"{p.num_failing}/{p.num_requests}" for p in pts], fontsize=8)
+        ax.set_xticks(list(xs), [show_value(knob, p.value) + (f"\n{p.num_blocks} blocks" if p.num_blocks else "")
+                                 for p in pts], fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel(knob)
+        ax.set_ylabel("failing fraction (bars)")
+        right = ax.twinx()
+        firsts = [(x, p.first_failing_index) for x, p in zip(xs, pts, strict=True) if p.first_failing_index is not None]
+        right.plot([x for x, _ in firsts], [f for _, f in firsts], "o", color="black")
+        right.yaxis.set_major_locator(MaxNLocator(integer=True))
+        right.set_ylim(bottom=0, top=max([f for _, f in firsts] + [1]) * 1.15)
+        right.set_ylabel("first failing request (arrival index, dots)")
+    b = result.base
+    fig.suptitle(f"{Path(b.model).name}: fault {b.fault}" + (f" (boundary {b.boundary})" if b.boundary else "")
+                 + f", {b.num_requests} requests, {b.max_tokens} tokens", fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def render_sweep(result: SweepResult, console: Any) -> None:
+    """The table: one row per knob value."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="one knob at a time, the others at the base", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
+    for col in ("knob", "value", "blocks", "reqs", "fail", "frac", "1st fail", "wave", "s"):
+        t.add_column(col, no_wrap=True)
+    for i, p in enumerate(result.points):
+        knob = p.knob if i == 0 or result.points[i - 1].knob != p.knob else ""
+        wave = "-" if p.first_wave is None else f"{p.first_wave_failing}/{p.first_wave}"
+        first = "-" if p.first_failing_index is None else str(p.first_failing_index)
+        t.add_row(knob, show_value(p.knob, p.value), str(p.num_blocks or "-"), str(p.num_requests),
+                  str(p.num_failing), f"{p.failing_fraction:.1%}", first, wave, f"{p.seconds:.1f}",
+                  style="red" if p.num_failing else None)
+    console.print(t)
+    console.print("1st fail: arrival index of the first failing request; wave: failing / size of the first wave "
+                  "(requests given a never-used state slot)")

@@ -44,8 +44,9 @@ class TestReplayDocs:
 class TestStressDocs:
     def test_stress_and_sweep_defaults_match(self):
         """The README's stress defaults, fp32 threshold and sweep request count are the code's."""
+        from rlcheck.forensics.render import show_value
         from rlcheck.forensics.stress import FP32_THRESHOLD, StressConfig
-        from rlcheck.forensics.sweep import SWEEP_REQUESTS, show_value
+        from rlcheck.forensics.sweep import SWEEP_REQUESTS
 
         text = " ".join(README.split())
         c = StressConfig(model="m")

@@ -9,9 +9,12 @@ import pytest
 from rich.console import Console
 
 from rlcheck.errors import ConfigError
+from rlcheck.forensics import stress_report
 from rlcheck.forensics import sweep as sweep_module
+from rlcheck.forensics.render import show_value
 from rlcheck.forensics.slots import SlotContext
 from rlcheck.forensics.stress import StressConfig, StressResult
+from rlcheck.forensics.stress_report import render_sweep, write_sweep
 from rlcheck.forensics.sweep import (
     Knob,
     SweepPoint,
@@ -19,10 +22,7 @@ from rlcheck.forensics.sweep import (
     knob_config,
     parse_knob,
     parse_size,
-    render_sweep,
     run_sweep,
-    show_value,
-    write_sweep,
 )
 
 
@@ -128,7 +128,7 @@ class TestWriteSweep:
         def missing(*_):
             raise ImportError("matplotlib")
 
-        monkeypatch.setattr(sweep_module, "plot_sweep", missing)
+        monkeypatch.setattr(stress_report, "plot_sweep", missing)
         table, png = write_sweep(sweep_of([point()]), tmp_path)
         assert png is None and json.loads(table.read_text())["plot"] is None
 

@@ -1,0 +1,112 @@
+"""What `rlcheck stress` and `rlcheck sweep` take: the stress settings (`StressConfig`, validated
+when built), the faults that can be injected, and the text forms of `--inject` and of cache sizes.
+
+    cfg = StressConfig(model="runs/models/hybrid", fault="index-wrap", boundary=4)
+    cfg.fail_threshold                 # FP32_THRESHOLD in float32, replay's default otherwise
+    parse_inject("index-wrap=4")       # ("index-wrap", 4)
+    parse_size("700KiB")               # 716800
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlcheck.errors import ConfigError
+
+FAULTS = ("none", "stale-state", "index-wrap")
+FP32_THRESHOLD = 1e-3
+"""Max |d| (nats) over which a request fails when the engine runs in float32: greedy fp32 vLLM agrees
+with the fp32 reference to ~1e-5 over thousands of requests (BENCHMARKS.md), while a stale or
+aliased state is off by 0.1 to 20 nats; lower-precision engines use replay's DEFAULT_THRESHOLD."""
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+"""Binary size units of `parse_size` (and of `rlcheck.forensics.render.show_value`), by their letter."""
+
+
+@dataclass(frozen=True)
+class StressConfig:
+    model: str
+    """Local model directory (HF layout); a Mamba or hybrid model for the slot trace."""
+    num_requests: int = 2000
+    """Requests (sequences) sent to the engine at once."""
+    samples_per_prompt: int = 8
+    """Each prompt is sent this many times in a row (rollouts per prompt: more requests at once)."""
+    max_tokens: int = 8
+    """Tokens generated per request (always that many: EOS is ignored)."""
+    min_prompt_tokens: int = 4
+    max_prompt_tokens: int = 16
+    """Prompt lengths, drawn uniformly from the seed; prompts are random non-special token ids."""
+    max_num_seqs: int = 64
+    """vLLM's concurrency limit (sequences per engine step)."""
+    kv_cache_bytes: int = 8 << 20
+    """vLLM's KV and Mamba state cache budget: the memory lever (8 MiB: ~100 slots of the tiny mamba2)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step (None: vLLM's default)."""
+    max_model_len: int = 256
+    dtype: str = "float32"
+    seed: int = 0
+    """Seed of the prompts and of the engine."""
+    fault: str = "none"
+    """An engine fault to inject (FAULTS): proves that stress finds it."""
+    boundary: int | None = None
+    """index-wrap: blocks at or past it wrap (None: max_num_seqs // 2)."""
+    threshold: float | None = None
+    """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
+    guard: bool = False
+    """Run the engine guard during generation (lifecycle invariants, policy "record")."""
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULTS:
+            raise ConfigError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
+        if self.boundary is not None and (self.fault != "index-wrap" or self.boundary < 1):
+            raise ConfigError("boundary is for index-wrap only and must be >= 1")
+        positive = ("num_requests", "samples_per_prompt", "max_tokens", "min_prompt_tokens", "max_num_seqs",
+                    "kv_cache_bytes", "max_model_len")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ConfigError("max_prompt_tokens must be >= min_prompt_tokens")
+        if self.max_prompt_tokens + self.max_tokens > self.max_model_len:
+            raise ConfigError(f"max_prompt_tokens + max_tokens ({self.max_prompt_tokens + self.max_tokens}) "
+                              f"must fit max_model_len ({self.max_model_len})")
+        if self.threshold is not None and not self.threshold > 0:
+            raise ConfigError(f"threshold must be > 0, got {self.threshold}")
+
+    @property
+    def fault_boundary(self) -> int | None:
+        if self.fault != "index-wrap":
+            return None
+        return self.boundary if self.boundary is not None else max(1, self.max_num_seqs // 2)
+
+    @property
+    def fail_threshold(self) -> float:
+        from rlcheck.forensics.replay import DEFAULT_THRESHOLD
+
+        if self.threshold is not None:
+            return self.threshold
+        return FP32_THRESHOLD if self.dtype == "float32" else DEFAULT_THRESHOLD
+
+
+def parse_inject(text: str | None) -> tuple[str, int | None]:
+    """`--inject` as (fault, boundary): "stale-state", "index-wrap", "index-wrap=4", "none" or None."""
+    name, _, value = (text or "none").strip().partition("=")
+    if name not in FAULTS:
+        raise ConfigError(f"--inject {text!r}: choose stale-state or index-wrap[=B] (B: the wrap boundary, in blocks)")
+    if not value:
+        return name, None
+    if name != "index-wrap" or not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--inject {text!r}: only index-wrap takes a value, a boundary >= 1 (index-wrap=4)")
+    return name, int(value)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8388608", "8MiB", "8M", "512KiB", "1GiB" (binary units, any case)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise ConfigError(f"{text!r} is not a size: write bytes, or a number with KiB, MiB or GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
