@@ -1,8 +1,9 @@
 """The real loop: vLLM rollouts and a sharded trainer as Ray actors, with the monitor between them
-(`rlcheck.loop.driver` has the step; `rlcheck.loop.recovery` what happens when an actor is lost;
-`recipes/` holds runnable configurations)."""
+(`rlcheck.loop.driver` has the step; `rlcheck.loop.config` the run's config and result;
+`rlcheck.loop.recovery` what happens when an actor is lost; `recipes/` holds runnable configurations)."""
 
-from rlcheck.loop.driver import PHASES, GRPOLoop, LoopConfig, LoopResult, run_grpo
+from rlcheck.loop.config import PHASES, LoopConfig, LoopResult
+from rlcheck.loop.driver import GRPOLoop, run_grpo
 from rlcheck.loop.placement import Placement, ray_session
 from rlcheck.loop.recovery import EngineRestart
 from rlcheck.loop.task import AdditionTask, reward

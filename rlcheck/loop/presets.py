@@ -7,7 +7,7 @@ from pathlib import Path
 from rlcheck.engines.guard import GuardConfig
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.faults import Fault
-from rlcheck.loop.driver import LoopConfig
+from rlcheck.loop.config import LoopConfig
 from rlcheck.loop.task import AdditionTask
 from rlcheck.trainers import TrainerConfig
 

@@ -1,0 +1,109 @@
+"""What one GRPO run is asked for and what it gives back: `LoopConfig` (the rollout engine and trainer
+configs, world size, steps, group size, task, placement, fault, the lost-actor bounds and timeouts),
+validated in `__post_init__`, and `LoopResult` (steps run, the halt and its reason, the dump, the
+last reports, phase timings and rewards, engine restarts), with the phase names `PHASES` and the
+per-step callback type. The loop that runs them is `rlcheck.loop.driver`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcheck.core.types import StepReport
+from rlcheck.engines.vllm import VLLMConfig
+from rlcheck.errors import ActorDiedError, ConfigError
+from rlcheck.faults import Fault
+from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S
+from rlcheck.loop.placement import Placement
+from rlcheck.loop.recovery import EngineRestart
+from rlcheck.loop.task import AdditionTask
+from rlcheck.trainers import TrainerConfig
+
+PHASES = ("generate", "recompute", "monitor", "update", "sync")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    rollout: VLLMConfig
+    trainer: TrainerConfig
+    world_size: int = 2
+    """Trainer ranks (FSDP2 / DeepSpeed data-parallel degree); 1 for the hf backend."""
+    steps: int = 20
+    group_size: int = 4
+    """G: samples per prompt."""
+    task: AdditionTask = field(default_factory=AdditionTask)
+    placement: Placement = field(default_factory=Placement)
+    fault: Fault = field(default_factory=Fault)
+    max_engine_restarts: int = 2
+    """Times a lost rollout engine is replaced by a fresh one (with the trainer's weights) before the
+    run stops; 0: the first loss stops it."""
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    """An actor call (generate, a trainer phase, a weight sync, an engine start) unanswered after this
+    long counts as a lost actor."""
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    """The trainer process group's timeout: a rank waiting this long in a collective raises."""
+    keep_reports: int = 10_000
+    """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
+    would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
+
+    def context(self) -> dict[str, Any]:
+        """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling."""
+        r, t = self.rollout, self.trainer
+        return {
+            "model": r.model,
+            "engine": {"name": "vllm", "engine_id": r.engine_id, "dtype": r.dtype, "logprobs_mode": r.logprobs_mode,
+                       "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs},
+            "sampling": {"temperature": r.temperature, "max_tokens": r.max_tokens, "n": self.group_size,
+                         **r.sampling},
+            "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
+                        "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
+            "fault": self.fault.describe(),
+        }
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.group_size < 2 or self.world_size < 1:
+            raise ConfigError("need steps >= 1, group_size >= 2 (GRPO compares samples) and world_size >= 1")
+        if self.max_engine_restarts < 0 or min(self.call_timeout_s, self.collective_timeout_s) <= 0:
+            raise ConfigError("need max_engine_restarts >= 0, call_timeout_s > 0 and collective_timeout_s > 0")
+        if self.keep_reports < 1:
+            raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
+        if self.rollout.temperature != self.trainer.temperature:
+            raise ConfigError(
+                f"rollout temperature {self.rollout.temperature} != trainer temperature "
+                f"{self.trainer.temperature}: the logprobs would differ by construction"
+            )
+        if os.path.abspath(self.rollout.model) != os.path.abspath(self.trainer.model):
+            raise ConfigError(f"rollout model {self.rollout.model} and trainer model {self.trainer.model} differ")
+
+
+@dataclass
+class LoopResult:
+    steps_run: int = 0
+    """Steps run in all; `reports`, `timings` and `rewards` hold the last `LoopConfig.keep_reports`."""
+    halted: bool = False
+    reason: str | None = None
+    dump_dir: str | None = None
+    reports: list[StepReport] = field(default_factory=list)
+    """One per step, the halting step's included."""
+    timings: list[dict[str, float]] = field(default_factory=list)
+    """Seconds per phase (`PHASES`) and `total`, one dict per step."""
+    rewards: list[float] = field(default_factory=list)
+    """Mean reward per step."""
+    restarts: list[EngineRestart] = field(default_factory=list)
+    """Every replacement of the rollout engine."""
+    error: ActorDiedError | None = None
+    """Set when a lost actor stopped the run (`halted` is True, `reason` is its message)."""
+
+    def keep(self, report: StepReport, info: dict[str, Any], limit: int) -> None:
+        """Count a finished step and keep its report, timings and reward (the last `limit` of each)."""
+        self.steps_run += 1
+        for kept, item in ((self.reports, report), (self.timings, info["seconds"]), (self.rewards, info["reward_mean"])):
+            kept.append(item)
+            if len(kept) > limit:
+                del kept[0]
+
+
+StepCallback = Callable[[int, StepReport, dict[str, Any]], None]
