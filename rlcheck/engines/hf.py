@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from rlcheck.errors import ConfigError, InputError
+from rlcheck.modelzoo.models import is_recurrent
 
 MIN_FILL = 0.85
 """A padded batch takes no sequence shorter than this fraction of its longest (which comes first)."""
-RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "granitemoehybrid", "jamba", "falcon_h1", "bamba", "nemotron_h", "zamba2")
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,6 @@ class HFScorerConfig:
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_batch_tokens < 1 or self.max_row_tokens < 1:
             raise ConfigError("max_batch_tokens and max_row_tokens must be >= 1")
-
-
-def is_recurrent(config: Any) -> bool:
-    """True when the model has state-space (Mamba) layers, which HF cannot pack on CPU."""
-    return getattr(config, "model_type", "") in RECURRENT_MODEL_TYPES
 
 
 class HFScorer:

@@ -1,8 +1,11 @@
-"""Hugging Face configs of the tiny models, one function per architecture, and their random init."""
+"""Hugging Face configs of the tiny models, one function per architecture, and their random init;
+and which model types carry recurrent (state-space) layers, `is_recurrent`, which decides how the
+trainer and the HF reference scorer batch a model (packed rows or right padding)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 HIDDEN = 128
 HEAD_DIM = 64  # the vLLM CPU attention kernels support head sizes 32..256 (16 fails)
@@ -12,6 +15,13 @@ MAMBA_STATE = 16
 MAMBA_CHUNK = 64
 MAX_POSITIONS = 1024
 ARCHS = ("llama", "mamba2", "hybrid")
+RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "granitemoehybrid", "jamba", "falcon_h1", "bamba", "nemotron_h", "zamba2")
+"""HF `model_type`s with state-space (Mamba) layers: HF cannot reset their state inside a packed row."""
+
+
+def is_recurrent(config: Any) -> bool:
+    """True when the model has state-space (Mamba) layers, which HF cannot pack on CPU."""
+    return getattr(config, "model_type", "") in RECURRENT_MODEL_TYPES
 
 
 def llama_config(max_positions: int = MAX_POSITIONS, **common):

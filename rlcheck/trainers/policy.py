@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcheck.engines.hf import is_recurrent, right_padded
+from rlcheck.engines.hf import right_padded
 from rlcheck.errors import InputError
+from rlcheck.modelzoo.models import is_recurrent
 from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
 from rlcheck.trainers.config import TrainerConfig
