@@ -135,3 +135,44 @@ class TestRunDirLock:
 
 def _full(fd, data, code=errno.ENOSPC):
     raise OSError(code, os.strerror(code))
+
+
+class TestRun:
+    def test_writer_appends_saves_and_locks(self, tmp_path):
+        """Run.create: records appended to the journal and the state saved with its offset; a second
+        writer on the same directory is refused until the first closes."""
+        from rlcheck.core.run import Run
+
+        run = Run.create(tmp_path / "r")
+        try:
+            run.append(0, example_record(0))
+            run.save_state({"version": 1})
+            assert R.read_state(tmp_path / "r" / R.STATE_FILE)["jsonl_bytes"] == R.jsonl_bytes(tmp_path / "r") > 0
+            with pytest.raises(RunDirError, match="another live Monitor"):
+                Run.create(tmp_path / "r")
+        finally:
+            run.close()
+        Run.create(tmp_path / "r").close()
+
+    def test_reader_reads_once_and_refuses_writes(self, tmp_path):
+        """Run.open: the records as appended (read once: a line added later is not seen by the same
+        Run), appending is a RunDirError, and a missing directory or journal an InputError."""
+        from rlcheck.core.run import Run
+        from rlcheck.errors import InputError
+
+        writer = Run.create(tmp_path / "r")
+        writer.append(0, example_record(0))
+        reader = Run.open(tmp_path / "r")
+        assert [r["step"] for r in reader.records()] == [0]
+        writer.append(1, example_record(1))
+        writer.close()
+        assert [r["step"] for r in reader.records()] == [0]
+        assert [r["step"] for r in Run.open(tmp_path / "r").records()] == [0, 1]
+        with pytest.raises(RunDirError, match="opened for reading"):
+            reader.append(2, example_record(2))
+        with pytest.raises(InputError, match="does not exist"):
+            Run.open(tmp_path / "missing")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(InputError, match="no metrics.jsonl"):
+            Run.open(tmp_path / "empty").records()
+        assert Run.open(tmp_path / "empty").loop() == [] and Run.open(tmp_path / "empty").guard() is None
