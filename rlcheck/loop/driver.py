@@ -21,10 +21,8 @@ The run's config and result (`LoopConfig`, `LoopResult`, `PHASES`) are `rlcheck.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +50,6 @@ class GRPOLoop:
 
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
-        self.log_path = Path(monitor.run_dir) / "loop.jsonl"
         from rlcheck.loop.guarding import with_run_dir
 
         self.engine = RolloutSupervisor(with_run_dir(cfg.rollout, monitor.run_dir), cfg.placement, cfg.fault.engine_fault(),
@@ -195,9 +192,7 @@ class GRPOLoop:
         return [e.to_dict() for e in self._step_restarts]
 
     def _log(self, info: dict[str, Any], num_alarms: int = 0) -> None:
-        line = dict(info, alarms=num_alarms)
-        with open(self.log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        self.monitor.run.append_loop(dict(info, alarms=num_alarms))
 
     def close(self, graceful: bool = True) -> None:
         """Stop the trainer ranks (process groups destroyed) and the rollout engine; once only.

@@ -139,14 +139,16 @@ def _full(fd, data, code=errno.ENOSPC):
 
 class TestRun:
     def test_writer_appends_saves_and_locks(self, tmp_path):
-        """Run.create: records appended to the journal and the state saved with its offset; a second
+        """Run.create: records appended to the journal (and loop.jsonl), the state saved with its offset; a second
         writer on the same directory is refused until the first closes."""
         from rlcheck.core.run import Run
 
         run = Run.create(tmp_path / "r")
         try:
             run.append(0, example_record(0))
+            run.append_loop({"step": 0, "reward_mean": 0.5})
             run.save_state({"version": 1})
+            assert Run.open(tmp_path / "r").loop() == [{"step": 0, "reward_mean": 0.5}]
             assert R.read_state(tmp_path / "r" / R.STATE_FILE)["jsonl_bytes"] == R.jsonl_bytes(tmp_path / "r") > 0
             with pytest.raises(RunDirError, match="another live Monitor"):
                 Run.create(tmp_path / "r")

@@ -111,6 +111,11 @@ class Run:
         """The journal's records after byte `committed` (`files.uncommitted_records`)."""
         return files.uncommitted_records(self.path, committed)
 
+    def append_loop(self, line: dict[str, Any]) -> None:
+        """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts)."""
+        with open(self.path / LOOP_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
     def write_dump(self, step: int, batch: Any, **kwargs: Any) -> Path:
         """The dump of `step` (`rlcheck.core.run.dump.write_dump`) under dumps/."""
         return write_dump(dump_dir(self.path, step), batch, step=step, **kwargs)
