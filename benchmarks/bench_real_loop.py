@@ -131,7 +131,8 @@ class TokenRecorder:
             "seq_lens": np.diff(np.asarray(batch.cu_seqlens, np.int64)),
             "prompt_len": np.array([len(p) for p in batch.prompt_tokens] if batch.prompt_tokens is not None
                                    else np.zeros(n), np.int16),
-            "weight_version": np.asarray(meta.get("weight_version", np.zeros(n)), np.int32),
+            "weight_version": np.asarray(batch.weight_version if batch.weight_version is not None
+                                         else meta.get("weight_version", np.zeros(n)), np.int32),
         })
         return self._monitor.observe(step, batch, **kwargs)
 

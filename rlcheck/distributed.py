@@ -90,7 +90,7 @@ def all_reduce_partial(partial: PartialStats, group=None, top_k: int | None = No
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    small = (_layout(partial), partial.offenders, partial.num_sequences)
+    small = (_layout(partial), partial.offenders, partial.num_sequences, partial.versions)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, small, group=group)
     layouts = [g[0] for g in gathered]
@@ -100,9 +100,11 @@ def all_reduce_partial(partial: PartialStats, group=None, top_k: int | None = No
             "or histogram bins differ); every rank must use the same StatsConfig"
         )
 
-    # Offenders and sequence counts through `merge` (rank order, index offsets); heavy fields empty.
+    # Offenders, sequence counts and weight versions through `merge` (rank order, index offsets);
+    # heavy fields empty.
     empty = {"sums": {}, "maxima": {}, "minima": {}, "hists": {}}
-    light = [replace(partial, **empty, offenders=offs, num_sequences=num) for _, offs, num in gathered]
+    light = [replace(partial, **empty, offenders=offs, num_sequences=num, versions=versions)
+             for _, offs, num, versions in gathered]
     merged = merge(light, top_k=top_k)
     return replace(
         merged,
@@ -166,15 +168,15 @@ def _rebuild(name: str | None, message: str, step: int) -> RLCheckError:
     return RLCheckError(f"rlcheck stopped on rank 0 at step {step}: {message}")
 
 
-def _verdict(monitor: Monitor | None, step: int, partial: PartialStats,
-             extra: Mapping[str, float] | None) -> tuple[tuple, MismatchHalt | Exception | None]:
+def _verdict(monitor: Monitor | None, step: int, partial: PartialStats, extra: Mapping[str, float] | None,
+             trainer_version: int | None = None) -> tuple[tuple, MismatchHalt | Exception | None]:
     """Rank 0: what its Monitor said of the step, as the message every rank receives, and the
     exception it raised (None when the step passed)."""
     if monitor is None:
         error = ConfigError("observe_across_ranks: rank 0 must pass the run's Monitor, it passed None")
         return ("error", _sendable(error), str(error)), error
     try:
-        return ("ok", monitor.observe_partial(step, partial, None, extra)), None
+        return ("ok", monitor.observe_partial(step, partial, None, extra, trainer_version=trainer_version)), None
     except MismatchHalt as halt:
         return ("halt", halt.report, halt.reason, halt.problems), halt
     except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
@@ -203,11 +205,13 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
 
 
 def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | None, stats: StatsConfig,
-                         extra: Mapping[str, float] | None = None, group: Any = None) -> StepReport:
+                         extra: Mapping[str, float] | None = None, group: Any = None, *,
+                         trainer_version: int | None = None) -> StepReport:
     """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
     `batch`, a `StepBatch`, or None when it has nothing to compare). `monitor`: rank 0's Monitor
     (the other ranks pass None; theirs is not used); `stats`: the same `StatsConfig` on every rank
-    (the Monitor's `cfg.stats`); `extra`: rank 0's scalars for the step. Returns rank 0's
+    (the Monitor's `cfg.stats`); `extra`: rank 0's scalars for the step; `trainer_version`: rank 0's,
+    compared with every rank's sequences' `weight_version`. Returns rank 0's
     `StepReport` on every rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts,
     after one dump of every rank's sequences; raises on every rank when rank 0's Monitor fails."""
     import torch.distributed as dist
@@ -215,7 +219,7 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
     rank = dist.get_rank(group)
     partial = compute_partial(batch, stats) if batch is not None else empty_partial(stats)
     partial = all_reduce_partial(partial, group, top_k=stats.top_k)
-    said, raised = _verdict(monitor, step, partial, extra) if rank == 0 else (None, None)
+    said, raised = _verdict(monitor, step, partial, extra, trainer_version) if rank == 0 else (None, None)
     said = _broadcast(said, group)
     if said[0] == "ok":
         return said[1]

@@ -7,6 +7,8 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
     request_ids               N strings    the engine's request id, unique, carried to the dump
     mask                      (M,) bool    optional: tokens that count
     tokens, tokens_train      (M,) int64   optional: sampled ids, and the ids the trainer scored
+    weight_version            (N,) int64   optional: the weights version that generated each sequence
+                                           (compared with `Monitor.observe(..., trainer_version=V)`)
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
 mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
@@ -31,6 +33,7 @@ from rlcheck.core.batch_build import (
     packed_from_ragged,
     request_id_tuple,
     to_numpy,
+    version_array,
 )
 from rlcheck.errors import InputError
 
@@ -64,6 +67,7 @@ class StepBatch:
     tokens_train: np.ndarray | None = None  # (M,) int64
     prompt_tokens: tuple[np.ndarray, ...] | None = None  # N arrays of int64
     meta: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # per-sequence columns
+    weight_version: np.ndarray | None = None  # (N,) int64
 
     def __post_init__(self) -> None:
         self._validate()
@@ -96,8 +100,10 @@ class StepBatch:
         tokens_train: Any = None,
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
+        weight_version: Any = None,
     ) -> StepBatch:
-        """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets)."""
+        """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets).
+        `weight_version`: the weights version that generated the sequences (one int, or one per sequence)."""
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
         cu = int_array(cu_seqlens, "cu_seqlens")
@@ -115,6 +121,7 @@ class StepBatch:
             if prompt_tokens is None
             else tuple(int_array(p, f"prompt_tokens[{i}]").reshape(-1) for i, p in enumerate(prompt_tokens)),
             meta=dict(meta or {}),
+            weight_version=None if weight_version is None else version_array(weight_version, cu.shape[0] - 1),
         )
 
     @classmethod
@@ -129,10 +136,12 @@ class StepBatch:
         tokens_train: Sequence[Any] | None = None,
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
+        weight_version: Any = None,
     ) -> StepBatch:
         """From one 1-D array (or list) per sequence for each per-token field."""
         packed = packed_from_ragged(logp_rollout, logp_train, tokens, mask, tokens_train)
-        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta, **packed)
+        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
+                               weight_version=weight_version, **packed)
 
     @classmethod
     def from_padded(
@@ -146,6 +155,7 @@ class StepBatch:
         tokens_train: Any = None,
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
+        weight_version: Any = None,
     ) -> StepBatch:
         """From [B, T] tensors and a [B, T] response mask (verl `response_mask`, TRL `completion_mask`).
 
@@ -154,7 +164,8 @@ class StepBatch:
         as the first divergence are counted from the start of the response.
         """
         packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train)
-        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta, **packed)
+        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
+                               weight_version=weight_version, **packed)
 
     # ---- validation ----------------------------------------------------------------------------
 
@@ -199,6 +210,8 @@ class StepBatch:
         for key, col in self.meta.items():
             if len(col) != n:
                 raise InputError(f"meta[{key!r}] has {len(col)} entries for {n} sequences")
+        if self.weight_version is not None and self.weight_version.shape != (n,):
+            raise InputError(f"weight_version has shape {self.weight_version.shape} for {n} sequences")
 
     # ---- slicing -------------------------------------------------------------------------------
 
@@ -224,6 +237,7 @@ class StepBatch:
             tokens_train=take(self.tokens_train),
             prompt_tokens=None if self.prompt_tokens is None else tuple(self.prompt_tokens[i] for i in idx),
             meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
+            weight_version=None if self.weight_version is None else self.weight_version[idx],
         )
 
     # ---- joining -------------------------------------------------------------------------------
@@ -233,7 +247,7 @@ class StepBatch:
         """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
         indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
         A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
-        tokens, prompts and meta columns are kept when every batch has them; request ids must stay
+        tokens, prompts, meta columns and weight versions are kept when every batch has them; request ids must stay
         unique across the batches. One batch is returned as it is."""
         if not batches:
             raise InputError("concat_batches needs at least one batch")
@@ -256,6 +270,7 @@ class StepBatch:
             mask=np.concatenate(masks) if any_mask else None, tokens=cat("tokens"), tokens_train=cat("tokens_train"),
             prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
             meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
+            weight_version=cat("weight_version"),
         )
 
 

@@ -68,6 +68,20 @@ def bool_array(x: Any, name: str) -> np.ndarray:
     raise InputError(f"{name}: expected a boolean (or 0/1) mask, got dtype {a.dtype}")
 
 
+def version_array(x: Any, num_sequences: int) -> np.ndarray:
+    """Per-sequence weight versions as an (N,) int64 array: one integer for every sequence, or one
+    per sequence; each a non-negative integer."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        a = np.full(num_sequences, int(x), dtype=np.int64)
+    else:
+        a = int_array(x, "weight_version").reshape(-1)
+    if a.shape[0] != num_sequences:
+        raise InputError(f"weight_version has {a.shape[0]} entries for {num_sequences} sequences")
+    if (a < 0).any():
+        raise InputError(f"weight_version must be non-negative, got {int(a.min())}")
+    return a
+
+
 def request_id_tuple(ids: Any, num_sequences: int) -> tuple[str, ...]:
     """One present, unique string id per sequence (integers are accepted and turned into strings)."""
     if ids is None:

@@ -76,9 +76,14 @@ class MonitorConfig:
     text either way (their offenders hold request ids and numbers); `context` is written as given."""
     context: Mapping[str, Any] = field(default_factory=dict)
     """Model, engine and sampling settings, written into every dump's meta.json."""
+    max_weight_lag: int = 0
+    """Weight versions a sequence may lag the trainer's (`observe(..., trainer_version=V)`): 0 is
+    on-policy; an async or off-policy loop sets the staleness it allows."""
 
     def __post_init__(self) -> None:
         if not str(self.run_dir):
             raise ConfigError("run_dir must be a directory path")
         if isinstance(self.sinks, str):
             raise ConfigError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")
+        if isinstance(self.max_weight_lag, bool) or not isinstance(self.max_weight_lag, int) or self.max_weight_lag < 0:
+            raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")

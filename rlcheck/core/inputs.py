@@ -19,6 +19,15 @@ def check_step(step: Any) -> int:
     return int(step)
 
 
+def check_version(version: Any) -> int | None:
+    """`trainer_version`: None, or a non-negative integer."""
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise InputError(f"trainer_version must be a non-negative integer, got {version!r}")
+    return int(version)
+
+
 def check_extra(extra: Mapping[str, float] | None) -> dict[str, float]:
     if not extra:
         return {}

@@ -66,6 +66,9 @@ SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
 SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
 
 # monitor bookkeeping
+WEIGHTS_MAX_LAG = "rlcheck/weights/max_lag"  # trainer version - oldest sequence's weight version
+WEIGHTS_STALE_COUNT = "rlcheck/weights/stale_count"  # sequences past MonitorConfig.max_weight_lag
+# (both logged when the step's batch carried weight versions and observe was given trainer_version)
 ALARM_COUNT = "rlcheck/alarm/count"
 MONITOR_SECONDS = "rlcheck/monitor/seconds"
 

@@ -39,11 +39,12 @@ from rlcheck.core.batch import StepBatch
 from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
-from rlcheck.core.inputs import check_alarms, check_extra, check_step, is_empty_step
+from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
 from rlcheck.core.stats import PartialStats, compute_partial, finalize
 from rlcheck.core.types import StepReport
+from rlcheck.core.weights import check_versions
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
@@ -83,25 +84,29 @@ class Monitor:
     # ---- public API ----------------------------------------------------------------------------
 
     def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None,
-                alarms: Sequence[Alarm] = ()) -> StepReport:
+                alarms: Sequence[Alarm] = (), *, trainer_version: int | None = None) -> StepReport:
         """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
         `extra`: the caller's own scalars for this step (reward, timings; keys outside `rlcheck/`),
         logged beside the metrics to every sink, never seen by the detectors. `alarms`: found
         outside the Monitor for this step (the engine guard's), logged and judged by the halt policy
-        like the detectors' own."""
+        like the detectors' own. `trainer_version`: the weights version the trainer holds, compared
+        with the batch's per-sequence `weight_version` (`rlcheck.core.weights`)."""
         if not isinstance(batch, StepBatch):
             raise InputError(
                 f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms)
+        return self._observe(check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms,
+                             check_version(trainer_version))
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
-                        extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
+                        extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
+                        trainer_version: int | None = None) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given."""
-        return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms)
+        return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms,
+                             check_version(trainer_version))
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -129,7 +134,8 @@ class Monitor:
     # ---- one step ------------------------------------------------------------------------------
 
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
-                 extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = ()) -> StepReport:
+                 extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
+                 trainer_version: int | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -154,6 +160,10 @@ class Monitor:
         for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)
         alarms += outside
+        if trainer_version is not None:
+            found, weights = check_versions(step, partial.versions, trainer_version, self.cfg.max_weight_lag)
+            metrics.update(found)
+            alarms += weights
         hard = self.policy.hard_limit_alarms(step, metrics)
         alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))

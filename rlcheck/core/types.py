@@ -10,7 +10,7 @@ from typing import Any
 
 from rlcheck.errors import ConfigError
 
-KINDS = ("threshold", "robust_z", "drift", "periodic", "signature")
+KINDS = ("threshold", "robust_z", "drift", "periodic", "signature", "weights")
 SEVERITIES = ("info", "warn", "critical")
 
 

@@ -290,9 +290,9 @@ def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens
         tokens=[np.asarray(r.token_ids, dtype=np.int64) for r in rollouts],
         tokens_train=None if tokens_train is None else [np.asarray(t, dtype=np.int64) for t in tokens_train],
         prompt_tokens=[np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rollouts],
+        weight_version=[r.weight_version for r in rollouts],
         meta={
             "vllm_request_id": [r.vllm_request_id for r in rollouts],
-            "weight_version": [r.weight_version for r in rollouts],
             "prompt_index": [r.prompt_index for r in rollouts],
             "sample_index": [r.sample_index for r in rollouts],
         },

@@ -194,6 +194,11 @@ def _engine_guard(ev: Evidence) -> Finding | None:
 
 
 def _weights(ev: Evidence) -> Finding | None:
+    direct = alarms_of(ev, kind="weights")
+    if direct:  # sequences tagged with weights older than the trainer's: no shape needed
+        ids = [rid for a in direct for rid in a["details"].get("request_ids", [])]
+        evidence = [f"step {direct[0]['step']}: {direct[0]['message']}"]
+        return Finding("weights_out_of_sync", 0.99, evidence, alarm_steps(direct), list(dict.fromkeys(ids))[:50])
     periodic = alarms_of(ev, kind="periodic")
     if periodic:
         a = periodic[0]

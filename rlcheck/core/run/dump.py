@@ -180,6 +180,8 @@ def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any]
             cols[key] = pa.array(list(values))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             cols[key] = pa.array([json.dumps(to_jsonable(v), default=str) for v in values])
+    if batch.weight_version is not None and "weight_version" not in cols:  # a meta column of that name wins
+        cols["weight_version"] = pa.array(batch.weight_version)
     return cols, dropped
 
 

@@ -16,7 +16,7 @@ from rlcheck.core.batch import StepBatch
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
-from rlcheck.core.stats.types import MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
+from rlcheck.core.stats.types import MAX_VERSION_IDS, MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
 
 _F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
 _R_FROM_E = -4.0  # every d above this: r^2 > e^-8, so sum e^2 + 2 sum e + n loses at most ~4 digits
@@ -79,7 +79,7 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     those of its empty sequences)."""
     cfg = cfg or StatsConfig()
     if batch.num_tokens == 0:
-        return empty_partial(cfg, batch.num_sequences)
+        return replace(empty_partial(cfg, batch.num_sequences), versions=version_counts(batch))
     lr, lt = batch.logp_rollout, batch.logp_train  # (M,)
     if lr.dtype != lt.dtype:
         lr, lt = lr.astype(np.float64), lt.astype(np.float64)
@@ -139,4 +139,17 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
 
     offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
     signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
-    return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k)
+    return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k,
+                        versions=version_counts(batch))
+
+
+def version_counts(batch: StepBatch) -> dict[int, tuple[int, tuple[str, ...]]]:
+    """The batch's sequences per weight version, with their first request ids ({} without versions)."""
+    if batch.weight_version is None:
+        return {}
+    versions, which = np.unique(batch.weight_version, return_inverse=True)  # (V,), (N,)
+    out = {}
+    for i, version in enumerate(versions.tolist()):
+        seqs = np.flatnonzero(which == i)
+        out[int(version)] = (int(seqs.size), tuple(batch.request_ids[j] for j in seqs[:MAX_VERSION_IDS].tolist()))
+    return out
