@@ -5,7 +5,9 @@
 
 Per step: the rollout actor samples G responses for each prompt of the toy task (vLLM, weights of
 version v); the trainer group recomputes their logprobs under the training weights (also version v,
-unless a sync was missed); `monitor.observe` compares the two (and may raise `MismatchHalt`); the
+unless a sync was missed); `monitor.observe` compares the two, and each rollout's weight version
+with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise
+`MismatchHalt`); the
 rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
 gathered weights go to vLLM as version v + 1. A halt stops the actors and returns with the evidence
 (the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
@@ -141,7 +143,8 @@ class GRPOLoop:
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
-            report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms)
+            # each rollout carries the engine's weight version; the trainer's is `version` (before this update)
+            report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms, trainer_version=self.version)
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)
             train = self.group.train_step(seqs.with_update_inputs(adv, logp_train), plan)

@@ -67,8 +67,9 @@ class TestFaultsInTheLoop:
         assert named and named <= truth  # every request named was touched by the fault
         if fault.name == "corrupt-seqs":  # a per-request fault: exactly the touched requests of the
             assert named == truth  # steps it names (it halts when the corrupt sequences recur)
-        if fault.name == "stale-weights":  # the loop's own lag report aside, the shape is growth
-            assert any("grows" in line for line in verdict.evidence)
+        if fault.name == "stale-weights":  # direct evidence: the rollouts' weights lag the trainer's
+            assert result.halted and result.steps_run == fault.start + 1
+            assert any("behind the trainer's" in line for line in verdict.evidence)
 
 
 @pytest.mark.slow

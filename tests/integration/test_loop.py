@@ -11,8 +11,9 @@ import json
 import pytest
 
 from rlcheck.core import metrics as K
-from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig
 from rlcheck.core.run.dump import read_dump
+from rlcheck.core.types import KINDS
 from rlcheck.faults import SkipSync
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import GRPOLoop, run_grpo
@@ -56,11 +57,25 @@ class TestGRPOLoop:
         versions = {r["metrics"]["loop/weights_behind"] for r in _lines(tmp_path / "metrics.jsonl")}
         assert versions == {0.0} and result.steps_run == 3
 
-    def test_skip_sync_halts_on_the_period(self, tiny_model, ray_local, tmp_path):
-        """Skipping the sync every 3rd update ends in a periodic alarm of period 3, a halt with a dump,
-        and stopped actors."""
-        cfg = tiny_cpu(tiny_model("hybrid"), trainer="deepspeed", world_size=2, steps=80, fault=SkipSync(3))
+    def test_skipped_sync_halts_at_its_first_stale_step(self, tiny_model, ray_local, tmp_path):
+        """Skipping the sync every 3rd update: step 3's rollouts come from version 2 weights while the
+        trainer holds 3, a critical weights alarm naming every sequence, and the halt there (+0)."""
+        cfg = tiny_cpu(tiny_model("hybrid"), trainer="hf", steps=8, fault=SkipSync(3))
         with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
+            result = run_grpo(cfg, mon)
+        assert result.halted and result.steps_run == 4 and "weights" in result.reason
+        (alarm,) = [a for r in result.reports for a in r.alarms if a.kind == "weights"]
+        assert alarm.step == 3 and alarm.details["trainer_version"] == 3 and alarm.details["max_lag"] == 1
+        assert alarm.details["stale"] == result.reports[-1].metrics[K.SEQ_COUNT]
+        assert diagnose(tmp_path).verdict.cause == "weights_out_of_sync"
+
+    def test_skip_sync_halts_on_the_period(self, tiny_model, ray_local, tmp_path):
+        """With the weights check kept from halting, skipping the sync every 3rd update still ends in a
+        periodic alarm of period 3 (the shape alone), a halt with a dump, and stopped actors; the weights
+        alarm came at every stale step, each at once."""
+        cfg = tiny_cpu(tiny_model("hybrid"), trainer="deepspeed", world_size=2, steps=80, fault=SkipSync(3))
+        shape_only = HaltConfig(kinds=tuple(k for k in KINDS if k != "weights"))
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), halt=shape_only)) as mon:
             loop = GRPOLoop(cfg, mon)
             try:
                 result = loop.run()
@@ -76,6 +91,7 @@ class TestGRPOLoop:
         records = _lines(tmp_path / "metrics.jsonl")
         stale = [r["step"] for r in records if r["metrics"]["loop/weights_behind"] > 0]
         assert stale == [s for s in range(3, len(records), 3)]  # exactly the steps after a skipped sync
+        assert [r["step"] for r in records if any(a["kind"] == "weights" for a in r["alarms"])] == stale
         spikes = [r["step"] for r in records if r["metrics"][K.ABS_DIFF_MEAN] > 1e-4]
         assert set(spikes) <= set(stale) and len(spikes) >= len(stale) - 2  # a zero-reward step may not move
         verdict = diagnose(tmp_path).verdict
