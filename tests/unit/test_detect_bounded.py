@@ -1,4 +1,4 @@
-"""The detectors' memory is bounded: after their windows fill, 20,000 steps (with spikes and alarms
+"""The detectors' memory is bounded: after their windows fill, 12,000 steps (with spikes and alarms
 on the way) leave them holding exactly as many values as 5,000 did, and every history is a deque
 with a maximum length. (benchmarks/bench_load.py measures RSS over 100,000 steps.)"""
 
@@ -65,19 +65,19 @@ def metric_stream():
 @pytest.mark.slow
 class TestDetectorMemory:
     def test_state_stops_growing_once_the_windows_fill(self):
-        """Items held and state.json bytes (less digits) at 20,000 steps equal those at 5,000; alarms fired in between."""
+        """Items held and state.json bytes (less digits) at 12,000 steps equal those at 5,000; alarms fired in between."""
         detectors = build_detectors(DetectorsConfig())
         seen: dict[int, tuple[int, int]] = {}
         num_alarms = 0
         for step, metrics in metric_stream():
             num_alarms += sum(len(det.update(step, metrics)) for det in detectors.values())
-            if step + 1 in (5_000, 20_000):
+            if step + 1 in (5_000, 12_000):
                 state = {kind: det.state_dict() for kind, det in detectors.items()}
                 seen[step + 1] = (count_items(detectors), len(re.sub(r"[0-9]", "", json.dumps(state))))
-            if step + 1 == 20_000:
+            if step + 1 == 12_000:
                 break
-        (items_5k, bytes_5k), (items_20k, bytes_20k) = seen[5_000], seen[20_000]
+        (items_5k, bytes_5k), (items_12k, bytes_12k) = seen[5_000], seen[12_000]
         assert num_alarms > 0
-        assert items_20k == items_5k
-        assert bytes_20k <= 1.02 * bytes_5k  # digits aside (steps 4,199 and 19,199 differ by one), the same state
+        assert items_12k == items_5k
+        assert bytes_12k <= 1.02 * bytes_5k  # digits aside (steps 4,199 and 11,199 differ by one), the same state
         assert all(d.maxlen is not None and len(d) <= d.maxlen for d in deques(detectors))
