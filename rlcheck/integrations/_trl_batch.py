@@ -79,9 +79,10 @@ def _prompt_tokens(output: Mapping[str, Any]) -> list[np.ndarray] | None:
 
 
 def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: Any = None,
-                  meta: Mapping[str, Sequence[Any]] | None = None) -> StepBatch:
+                  meta: Mapping[str, Sequence[Any]] | None = None, weight_version: int | None = None) -> StepBatch:
     """The `StepBatch` of one process's TRL step output: vLLM's sampling logprobs against the trainer's
-    raw `old_per_token_logps` (or `logp_train`) on the response mask, one sequence per row."""
+    raw `old_per_token_logps` (or `logp_train`) on the response mask, one sequence per row;
+    `weight_version`: the step vLLM's weights were last synced at (every row's)."""
     rollout = output.get(ROLLOUT_KEY)
     if rollout is None:
         raise InputError(
@@ -100,6 +101,7 @@ def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: 
         tokens=None if completion is None else to_numpy(completion, "completion_ids").astype(np.int64),
         prompt_tokens=_prompt_tokens(output),
         meta=meta,
+        weight_version=weight_version,
     )
 
 

@@ -143,7 +143,8 @@ class RLCheckHook:
         rows = output["completion_mask"].shape[0]
         meta = row_meta(self.rank, rows, self.trainer.num_generations, self.sync.synced_step)
         train = None if output.get("old_per_token_logps") is not None else self._recompute(output)
-        return to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train, meta=meta)
+        return to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train, meta=meta,
+                             weight_version=self.sync.synced_step)
 
     def _recompute(self, output: dict):
         """The trainer's logprobs of the sampled tokens, when TRL did not compute them (importance
@@ -162,11 +163,12 @@ class RLCheckHook:
         return logps
 
     def _observe(self, step: int, batch, extra) -> StepReport | None:
+        # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's
         if self.world_size == 1:
-            return self.monitor.observe(step, batch, extra=extra)
+            return self.monitor.observe(step, batch, extra=extra, trainer_version=step)
         from rlcheck.distributed import observe_across_ranks
 
-        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra)
+        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra, trainer_version=step)
 
     def _append_trainer_metrics(self, metrics: dict[str, float]) -> None:
         logged = self.trainer._metrics["train"]

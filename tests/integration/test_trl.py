@@ -176,15 +176,17 @@ class TestRLCheckGRPOTrainer:
             np.testing.assert_allclose(m[K.ABS_DIFF_MEAN], m[TRL_MEAN], rtol=1e-5)
 
     def test_halts_at_or_after_onset_with_dump(self, drill):
-        """The stale sync halts the run at or after its onset; the exception leaves train() with the
-        dump on disk, and the dump's rollouts carry the stale weight version."""
+        """The stale sync halts the run at its onset (a weights alarm: the rollouts' version lags the
+        trainer's step); the exception leaves train() with the dump on disk, and the dump's rollouts
+        carry the stale weight version."""
         halt = drill.halt
         lines = _metrics_lines(drill.trainer.rlcheck.monitor_config.run_dir)
         print(f"\ndrill ({drill.dispatch}, sync {drill.trainer.rlcheck.sync.method}): halt at step "
               f"{halt and halt.report.step} after {drill.seconds:.1f} s; mean |d| per step:",
               [f"{line['step']}: {line['metrics'][K.ABS_DIFF_MEAN]:.3g}" for line in lines])
         assert halt is not None, "the stale-weights fault did not halt the run"
-        assert halt.report.step >= ONSET
+        assert halt.report.step == ONSET  # the rollouts' weight version (vLLM's synced step) lags the trainer's
+        assert "weights" in {a.kind for a in halt.report.alarms if a.severity == "critical"}
         assert halt.report.metrics[K.ABS_DIFF_MEAN] > 1
         assert drill.trainer.rlcheck.halt is halt
         assert os.path.isfile(os.path.join(halt.dump_dir, "sequences.parquet"))
