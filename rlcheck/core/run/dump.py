@@ -224,13 +224,17 @@ def _fsync_file(path: Path) -> None:
 def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays), and meta.json (`meta`:
     already read by the caller)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     if not (directory / SEQUENCES).is_file() or not (directory / META).is_file():
         raise InputError(f"{directory} is not an rlcheck dump (needs {SEQUENCES} and {META})")
-    with open(directory / SEQUENCES, "rb") as f:
-        rows = pq.read_table(f).to_pylist()
+    with open(directory / SEQUENCES, "rb") as f:  # one Python open (what the run's readers count)
+        data = f.read()
+    # pyarrow's reader threads could abort the process at exit ("terminate called without an active
+    # exception", 3 of 8 `rlcheck diagnose` runs here); a dump is small, one thread reads it
+    rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
     for row in rows:
         for key in ("logp_rollout", "logp_train"):
             row[key] = np.asarray(row[key], dtype=np.float64)
