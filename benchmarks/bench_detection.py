@@ -47,6 +47,7 @@ FAULT_SPECS = (
     "temperature-mismatch=1.02", "temperature-mismatch=1.1", "off-by-one@32",
     "bf16-noise=0.25@32", "bf16-noise=1@32", "bf16-noise=4@32",
     "corrupt-seqs=0.02@32", "corrupt-seqs=0.1@32",
+    "drop-sync=shared_mlp@32", "drop-sync=self_attn@32", "stale-buffer",
 )
 CLEAN_SEEDS = (0, 1)
 

@@ -30,7 +30,7 @@ is the one-flag vote for deciding together whether to observe at all. torch is i
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from rlcheck import errors
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.monitor import Monitor
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
-from rlcheck.core.types import StepReport
+from rlcheck.core.types import Alarm, StepReport
 from rlcheck.errors import ConfigError, MismatchHalt, RLCheckError
 
 __all__ = ["all_ranks_agree", "all_reduce_partial", "observe_across_ranks"]
@@ -169,14 +169,14 @@ def _rebuild(name: str | None, message: str, step: int) -> RLCheckError:
 
 
 def _verdict(monitor: Monitor | None, step: int, partial: PartialStats, extra: Mapping[str, float] | None,
-             trainer_version: int | None = None) -> tuple[tuple, MismatchHalt | Exception | None]:
+             trainer_version: int | None = None, alarms: Sequence[Alarm] = ()) -> tuple[tuple, MismatchHalt | Exception | None]:
     """Rank 0: what its Monitor said of the step, as the message every rank receives, and the
     exception it raised (None when the step passed)."""
     if monitor is None:
         error = ConfigError("observe_across_ranks: rank 0 must pass the run's Monitor, it passed None")
         return ("error", _sendable(error), str(error)), error
     try:
-        return ("ok", monitor.observe_partial(step, partial, None, extra, trainer_version=trainer_version)), None
+        return ("ok", monitor.observe_partial(step, partial, None, extra, alarms, trainer_version=trainer_version)), None
     except MismatchHalt as halt:
         return ("halt", halt.report, halt.reason, halt.problems), halt
     except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
@@ -206,12 +206,13 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
 
 def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | None, stats: StatsConfig,
                          extra: Mapping[str, float] | None = None, group: Any = None, *,
-                         trainer_version: int | None = None) -> StepReport:
+                         trainer_version: int | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
     """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
     `batch`, a `StepBatch`, or None when it has nothing to compare). `monitor`: rank 0's Monitor
     (the other ranks pass None; theirs is not used); `stats`: the same `StatsConfig` on every rank
     (the Monitor's `cfg.stats`); `extra`: rank 0's scalars for the step; `trainer_version`: rank 0's,
-    compared with every rank's sequences' `weight_version`. Returns rank 0's
+    compared with every rank's sequences' `weight_version`; `alarms`: rank 0's, found outside the
+    Monitor (a failed sync check), judged with the step's. Returns rank 0's
     `StepReport` on every rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts,
     after one dump of every rank's sequences; raises on every rank when rank 0's Monitor fails."""
     import torch.distributed as dist
@@ -219,7 +220,7 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
     rank = dist.get_rank(group)
     partial = compute_partial(batch, stats) if batch is not None else empty_partial(stats)
     partial = all_reduce_partial(partial, group, top_k=stats.top_k)
-    said, raised = _verdict(monitor, step, partial, extra, trainer_version) if rank == 0 else (None, None)
+    said, raised = _verdict(monitor, step, partial, extra, trainer_version, alarms) if rank == 0 else (None, None)
     said = _broadcast(said, group)
     if said[0] == "ok":
         return said[1]

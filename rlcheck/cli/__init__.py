@@ -4,7 +4,8 @@ its commands, listed in `COMMANDS` in the order `rlcheck --help` shows them:
 - `run_commands`: summarize, report, demo (a run directory: read it, or make one);
 - `inspection`: diagnose, replay (a run or a dump, after the fact);
 - `models`: make-model;
-- `forensics`: stress, sweep (vLLM under load, replayed against the reference).
+- `forensics`: stress, sweep (vLLM under load, replayed against the reference), localize (the first
+  divergent decoder layer).
 
 `main` is the console entry point (`rlcheck = "rlcheck.cli:main"` in pyproject.toml).
 """

@@ -1,5 +1,6 @@
 """`rlcheck stress` and `rlcheck sweep`: vLLM under memory pressure and load, every output replayed
-through the HF reference, one run or one knob at a time (`rlcheck.forensics.stress`, `.sweep`)."""
+through the HF reference, one run or one knob at a time (`rlcheck.forensics.stress`, `.sweep`); and
+`rlcheck localize`: a divergence traced to its first decoder layer (`rlcheck.forensics.localize`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import typer
 
 from rlcheck.cli.base import app, console
 from rlcheck.cli.paths import existing_dir, output_dir
+from rlcheck.forensics.localize import DEFAULT_TOP as LOCALIZE_TOP
+from rlcheck.forensics.localize_compare import TOLERANCES
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
 from rlcheck.forensics.stress_config import FP32_THRESHOLD, StressConfig, parse_inject, parse_size
 from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE
@@ -35,14 +38,15 @@ def _phases():
 
 def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, max_num_seqs: int, kv_cache: str,
                    batched_tokens: int | None, dtype: str, seed: int, inject: str | None, threshold: float | None):
-    fault, boundary = parse_inject(inject)
+    fault, value = parse_inject(inject)
     # vLLM logs to stdout at INFO by default: keep stdout for the table or the JSON
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return StressConfig(model=str(existing_dir(model, "--model")), num_requests=requests, samples_per_prompt=samples,
                         max_tokens=max_tokens, max_num_seqs=max_num_seqs, kv_cache_bytes=parse_size(kv_cache),
                         max_num_batched_tokens=batched_tokens, dtype=dtype, seed=seed, fault=fault,
-                        boundary=boundary, threshold=threshold)
+                        boundary=value if fault == "index-wrap" else None,
+                        layer=value if fault == "perturb-layer" else None, threshold=threshold)
 
 
 _MODEL = typer.Option(..., "--model", help="The model to stress (HF folder; Mamba2 or hybrid for the slot trace).")
@@ -54,7 +58,8 @@ _KV_CACHE = typer.Option(f"{StressConfig.kv_cache_bytes / 2**20:g}MiB", help="vL
 _BATCHED = typer.Option(None, "--batched-tokens", min=1, help="vLLM max_num_batched_tokens (default: vLLM's).")
 _DTYPE = typer.Option(StressConfig.dtype, help="Engine dtype (the reference scores in float32).")
 _SEED = typer.Option(StressConfig.seed, help="Seed of the prompts and the engine: same seed, same failing ids.")
-_INJECT = typer.Option(None, "--inject", help="An engine fault: stale-state or index-wrap[=B] (B: wrap boundary in blocks, default max_num_seqs/2).")
+_INJECT = typer.Option(None, "--inject", help="An engine fault: stale-state, index-wrap[=B] (B: wrap boundary in blocks, default "
+                                              "max_num_seqs/2) or perturb-layer=K (decoder layer K's output projection x 1.01 in vLLM).")
 _THRESHOLD = typer.Option(None, help=f"Max |d| (nats) over which a request fails (default: {FP32_THRESHOLD:g} for float32, "
                                      f"{DEFAULT_THRESHOLD:g} otherwise).")
 
@@ -120,3 +125,40 @@ def sweep(
         return
     render_sweep(result, console())
     typer.echo(f"table: {table}; plot: {png or 'not drawn (pip install matplotlib)'}")
+
+
+@app.command()
+def localize(
+    path: Path = typer.Argument(..., help="A dump directory, or a `rlcheck stress --out` directory (re-run whole)."),
+    model: Path = typer.Option(None, "--model", help="The model (HF folder); default: the dump's context.model."),
+    request: list[str] = typer.Option(None, "--request", help="A request id to localize (repeatable); default: the worst --top."),
+    top: int = typer.Option(LOCALIZE_TOP, min=1, help="Worst requests to localize (by max |logp_train - logp_rollout|)."),
+    tolerance: float = typer.Option(None, help="Relative error over which a layer diverges (default: per engine dtype, "
+                                               + ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items()) + ")."),
+    as_json: bool = typer.Option(False, "--json", help="Print the per-request list as JSON (request_id, "
+                                                       "first_divergent_layer, layer_type, position, layers, ...)."),
+) -> None:
+    """Localize a logprob divergence to its first decoder layer: re-run the worst requests through vLLM
+    (the dump's engine settings, hooks on every decoder layer) and through the HF reference, and
+    compare the hidden states layer by layer, position by position. Writes PATH/localize.json and
+    PATH/localize.png (read by `rlcheck diagnose` and `rlcheck report`). Exit code 0 when no layer
+    diverges, 1 when one does, 2 on bad input."""
+    from transformers.utils import logging as hf_logging
+
+    from rlcheck.forensics.localize import localize as run_localize
+    from rlcheck.forensics.localize_report import render_localization
+
+    existing_dir(path, "PATH")
+    if model is not None:
+        existing_dir(model, "--model")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    hf_logging.disable_progress_bar()
+    with _phases() as advance:
+        result = run_localize(path, model, request_ids=request or None, top=top, tolerance=tolerance, progress=advance)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        render_localization(result.to_dict(), console())
+    if result.divergent:
+        raise typer.Exit(1)

@@ -7,8 +7,11 @@ earlier random hybrid, built in seconds, `--model runs/models/llama-trained` a t
 trained further with GRPO on the task: a vLLM rollout actor and a trainer group (FSDP2 or DeepSpeed ranks, torch.distributed over
 gloo) run as Ray actors; before every update the trainer recomputes the rollout tokens' logprobs,
 the monitor compares them (JSONL, a W&B offline run), and the new weights go back into vLLM.
-`--inject skip-sync-every=K` leaves the sync out after every K-th update: the monitor should find
-the period and halt the run with a dump. A closing summary says what it found.
+`--inject skip-sync-every=K` leaves the sync out after every K-th update: the rollouts of step K then
+carry a weights version behind the trainer's, and the monitor halts there (a `weights` alarm) with a
+dump; `--inject drop-sync=PATTERN` and `stale-buffer` spoil every sync while it still counts as done,
+and the sync check halts the first step after it, naming the decoder layers. A closing summary says
+what it found.
 """
 
 from __future__ import annotations
@@ -135,7 +138,12 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
         med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in (*PHASES, "total")}
         console.print("median seconds per step: " + ", ".join(f"{p} {v:.3f}" for p, v in med.items()))
     periodic = [a for a in found["alarms"] if a.kind == "periodic"]
-    if periodic:
+    weights = [a for a in found["alarms"] if a.kind == "weights"]
+    if weights:
+        a = weights[0]
+        where = f"; decoder layers {a.details['layers']}" if a.details.get("layers") else ""
+        console.print(f"[bold green]found[/] at step {a.step}: weights the engine should not have had{where}")
+    elif periodic:
         a = periodic[0]
         console.print(f"[bold green]found[/]: spikes every {a.details['period']} steps, phase {a.details['phase']}, "
                       f"at step {a.step}; next expected at step {a.details['next_expected']}")
@@ -160,14 +168,16 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
 
 
 def demo_succeeded(found: dict[str, Any]) -> bool:
-    """A clean demo raises no alarm; an injected skip-sync fault ends in a halt on a periodic alarm
-    of the injected period; any other fault raises an alarm once it acts."""
+    """A clean demo raises no alarm; an injected sync fault (skip-sync, stale-weights, drop-sync,
+    stale-buffer) ends in a halt on a `weights` alarm (or, for skip-sync with `weights` out of the
+    halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts."""
     fault = found["fault"]
     if found.get("error") is not None:  # an actor was lost: the demo did not show what it should
         return False
-    if isinstance(fault, SkipSync):
+    kinds = {a.kind for a in found["alarms"]}
+    if fault.cause == "weights_out_of_sync":
         periods = [a.details.get("period") for a in found["alarms"] if a.kind == "periodic"]
-        return found["halted"] and fault.every in periods
+        return found["halted"] and ("weights" in kinds or (isinstance(fault, SkipSync) and fault.every in periods))
     if fault.name == "none":
         return not found["alarms"]
     return any(a.step >= fault.start for a in found["alarms"])

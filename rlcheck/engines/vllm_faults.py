@@ -5,7 +5,8 @@
     handle.affected      # {vllm request id: why}   handle.events: who held which state slot, per step
     handle.remove()      # or `with inject(...) as handle:`
 
-Faults (both change only what the Mamba2 layers are told, never the weights or the scheduler):
+Faults (the two state faults change only what the Mamba2 layers are told, never the weights or the
+scheduler; perturb-layer changes one layer's output):
 - "stale-state": a request's first prefill starts from the conv and SSM state that the previous
   holder of its state slot left there, instead of zeros: the shape of vLLM's decode-before-prefill
   bug. Slots never held before stay zero-initialised, so first-wave requests are clean; requests
@@ -18,6 +19,11 @@ Faults (both change only what the Mamba2 layers are told, never the weights or t
   n) and it appears; cut memory (kv_cache_bytes) or concurrency and it vanishes. B counts blocks of
   every KV group: the tiny mamba2 holds 1 per request, the tiny hybrid 4 (3 Mamba + 1 attention).
 - "none": no fault, the slot trace only (which request held which slot when, for reports).
+- "perturb-layer", layer=K: decoder layer K's output projection (attention `self_attn.o_proj`, Mamba
+  `mamba.out_proj` / `mixer.out_proj`) computes 1.01 x its output, in this engine only (the HF
+  reference and the trainer keep the true weights), from now on and after every `sync_weights` of a
+  `VLLMEngine`: the shape of a weight that is wrong in one layer of the engine. Any model; no slot
+  trace (`rlcheck.engines.vllm_perturb.PerturbHandle`).
 
 Where this hooks in vllm 0.32.0 (paths under site-packages/vllm):
 - Runner: `LLM.llm_engine.engine_core` (InprocClient when VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -55,7 +61,7 @@ from typing import Any, NamedTuple
 from rlcheck.errors import ConfigError, UnsupportedVLLMError
 
 SUPPORTED_VLLM = ("0.32.",)
-FAULTS = ("none", "stale-state", "index-wrap")
+FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
 
 
 class SlotEvent(NamedTuple):
@@ -72,6 +78,12 @@ def external_id(request_id: str) -> str:
     """The id `LLM.generate` reported for an internal request id (vLLM appends "-" + 8 characters)."""
     head, _, tail = request_id.rpartition("-")
     return head if head and len(tail) == 8 else request_id
+
+
+def model_runner(engine: Any) -> Any:
+    """The model runner of an in-process vLLM 0.32 engine (a `VLLMEngine` or a `vllm.LLM`); refused
+    (UnsupportedVLLMError, ConfigError) as `inject` refuses it. For tools that hook the runner."""
+    return _model_runner(engine)
 
 
 def _model_runner(engine: Any) -> Any:
@@ -216,15 +228,23 @@ class FaultHandle:
                                    has_initial_states_p=init, prep_initial_states=prep)
 
 
-def inject(engine: Any, fault: str, *, boundary: int | None = None, max_events: int = 1_000_000) -> FaultHandle:
+def inject(engine: Any, fault: str, *, boundary: int | None = None, layer: int | None = None,
+           max_events: int = 1_000_000) -> Any:
     """Turn on `fault` (one of FAULTS) in `engine` (a `VLLMEngine` or a `vllm.LLM`), for this engine
-    only, until `handle.remove()`. `boundary` (index-wrap only): slots at or past it wrap, >= 1."""
+    only, until `handle.remove()`. `boundary` (index-wrap only): slots at or past it wrap, >= 1.
+    `layer` (perturb-layer only): the decoder layer index K, from 0."""
     if fault not in FAULTS:
         raise ConfigError(f"unknown vLLM fault {fault!r}; choose one of {', '.join(FAULTS)}")
     if (fault == "index-wrap") != (boundary is not None):
         raise ConfigError("boundary is required by index-wrap and only by it")
     if boundary is not None and (not isinstance(boundary, int) or boundary < 1):
         raise ConfigError(f"boundary must be an int >= 1, got {boundary!r}")
+    if (fault == "perturb-layer") != (layer is not None):
+        raise ConfigError("layer is required by perturb-layer and only by it")
+    if fault == "perturb-layer":
+        from rlcheck.engines.vllm_perturb import PERTURB_FACTOR, PerturbHandle
+
+        return PerturbHandle(engine, layer, PERTURB_FACTOR)
     runner = _model_runner(engine)
     if "_build_attention_metadata" in runner.__dict__:
         raise ConfigError("a fault is already injected into this engine; remove it first")

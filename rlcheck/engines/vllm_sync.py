@@ -127,3 +127,43 @@ def simulated_conv_pack() -> Iterator[None]:
             del ops.causal_conv1d_weight_pack
         else:
             ops.causal_conv1d_weight_pack = real_pack
+
+
+class StaleConvBuffers:
+    """The `stale-buffer` fault (a self-test of the sync check): after every `sync_weights` of one
+    engine, each Mamba mixer's `conv_weights` buffer holds the values it had before the sync, in
+    storage of its own, as on an AVX512-BF16 CPU without the refresh, in any dtype and on any CPU.
+    Wraps that engine instance's `sync_weights` (no class is patched); `remove()` undoes it."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.real_sync = engine, engine.sync_weights
+        if not sum(engine.llm.apply_model(lambda model: len(conv_mixers(model)))):
+            from rlcheck.errors import ConfigError
+
+            raise ConfigError("stale-buffer needs a model with Mamba2 mixers (mamba2, hybrid)")
+        engine.sync_weights = self.sync_weights
+        self.syncs = 0
+
+    def sync_weights(self, named_tensors, version: int) -> None:
+        old = self.engine.llm.apply_model(_conv_buffers)
+        self.real_sync(named_tensors, version)
+        self.engine.llm.apply_model(lambda model: _restore_conv_buffers(model, old[0]))
+        self.syncs += 1
+
+    def remove(self) -> None:
+        self.engine.__dict__.pop("sync_weights", None)
+
+
+def _conv_buffers(model: Any) -> dict[str, Any]:
+    return {name: mixer.conv_weights.detach().clone() for name, mixer in conv_mixers(model)}
+
+
+def _restore_conv_buffers(model: Any, old: dict[str, Any]) -> int:
+    for name, mixer in conv_mixers(model):
+        mixer.conv_weights = old[name].clone()  # storage of its own: the conv reads it, the reload does not reach it
+    return len(old)
+
+
+def keep_conv_buffers_stale(engine: Any) -> StaleConvBuffers:
+    """Install the `stale-buffer` fault on a `VLLMEngine` (see `StaleConvBuffers`)."""
+    return StaleConvBuffers(engine)

@@ -11,23 +11,29 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | off-by-one              | -            | logp_train[t] ~ logp_rollout[t+1], token ids differ    | token_misalignment   |
 | bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
 | corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
+| drop-sync=PATTERN       | name part    | syncs leave out tensors named *PATTERN*; sync check names their layers | weights_out_of_sync |
+| stale-buffer            | -            | Mamba conv buffers keep old values; sync check names the Mamba layers  | weights_out_of_sync |
 
-Engine-level (inside the rollout vLLM engine, `rlcheck.engines.vllm_faults`; Mamba models, vllm 0.32):
+Engine-level (inside the rollout vLLM engine, `rlcheck.engines.vllm_faults`; Mamba models, vllm 0.32;
+perturb-layer: any model):
 
 | stale-state             | -            | reused state slots: far off from the first tokens      | stale_state          |
 | index-wrap=B            | B >= 1       | more live requests than B slots: shared state          | index_aliasing       |
+| perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
 """
 
 from __future__ import annotations
 
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault
-from rlcheck.faults.engine import IndexWrap, StaleState
+from rlcheck.faults.engine import IndexWrap, PerturbLayer, StaleState
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
+    DropSync,
     OffByOne,
     SkipSync,
+    StaleBuffer,
     StaleWeights,
     TemperatureMismatch,
 )
@@ -40,8 +46,11 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     OffByOne.name: (OffByOne, None, int),
     Bf16Noise.name: (Bf16Noise, "scale", float),
     CorruptSequences.name: (CorruptSequences, "rate", float),
+    DropSync.name: (DropSync, "pattern", str),
+    StaleBuffer.name: (StaleBuffer, None, int),
     StaleState.name: (StaleState, None, int),
     IndexWrap.name: (IndexWrap, "boundary", int),
+    PerturbLayer.name: (PerturbLayer, "layer", int),
 }
 
 
@@ -60,8 +69,8 @@ def parse_inject(spec: str | None, seed: int = 0) -> Fault:
     if field is None and eq:
         raise ConfigError(f"fault {name} takes no value (write {name} or {name}@START)")
     if field is not None:
-        what = "an integer" if kind is int else "a number"
-        kwargs[field] = _number(value, kind, f"fault {spec!r}: {name} takes {what}, as {name}={'4' if kind is int else '1.1'}")
+        what, example = {int: ("an integer", "4"), float: ("a number", "1.1"), str: ("a name pattern", "mlp")}[kind]
+        kwargs[field] = _number(value, kind, f"fault {spec!r}: {name} takes {what}, as {name}={example}")
     return cls(**kwargs)
 
 
@@ -72,5 +81,5 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "Fault", "IndexWrap", "OffByOne", "SkipSync", "StaleState",
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DropSync", "Fault", "IndexWrap", "OffByOne", "PerturbLayer", "SkipSync", "StaleBuffer", "StaleState",
            "StaleWeights", "TemperatureMismatch", "parse_inject"]

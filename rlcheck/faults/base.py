@@ -17,6 +17,8 @@ class Fault:
 
     - `trainer_config(cfg)`: the trainer's config as the fault leaves it (before the actors start);
     - `skip_sync(step)`: True to leave out the weight sync after the update of `step`;
+    - `sync_leave_out(step)`: a name pattern: that sync sends every tensor but those whose name
+      contains it, and counts as done (None: send everything);
     - `apply(step, batch)`: the step's comparison data as the fault corrupts it, and the request ids
       it touched (ground truth for tests; the monitor and diagnose never see it).
     """
@@ -30,6 +32,9 @@ class Fault:
     """The cause `rlcheck diagnose` should name (a key of `rlcheck.forensics.diagnose.CAUSES`)."""
     shape: ClassVar[str] = "healthy"
     takes_value: ClassVar[bool] = False
+    spoils_syncs: ClassVar[bool] = False
+    """Every sync leaves the engine with other weights than the trainer's (the rollouts after it are
+    the fault's: ground truth for `fault_touched`)."""
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -40,6 +45,9 @@ class Fault:
 
     def skip_sync(self, step: int) -> bool:
         return False
+
+    def sync_leave_out(self, step: int) -> str | None:
+        return None
 
     def engine_fault(self):
         """(fault, options) for `rlcheck.engines.vllm_faults.inject` on the rollout engine, or None."""

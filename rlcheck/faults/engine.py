@@ -1,5 +1,6 @@
-"""Engine-level faults: the Mamba state faults of `rlcheck.engines.vllm_faults`, injected into the
-loop's rollout engine (vllm 0.32, in-process, a model with Mamba2 layers; refused otherwise)."""
+"""Engine-level faults of `rlcheck.engines.vllm_faults`, injected into the loop's rollout engine: the
+Mamba state faults (vllm 0.32, in-process, a model with Mamba2 layers; refused otherwise) and
+perturb-layer (one decoder layer's output projection scaled inside vLLM; any model)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,30 @@ class IndexWrap(Fault):
 
     def value(self) -> str:
         return str(self.boundary)
+
+
+@dataclass(frozen=True)
+class PerturbLayer(Fault):
+    """Inside the rollout engine only, decoder layer `layer`'s output projection (attention o_proj, or
+    the Mamba mixer's out_proj) computes 1.01 x its output, again after every weight sync
+    (`rlcheck.engines.vllm_perturb`). Shape: every sequence a little off from its first token, the
+    same layer first in each (`rlcheck localize` names it); the trainer and the reference agree."""
+
+    layer: int = 0
+    name = "perturb-layer"
+    cause = "weights_out_of_sync"
+    shape = "one engine layer off: every sequence, from the first token"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer < 0:
+            raise ConfigError(f"perturb-layer needs a decoder layer index >= 0, got {self.layer}")
+        if self.start:
+            raise ConfigError("perturb-layer acts from the first step (it is set up with the engine)")
+
+    def engine_fault(self) -> tuple[str, dict[str, Any]] | None:
+        return "perturb-layer", {"layer": self.layer}
+
+    def value(self) -> str:
+        return str(self.layer)

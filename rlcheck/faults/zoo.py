@@ -54,6 +54,52 @@ class StaleWeights(Fault):
 
 
 @dataclass(frozen=True)
+class DropSync(Fault):
+    """Every sync (from `start`) sends all tensors but those whose name contains `pattern`, and the
+    loop counts it as done: the versions agree, the engine's weights do not (a delta sync that lost a
+    part, MoE experts left behind). Shape: nothing at first, drift as the dropped tensors age; the
+    sync check names the layers holding them at the first sync."""
+
+    pattern: str = "mlp"
+    name = "drop-sync"
+    cause = "weights_out_of_sync"
+    shape = "the sync check names the layers left out"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.pattern or "@" in self.pattern:
+            raise ConfigError(f"drop-sync needs a name pattern, as drop-sync=mlp, got {self.pattern!r}")
+
+    def sync_leave_out(self, step: int) -> str | None:
+        return self.pattern if self.active(step) else None
+
+    def value(self) -> str:
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class StaleBuffer(Fault):
+    """After every sync the Mamba mixers' `conv_weights` buffers keep their old values (the vLLM CPU
+    bf16 conv-weight case, docs/mamba-conv-sync.md, on any CPU and dtype): the engine's convs run on
+    the first weights while everything else is up to date. Shape: a small drift; the sync check
+    names every Mamba layer at the first sync. Inside the rollout engine (a model with Mamba2 mixers)."""
+
+    name = "stale-buffer"
+    cause = "weights_out_of_sync"
+    shape = "the sync check names the Mamba layers"
+    spoils_syncs = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.start:
+            raise ConfigError("stale-buffer acts from the first sync (it is set up with the engine)")
+
+    def engine_fault(self):
+        return "stale-buffer", {}
+
+
+@dataclass(frozen=True)
 class TemperatureMismatch(Fault):
     """The trainer scores at `factor` x the sampling temperature (a logit-processing mismatch), from
     the first step. Shape: systematic, d = logp_train - logp_rollout follows logp_rollout."""

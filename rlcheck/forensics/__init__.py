@@ -5,6 +5,8 @@
 - `diagnose`: the likely cause of a mismatch, named from its shape.
 - `stress`, `sweep`: greedy vLLM under memory pressure and load, every output replayed against the
   reference, failing requests with their scheduler context; one knob at a time for the shape.
+- `localize`: the worst requests of a dump re-run through vLLM with hooks on every decoder layer and
+  through the HF reference's hidden states: the first layer (and position) where they part.
 """
 
 from rlcheck.forensics.ranking import Context, ReplayRecord

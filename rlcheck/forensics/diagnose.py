@@ -3,7 +3,9 @@
 Each rule reads the evidence (step records and dumps, `rlcheck.forensics.evidence`) for one family of
 shapes and returns a `Finding` with a confidence, the evidence in words, the affected steps and the
 affected request ids; the findings are ranked and the first is the verdict ("healthy" when the run
-raised no alarm). Confidences are fixed per rule strength (a signature seen on every anomalous step
+raised no alarm). Where `rlcheck localize` has run on a dump (its localize.json), the first divergent
+decoder layer joins in (`rlcheck.forensics.localize_diagnose`): a finding of its own when one layer of
+the engine is wrong for every request, and the layer named in the verdict's evidence. Confidences are fixed per rule strength (a signature seen on every anomalous step
 outranks a level shift seen in aggregate statistics); they rank causes, they are not probabilities.
 """
 
@@ -20,6 +22,7 @@ from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.evidence import Evidence, load_evidence
 from rlcheck.forensics.findings import CAUSES, Diagnosis, Finding
+from rlcheck.forensics.localize_diagnose import load_localizations, localized_weights, name_layer
 from rlcheck.forensics.queries import (
     MAX_IDS,
     affected_ids,
@@ -38,14 +41,20 @@ RESTART_AGE = "loop/steps_since_engine_restart"
 
 
 
-def diagnose(path: Run | str | Path) -> Diagnosis:
-    """Diagnose a run (a `Run`, or its directory) or a dump (see the module docstring)."""
+def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None = None) -> Diagnosis:
+    """Diagnose a run (a `Run`, or its directory) or a dump (see the module docstring). `localizations`:
+    the localize.json of its dumps, already read (default: read here)."""
     ev = load_evidence(path)
+    if localizations is None:
+        localizations = load_localizations(ev.run.whole_dumps() if ev.run is not None else [ev.path])
     findings = [f for rule in RULES if (f := rule(ev)) is not None]
+    localized = localized_weights(localizations, [row for rows in ev.dump_rows.values() for row in rows])
+    findings += [localized] if localized is not None else []
     if not findings:
         findings = [_healthy_or_unexplained(ev)]
     findings.sort(key=lambda f: -f.confidence)
     _note_restart(ev, findings[0])
+    name_layer(findings[0], localizations)
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 
 

@@ -16,7 +16,8 @@ Scheduler context, where vLLM 0.32 exposes it (a Mamba model, in-process engine)
 engine step of its first prefill (its batch), the state block it was assigned and the one its layers
 used, the request that held that block before it, and the live requests that used the same block in
 the same step. `fault` injects "stale-state" or "index-wrap" (with its `boundary`) through the same
-hook, so the tool can be shown to find what it claims. With `out_dir` the run is written as a dump
+hook, or "perturb-layer" (with its `layer`: that decoder layer's output projection x 1.01 inside
+vLLM, `rlcheck.engines.vllm_perturb`) beside it, so the tool can be shown to find what it claims. With `out_dir` the run is written as a dump
 (sequences.parquet with those columns, meta.json) plus stress.json: `rlcheck diagnose OUT` reads it.
 
 `guard=True` runs the engine guard (`rlcheck.engines.guard`, policy "record") during generation: its
@@ -40,11 +41,18 @@ import numpy as np
 
 from rlcheck.errors import ConfigError
 from rlcheck.forensics.slots import SlotContext, slot_context
-from rlcheck.forensics.stress_config import FAULTS, FP32_THRESHOLD, Progress, StressConfig, parse_inject
+from rlcheck.forensics.stress_config import (
+    FAULTS,
+    FP32_THRESHOLD,
+    SLOT_FAULTS,
+    Progress,
+    StressConfig,
+    parse_inject,
+)
 from rlcheck.forensics.stress_results import StressResult
 
-__all__ = ["FAULTS", "FP32_THRESHOLD", "Progress", "StressConfig", "StressResult", "make_prompts", "parse_inject",
-           "progress_bar", "run_stress"]
+__all__ = ["FAULTS", "FP32_THRESHOLD", "Progress", "StressConfig", "StressResult", "engine_config", "inject_faults",
+           "make_prompts", "parse_inject", "progress_bar", "run_stress", "start_engine"]
 
 
 def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress: Progress | None = None,
@@ -98,31 +106,52 @@ def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
     return ids
 
 
-def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | None,
-              t0: float) -> tuple[list[Any], dict[str, Any]]:
-    """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on: the
-    rollouts, and the StressResult fields that come from the engine."""
-    from rlcheck.engines import vllm_faults
+def engine_config(cfg: StressConfig):
+    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`."""
     from rlcheck.engines.guard import GuardConfig
-    from rlcheck.engines.vllm import VLLMConfig, VLLMEngine
+    from rlcheck.engines.vllm import VLLMConfig
 
-    ecfg = VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
+    return VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
                       max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
                       max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                       kv_cache_bytes=cfg.kv_cache_bytes,
                       guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
+
+
+def start_engine(cfg: StressConfig):
+    """The stress run's engine, started (vLLM's refusal of the settings as a ConfigError)."""
+    from rlcheck.engines.vllm import VLLMEngine
+
     try:
-        engine = VLLMEngine(ecfg)
+        return VLLMEngine(engine_config(cfg))
     except (ValueError, RuntimeError) as exc:  # vLLM's own refusal of the settings (cache too small, ...)
         raise ConfigError(f"vLLM refused the stress settings: {str(exc).splitlines()[0]}") from exc
+
+
+def inject_faults(engine: Any, cfg: StressConfig) -> tuple[Any, Any, str]:
+    """(slot trace handle or None, perturb-layer handle or None, what the trace is) for `cfg.fault`:
+    the slot faults through the trace's own hook; perturb-layer beside a plain trace."""
+    from rlcheck.engines import vllm_faults
+
+    slot_fault = cfg.fault if cfg.fault in SLOT_FAULTS else "none"
+    handle, trace = None, "slot trace"
     try:
-        handle, trace = None, "slot trace"
-        try:
-            handle = vllm_faults.inject(engine, cfg.fault, boundary=cfg.fault_boundary)
-        except ConfigError as exc:
-            if cfg.fault != "none":
-                raise
-            trace = f"no slot trace: {exc}"
+        handle = vllm_faults.inject(engine, slot_fault, boundary=cfg.fault_boundary)
+    except ConfigError as exc:
+        if slot_fault != "none":
+            raise
+        trace = f"no slot trace: {exc}"
+    perturb = vllm_faults.inject(engine, "perturb-layer", layer=cfg.layer) if cfg.fault == "perturb-layer" else None
+    return handle, perturb, trace
+
+
+def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | None,
+              t0: float) -> tuple[list[Any], dict[str, Any]]:
+    """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on: the
+    rollouts, and the StressResult fields that come from the engine."""
+    engine = start_engine(cfg)
+    try:
+        handle, perturb, trace = inject_faults(engine, cfg)
         t1 = time.perf_counter()
         report = None if progress is None else (lambda d, t: progress("generating (requests)", d, len(prompts)))
         bar = None if report is None else progress_bar(report)
@@ -139,6 +168,10 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
                 fields["trace"] = f"slot trace, cut at {handle.max_events} events"
             fields.update(contexts=tuple(slot_context(handle.events, fields["request_ids"])),
                           fault_affected=handle.affected_external(), num_steps=handle.step)
+        if perturb is not None:  # every request runs through the perturbed layer
+            perturb.remove()
+            fields["fault_affected"] = {rid: f"ran through {perturb.target} x {perturb.factor:g}"
+                                        for rid in fields["request_ids"]}
         if engine.guard is not None:
             fields["guard"] = engine.guard.output()
         return rollouts, fields

@@ -3,7 +3,7 @@ when built), the faults that can be injected, and the text forms of `--inject` a
 
     cfg = StressConfig(model="runs/models/hybrid", fault="index-wrap", boundary=4)
     cfg.fail_threshold                 # FP32_THRESHOLD in float32, replay's default otherwise
-    parse_inject("index-wrap=4")       # ("index-wrap", 4)
+    parse_inject("index-wrap=4")       # ("index-wrap", 4); "perturb-layer=2" -> ("perturb-layer", 2)
     parse_size("700KiB")               # 716800
 """
 
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from rlcheck.errors import ConfigError
 
-FAULTS = ("none", "stale-state", "index-wrap")
+FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
+SLOT_FAULTS = ("stale-state", "index-wrap")
+"""The faults that act on the Mamba state slots (and need the slot trace)."""
 FP32_THRESHOLD = 1e-3
 """Max |d| (nats) over which a request fails when the engine runs in float32: greedy fp32 vLLM agrees
 with the fp32 reference to ~1e-5 over thousands of requests (BENCHMARKS.md), while a stale or
@@ -52,6 +54,8 @@ class StressConfig:
     """An engine fault to inject (FAULTS): proves that stress finds it."""
     boundary: int | None = None
     """index-wrap: blocks at or past it wrap (None: max_num_seqs // 2)."""
+    layer: int | None = None
+    """perturb-layer: the decoder layer (from 0) whose output projection vLLM scales by 1.01 (required)."""
     threshold: float | None = None
     """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
     guard: bool = False
@@ -62,6 +66,8 @@ class StressConfig:
             raise ConfigError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
         if self.boundary is not None and (self.fault != "index-wrap" or self.boundary < 1):
             raise ConfigError("boundary is for index-wrap only and must be >= 1")
+        if (self.fault == "perturb-layer") != (self.layer is not None) or (self.layer is not None and self.layer < 0):
+            raise ConfigError("perturb-layer needs a decoder layer index >= 0 (perturb-layer=K), and only it takes one")
         positive = ("num_requests", "samples_per_prompt", "max_tokens", "min_prompt_tokens", "max_num_seqs",
                     "kv_cache_bytes", "max_model_len")
         for name in positive:
@@ -93,14 +99,20 @@ class StressConfig:
 
 
 def parse_inject(text: str | None) -> tuple[str, int | None]:
-    """`--inject` as (fault, boundary): "stale-state", "index-wrap", "index-wrap=4", "none" or None."""
+    """`--inject` as (fault, value): "stale-state", "index-wrap", "index-wrap=4" (the boundary),
+    "perturb-layer=2" (the layer), "none" or None."""
     name, _, value = (text or "none").strip().partition("=")
     if name not in FAULTS:
-        raise ConfigError(f"--inject {text!r}: choose stale-state or index-wrap[=B] (B: the wrap boundary, in blocks)")
+        raise ConfigError(f"--inject {text!r}: choose stale-state, index-wrap[=B] (B: the wrap boundary, in blocks) "
+                          "or perturb-layer=K (K: a decoder layer)")
+    if name == "perturb-layer" and not value.isdigit():
+        raise ConfigError(f"--inject {text!r}: perturb-layer needs a decoder layer index >= 0 (perturb-layer=2)")
     if not value:
         return name, None
-    if name != "index-wrap" or not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"--inject {text!r}: only index-wrap takes a value, a boundary >= 1 (index-wrap=4)")
+    minimum = 1 if name == "index-wrap" else 0
+    if name not in ("index-wrap", "perturb-layer") or not value.isdigit() or int(value) < minimum:
+        raise ConfigError(f"--inject {text!r}: only index-wrap takes a boundary >= 1 (index-wrap=4), "
+                          "and perturb-layer a layer (perturb-layer=2)")
     return name, int(value)
 
 

@@ -61,7 +61,7 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
         "logp_train": "the HF reference (rlcheck stress judges the engine against it)",
         "sampling": {"greedy": True, "temperature": 0.0, "logprobs_mode": "raw_logprobs",
                      "max_tokens": cfg.max_tokens},  # greedy logprobs are untempered: replay at T = 1
-        "stress": {"fault": cfg.fault, "boundary": cfg.fault_boundary, "threshold": result.threshold,
+        "stress": {"fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,
                    "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                    "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace},
     }
@@ -83,7 +83,8 @@ def render_stress(result: StressResult, console: Any, top: int = 20) -> None:
     from rich.table import Table
 
     r, cfg = result, result.config
-    fault = cfg.fault + (f" (boundary {cfg.fault_boundary})" if cfg.fault_boundary else "")
+    fault = cfg.fault + (f" (boundary {cfg.fault_boundary})" if cfg.fault_boundary else "") + (
+        f" (layer {cfg.layer})" if cfg.layer is not None else "")
     console.print(
         f"{escape(cfg.model)}: {r.num_requests} requests ({cfg.samples_per_prompt} per prompt, {cfg.max_tokens} tokens, "
         f"greedy, {cfg.dtype}); max_num_seqs {cfg.max_num_seqs}, cache {show_value('kv_cache_bytes', cfg.kv_cache_bytes)} = "

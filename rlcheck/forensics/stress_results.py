@@ -88,6 +88,7 @@ class StressResult:
             "first_failing_index": self.first_failing_index, "threshold": self.threshold,
             "first_wave": None if wave is None else {"num_requests": wave[0], "num_failing": wave[1]},
             "fault": {"name": self.config.fault, "boundary": self.config.fault_boundary,
+                      **({"layer": self.config.layer} if self.config.layer is not None else {}),
                       "affected_request_ids": sorted(self.fault_affected, key=id_key)},
             "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace},
             "seconds": self.seconds, "requests_per_second": self.requests_per_second,

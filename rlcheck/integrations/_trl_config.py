@@ -40,6 +40,10 @@ class TRLOptions:
     vllm_sync: str = "auto"
     """"auto": in colocate mode, vLLM's `reload_weights` when TRL's own sync cannot load into this
     vLLM (0.32), TRL's otherwise; "reload" or "trl" to force one."""
+    sync_check: bool = True
+    """In colocate mode, after every sync: the engine's per-layer fingerprint against that of the
+    weights TRL streams (`rlcheck.core.sync_check`); a mismatch is a critical `weights` alarm at
+    the next step. Costs one more pass over the gathered weights per sync."""
     inject: str | Fault | None = None
     """A fault for a fire drill, as `rlcheck demo --inject` takes it ("stale-weights@3",
     "skip-sync-every=4", "corrupt-seqs=0.05@2", ...): sync faults skip TRL's real vLLM weight sync,
@@ -66,7 +70,7 @@ def check_fault(inject: str | Fault | None) -> Fault:
     if fault.engine_fault() is not None or type(fault).trainer_config is not Fault.trainer_config:
         raise ConfigError(
             f"fault {fault.describe()!r} acts inside the rollout engine or changes the trainer's config; "
-            "with TRL, rlcheck injects sync faults (skip-sync-every, stale-weights) and data faults only"
+            "with TRL, rlcheck injects sync faults (skip-sync-every, stale-weights, drop-sync) and data faults only"
         )
     return fault
 

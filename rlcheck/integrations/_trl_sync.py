@@ -32,6 +32,7 @@ dispatch made to take the other one.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -83,19 +84,66 @@ def reload_sync(vllm_generation: Any) -> None:
     vg.llm.reset_prefix_cache()
 
 
+def check_sync(vllm_generation: Any, version: int):
+    """The sync check (`rlcheck.core.sync_check`) of a colocated engine right after a sync: its
+    fingerprint against that of the weights TRL streams (`_iter_named_params`, gathered one at a
+    time under ZeRO-3 / FSDP: every rank must call it)."""
+    import time
+
+    import torch
+
+    from rlcheck.core.sync_check import compare
+    from rlcheck.engines.fingerprint import fingerprint_llm
+    from rlcheck.trainers.fingerprint import linear_tails, stream_fingerprint
+
+    vg, t0 = vllm_generation, time.perf_counter()
+    dtype = vg.llm.llm_engine.model_config.dtype
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+    trainer = stream_fingerprint(vg._iter_named_params(), dtype, linear_tails(_unwrapped(vg.model)))
+    engine = fingerprint_llm(vg.llm)
+    return compare(version, engine, trainer, seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _leaving_out(vllm_generation: Any, pattern: str | None):
+    """Within it (the `drop-sync` fault) the weights TRL streams to vLLM leave out those whose name
+    contains `pattern` (on this instance only; every rank still gathers every parameter)."""
+    if not pattern:
+        yield
+        return
+    real = vllm_generation._iter_named_params
+    vllm_generation._iter_named_params = lambda: ((n, t) for n, t in real() if pattern not in n)
+    try:
+        yield
+    finally:
+        del vllm_generation._iter_named_params
+
+
+def _unwrapped(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 class WeightSync:
     """Stands in for `vllm_generation.sync_weights` (TRL calls it with no arguments before a
     generation whose step differs from the last synced one). Records `synced_step`, the trainer step
-    whose weights vLLM holds (None before the first sync), and the steps whose sync `skip` left out."""
+    whose weights vLLM holds (None before the first sync), and the steps whose sync `skip` left out.
+    In colocate mode `check=True` runs the sync check after every sync; `take(step)` hands its
+    alarm (a failed check) and scalars to the step whose rollouts follow."""
 
     def __init__(self, vllm_generation: Any, current_step: Callable[[], int], method: str = "auto",
-                 skip: Callable[[int], bool] | None = None):
+                 skip: Callable[[int], bool] | None = None, check: bool = True,
+                 leave_out: Callable[[int], str | None] | None = None):
         self.vllm_generation = vllm_generation
         self.method = resolve_method(vllm_generation, method)
         self.current_step = current_step
         self.skip = skip
         self.synced_step: int | None = None
         self.skipped: list[int] = []
+        self.check = check and vllm_generation.mode == "colocate"
+        self.leave_out = leave_out
+        self.pending = None
         self._trl_sync = vllm_generation.sync_weights
         vllm_generation.sync_weights = self
 
@@ -106,11 +154,20 @@ class WeightSync:
         if self.skip is not None and step > 0 and self.skip(step - 1):
             self.skipped.append(step)
             return
-        if self.method == "reload":
-            reload_sync(self.vllm_generation)
-        else:
-            self._trl_sync()
+        pattern = self.leave_out(step - 1) if self.leave_out is not None and step > 0 else None
+        with _leaving_out(self.vllm_generation, pattern):
+            if self.method == "reload":
+                reload_sync(self.vllm_generation)
+            else:
+                self._trl_sync()
         self.synced_step = step
+        if self.check:
+            self.pending = check_sync(self.vllm_generation, step)
+
+    def take(self, step: int) -> tuple[list, dict[str, float]]:
+        """The last sync check's alarm (if it failed) and scalars, for the step about to be observed."""
+        found, self.pending = self.pending, None
+        return ([], {}) if found is None else (found.alarms(step), found.metrics())
 
     def uninstall(self) -> None:
         """Give TRL its own `sync_weights` back."""

@@ -88,8 +88,9 @@ class RLCheckHook:
         self.rank = trainer.accelerator.process_index
         self.world_size = trainer.accelerator.num_processes
         skip = self.fault.skip_sync if type(self.fault).skip_sync is not Fault.skip_sync else None
+        leave_out = self.fault.sync_leave_out if type(self.fault).sync_leave_out is not Fault.sync_leave_out else None
         self.sync = WeightSync(trainer.vllm_generation, lambda: trainer.state.global_step,
-                               self.options.vllm_sync, skip)
+                               self.options.vllm_sync, skip, check=self.options.sync_check, leave_out=leave_out)
         self.last_report: StepReport | None = None
         self.halt: MismatchHalt | None = None
         trainer.rlcheck = self
@@ -163,12 +164,16 @@ class RLCheckHook:
         return logps
 
     def _observe(self, step: int, batch, extra) -> StepReport | None:
-        # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's
+        # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's;
+        # the sync check of that sync (rank 0's engine) judges them too
+        alarms, checked = self.sync.take(step)
+        extra = {**(extra or {}), **checked}
         if self.world_size == 1:
-            return self.monitor.observe(step, batch, extra=extra, trainer_version=step)
+            return self.monitor.observe(step, batch, extra=extra, alarms=alarms, trainer_version=step)
         from rlcheck.distributed import observe_across_ranks
 
-        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra, trainer_version=step)
+        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra, trainer_version=step,
+                                    alarms=alarms if self.rank == 0 else ())
 
     def _append_trainer_metrics(self, metrics: dict[str, float]) -> None:
         logged = self.trainer._metrics["train"]

@@ -10,7 +10,9 @@ their results back to it), B = prompts x rollout.n rows:
     old_log_probs       (B, R) float32  the actor's recomputation under the same weights
     prompts             (B, P) int64    left-padded prompt ids; attention_mask (B, P+R) marks real tokens
     non_tensor_batch    "uid": one uuid per prompt, repeated for its n samples; "request_id" only
-                        when a custom agent loop puts it in extra_fields
+                        when a custom agent loop puts it in extra_fields; "min_global_steps" /
+                        "max_global_steps" (fully async and the v1 trainer): the first and last
+                        weights version a trajectory was generated with
 
     batch = to_step_batch(data)                         # a StepBatch, one sequence per row
     report = observe(monitor, step, data, metrics)      # Monitor.observe, plus verl's own metrics
@@ -19,6 +21,12 @@ Request ids: `non_tensor_batch["request_id"]` when every row has one, else "<uid
 rank among the rows of its uid in batch order (verl's `_balance_batch` may have reordered the rows).
 The dump also gets the per-row `uid`, `priority` (the row's place in the rollout batch; the vLLM request
 id is "det-<priority>" under rollout.full_determinism) and `data_source` when verl has them.
+
+Weight versions: where the batch has `min_global_steps`, each sequence's `weight_version` is that (the
+oldest weights that generated any of its tokens), and `observe(..., trainer_version=V)` (verl's
+`global_steps`, or the fully async trainer's `current_param_version`) raises the critical `weights`
+alarm for sequences older than `MonitorConfig.max_weight_lag`: set it to the staleness the run
+allows (`async_training.staleness_threshold`; 0, the default, is on-policy).
 
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
@@ -40,6 +48,8 @@ TRAIN_KEY = "old_log_probs"
 MASK_KEY = "response_mask"
 RESPONSES_KEY = "responses"
 META_KEYS = ("uid", "priority", "data_source")
+VERSION_KEY = "min_global_steps"
+"""Per-row weights version verl's fully async trainer and v1 agent loop record (the first of a trajectory)."""
 """Per-row `non_tensor_batch` columns copied into the dump when present."""
 FORWARD_PREFIXES = ("training/rollout_", "rollout_corr/", "actor/entropy")
 """verl step metrics `observe` logs beside rlcheck's by default: its own mismatch view and entropy."""
@@ -196,8 +206,24 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
         ids,
         tokens=arrays[RESPONSES_KEY],
         prompt_tokens=_prompt_tokens(tensors, num_rows, num_cols),
+        weight_version=_versions(non_tensors, num_rows),
         meta=_meta(non_tensors, num_rows),
     )
+
+
+def _versions(non_tensors: Mapping[str, Any], num_rows: int) -> list[int] | None:
+    """Each row's `min_global_steps` as a weights version, when verl recorded one for every row."""
+    if VERSION_KEY not in non_tensors:
+        return None
+    values = list(np.asarray(non_tensors[VERSION_KEY], dtype=object).reshape(-1))
+    if len(values) != num_rows:
+        raise InputError(f"non_tensor_batch[{VERSION_KEY!r}] has {len(values)} entries for {num_rows} rows")
+    if any(v is None for v in values):
+        return None  # an agent loop that does not track versions
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise InputError(f"non_tensor_batch[{VERSION_KEY!r}] must hold integer weight versions, got {values[:3]}") from None
 
 
 def forwarded_metrics(metrics: Mapping[str, Any] | None,
@@ -220,8 +246,12 @@ def forwarded_metrics(metrics: Mapping[str, Any] | None,
 
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
-            forward: Iterable[str] | None = FORWARD_PREFIXES) -> Any:
+            forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None) -> Any:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
-    logged beside rlcheck's; returns the `StepReport`, raises `MismatchHalt` when the policy halts."""
+    logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
+    rows' `min_global_steps` where verl recorded them. Returns the `StepReport`, raises
+    `MismatchHalt` when the policy halts."""
     batch = to_step_batch(data, logp_train=logp_train, request_ids=request_ids)
-    return monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward))
+    if batch.weight_version is None:
+        trainer_version = None  # nothing to compare it with
+    return monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward), trainer_version=trainer_version)

@@ -18,7 +18,11 @@ class RolloutWorker:
     def __init__(self, cfg: VLLMConfig, engine_fault: tuple[str, dict[str, Any]] | None = None):
         self.engine = VLLMEngine(cfg)
         self.fault = None
-        if engine_fault is not None:  # a self-test: a Mamba state fault inside this engine only
+        if engine_fault is not None and engine_fault[0] == "stale-buffer":  # a self-test of the sync check
+            from rlcheck.engines.vllm_sync import keep_conv_buffers_stale
+
+            self.fault = keep_conv_buffers_stale(self.engine)
+        elif engine_fault is not None:  # a self-test: an engine fault inside this engine only
             from rlcheck.engines.vllm_faults import inject
 
             kind, options = engine_fault
@@ -27,9 +31,25 @@ class RolloutWorker:
     def generate(self, prompts: list[list[int]], step: int, n: int) -> list[Rollout]:
         return self.engine.generate(prompts, step=step, n=n)
 
-    def sync_weights(self, weights: list[tuple[str, Any]], version: int) -> int:
+    def sync_weights(self, weights: list[tuple[str, Any]], version: int, leave_out: str | None = None) -> int:
+        """Load `weights` as `version`; `leave_out`: a self-test (the `drop-sync` fault) that sends every
+        tensor but those whose name contains it, and still counts the sync as done."""
+        if leave_out:
+            weights = [(n, t) for n, t in weights if leave_out not in n]
         self.engine.sync_weights(weights, version)
         return version
+
+    def fingerprint(self) -> dict[str, tuple[float, float, float]]:
+        """The engine's side of the sync check (`rlcheck.engines.fingerprint`)."""
+        from rlcheck.engines.fingerprint import fingerprint_llm
+
+        return fingerprint_llm(self.engine.llm)
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]]) -> list:
+        """The engine's logprobs of fixed responses (teacher-forced, at temperature 1): the probe batch."""
+        from rlcheck.engines.fingerprint import score_tokens
+
+        return score_tokens(self.engine.llm, prompts, responses)
 
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -79,14 +99,17 @@ class TrainerWorker:
         self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size)
         return f"rank {self.rank}/{self.world_size} on {_node_ip()} ({self.cfg.backend})"
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan):
-        return self.trainer.logprobs(seqs, plan)
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None):
+        return self.trainer.logprobs(seqs, plan, temperature)
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
         return self.trainer.train_step(seqs, plan)
 
     def full_state_dict(self):
         return self.trainer.full_state_dict()
+
+    def fingerprint(self, engine_dtype: str) -> dict[str, list[float]]:
+        return self.trainer.fingerprint(engine_dtype)
 
     def gather_weights(self) -> int:
         """Gather the full weights (every rank takes part); rank 0 keeps them for `take_weights`.

@@ -1,6 +1,6 @@
 """What one GRPO run is asked for and what it gives back: `LoopConfig` (the rollout engine and trainer
 configs, world size, steps, group size, task, placement, fault, the lost-actor bounds and timeouts),
-validated in `__post_init__`, and `LoopResult` (steps run, the halt and its reason, the dump, the
+the sync check, validated in `__post_init__`, and `LoopResult` (steps run, the halt and its reason, the dump, the
 last reports, phase timings and rewards, engine restarts), with the phase names `PHASES` and the
 per-step callback type. The loop that runs them is `rlcheck.loop.driver`.
 """
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcheck.core.sync_check import SyncCheckConfig
 from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import ActorDiedError, ConfigError
@@ -22,7 +23,7 @@ from rlcheck.loop.recovery import EngineRestart
 from rlcheck.loop.task import AdditionTask
 from rlcheck.trainers import TrainerConfig
 
-PHASES = ("generate", "recompute", "monitor", "update", "sync")
+PHASES = ("generate", "recompute", "monitor", "update", "sync", "sync_check")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class LoopConfig:
     long counts as a lost actor."""
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     """The trainer process group's timeout: a rank waiting this long in a collective raises."""
+    sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
+    """After a sync, check that the engine holds the trainer's weights (`rlcheck.core.sync_check`):
+    fingerprints every sync, the probe batch every 10 (their cost: BENCHMARKS.md, "Sync check");
+    a failed check is a critical `weights` alarm at the next step. `SyncCheckConfig(0, 0)`: off."""
     keep_reports: int = 10_000
     """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""

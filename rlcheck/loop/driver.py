@@ -9,7 +9,9 @@ unless a sync was missed); `monitor.observe` compares the two, and each rollout'
 with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise
 `MismatchHalt`); the
 rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
-gathered weights go to vLLM as version v + 1. A halt stops the actors and returns with the evidence
+gathered weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks
+whether the engine now computes with them; a failed check is a critical `weights` alarm at the next
+step, naming the stale decoder layers, and halts there. A halt stops the actors and returns with the evidence
 (the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
 step: rewards, loss, the time of each phase, and the step's engine restarts.
 
@@ -65,6 +67,10 @@ class GRPOLoop:
             raise
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
+        self.spoiled = False  # the last sync was spoiled by the fault (self-tests' ground truth)
+        from rlcheck.loop.sync_check import SyncChecker
+
+        self.checker = SyncChecker(cfg, self.tokenizer)
         self.fault_touched: list[str] = []
         self.phase = "start"
         self._step_restarts: list[EngineRestart] = []
@@ -77,6 +83,7 @@ class GRPOLoop:
 
     def run(self, on_step: StepCallback | None = None, start: int = 0) -> LoopResult:
         result = LoopResult()
+        self._check_sync(start, at_start=True)  # the engine's own load of the weights, before any rollout
         for step in range(start, start + self.cfg.steps):
             try:
                 report, info = self.step(step)
@@ -121,11 +128,12 @@ class GRPOLoop:
         prompts = encode_prompts(self.tokenizer, [text for text, _ in items])
         with t("generate"):
             rollouts = self._generate(prompts, step)
-        guard_alarms, guard_extra = [], {}
+        guard_alarms, guard_extra = self.checker.take(step)  # the last sync's check judges this step's rollouts
         if cfg.rollout.guard is not None:  # the engine guard's view of this step's forward passes
             from rlcheck.loop.guarding import step_alarms
 
-            guard_alarms, guard_extra = step_alarms(self.engine, step)
+            found, extra = step_alarms(self.engine, step)
+            guard_alarms, guard_extra = guard_alarms + found, {**guard_extra, **extra}
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
         plan = self.group.plan(seqs)
         with t("recompute"):
@@ -139,7 +147,7 @@ class GRPOLoop:
             **guard_extra,
         }
         batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
-        if self.version > self.synced:  # a left-out sync: every rollout of the step is stale
+        if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
@@ -153,6 +161,9 @@ class GRPOLoop:
         with t("sync"):
             if not skipped:
                 self._sync(step)
+        with t("sync_check"):
+            if not skipped:
+                self._check_sync(step)
         info = {"step": step, "reward_mean": extra["loop/reward_mean"], "train": train,
                 "sync_skipped": skipped, "fault_touched": faulted, "seconds": t.seconds,
                 "engine_restarts": self._restart_log()}
@@ -169,12 +180,23 @@ class GRPOLoop:
 
     def _sync(self, step: int) -> None:
         """The trainer's weights into the engine; a lost engine is replaced (the fresh one gets them)."""
-        ref = self.group.full_state_dict_ref()
+        ref, leave_out = self.group.full_state_dict_ref(), self.cfg.fault.sync_leave_out(step)
         try:
-            self.engine.call(lambda actor: actor.sync_weights.remote(ref, self.version))
+            self.engine.call(lambda actor: actor.sync_weights.remote(ref, self.version, leave_out))
+            self.spoiled = bool(leave_out) or self.cfg.fault.spoils_syncs
         except ActorLost as lost:
             self._restart_engine(lost, step)
         self.synced = self.version
+
+    def _check_sync(self, step: int, at_start: bool = False) -> None:
+        """The sync check of the sync just made; an engine lost meanwhile is replaced (unchecked)."""
+        try:
+            self.checker.check(self, self.version, at_start=at_start)
+        except ActorLost as lost:
+            if lost.actor != self.engine.name:
+                raise
+            self.checker.pending = None
+            self._restart_engine(lost, step)
 
     def _restart_engine(self, lost: ActorLost, step: int) -> None:
         """Fresh engines until one holds the trainer's weights (or `ActorDiedError` past the bound)."""

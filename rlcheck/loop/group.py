@@ -64,13 +64,14 @@ class TrainerGroup:
     def plan(self, seqs: Sequences) -> MicroBatchPlan:
         return plan_micro_batches(seqs, self.world_size, self.cfg.micro_batch_tokens)
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan) -> list[np.ndarray]:
-        """Each sequence's response-token logprobs under the current weights, in sequence order."""
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None) -> list[np.ndarray]:
+        """Each sequence's response-token logprobs under the current weights, in sequence order (at
+        the trainer's temperature unless `temperature` is given)."""
         import ray
 
         ref = ray.put(seqs)
         merged: dict[int, np.ndarray] = {}
-        for part in self._all(lambda w: w.logprobs.remote(ref, plan)):
+        for part in self._all(lambda w: w.logprobs.remote(ref, plan, temperature)):
             merged.update(part)
         return [merged[i] for i in range(len(seqs))]
 
@@ -87,6 +88,15 @@ class TrainerGroup:
             "ratio_max": max(p["ratio_max"] for p in parts),
             "grad_norm": parts[0]["grad_norm"],
         }
+
+    def fingerprint(self, engine_dtype: str, meanwhile: Any = None) -> tuple[Any, Any]:
+        """The sync check's fingerprint of the trainer's weights (every rank's part, added up), and
+        what `meanwhile()` returns, called while the ranks compute (the engine's side, in parallel)."""
+        from rlcheck.core.sync_check import merge_fingerprints
+
+        refs = [w.fingerprint.remote(engine_dtype) for w in self.workers]
+        other = meanwhile() if meanwhile is not None else None
+        return merge_fingerprints(join(refs, self.names, self.timeout_s)), other
 
     def full_state_dict_ref(self) -> Any:
         """An object ref to rank 0's gathered weights (every rank takes part in the gather; the driver

@@ -81,17 +81,21 @@ class RunData:
     guard: Any = None
     """The engine guard's output (`rlcheck.core.run.guard_files.GuardData`: summary, violations, break
     snapshots); None when the run has no run_dir/guard."""
+    localizations: list[dict[str, Any]] = field(default_factory=list)
+    """The localize.json of each dump `rlcheck localize` has run on (`rlcheck.forensics.localize_compare`)."""
 
 
 def collect(run: Run | str | Path) -> RunData:
     """Read the run (a `Run`, or its directory, opened once): an InputError when it is missing or
     holds no metrics.jsonl records."""
     from rlcheck.forensics.diagnose import diagnose
+    from rlcheck.forensics.localize_diagnose import load_localizations
     from rlcheck.report.summary import summarize
 
     run = Run.open(run)
     raw = run.records()  # raises InputError without metrics.jsonl or records
-    summary, diagnosis = summarize(run), diagnose(run)
+    localizations = load_localizations(run.whole_dumps())  # read once, for the verdict and the section
+    summary, diagnosis = summarize(run), diagnose(run, localizations)
     records = sorted(raw, key=lambda r: int(r["step"]))
     steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
     watched = watched_metrics(run.state(), PeriodicConfig())
@@ -104,7 +108,7 @@ def collect(run: Run | str | Path) -> RunData:
         hist_worst=None if worst is None else worst.get("abs_diff_hist"),
         offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
         dumps=run.dumps(), context=run.context(), loop=run.loop(),
-        periodograms=_periodograms(watched, steps, series, alarms), guard=run.guard(),
+        periodograms=_periodograms(watched, steps, series, alarms), guard=run.guard(), localizations=localizations,
     )
 
 

@@ -20,6 +20,7 @@ from rlcheck.core import metrics as K
 from rlcheck.report import plots
 from rlcheck.report.data import PANELS, RunData
 from rlcheck.report.guard import guard_section
+from rlcheck.report.localize import localize_section
 
 MAX_ALARM_ROWS = 500
 MAX_LIST = 20
@@ -69,7 +70,7 @@ def render(data: RunData, out_dir: Path) -> str:
     body = "\n".join((_header(data), _context(data), _alarms(data), _metrics(data),
                       f"<div class=\"row\"><section>{_periodic(data)}</section><section>{_histogram(data)}</section></div>",
                       _offenders(data), guard_section(data.guard, lambda p: _link(p, out_dir)),
-                      _dumps(data, out_dir)))
+                      localize_section(data.localizations, lambda p: _link(p, out_dir)), _dumps(data, out_dir)))
     title = _e(f"rlcheck report: {data.run_dir.name}")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{title}</title>"

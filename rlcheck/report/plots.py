@@ -168,6 +168,17 @@ def histogram_svg(name: str, hist_run: dict[str, Any], hist_worst: dict[str, Any
     return to_svg(fig, name, {})
 
 
+@_styled
+def localize_svg(name: str, data: dict[str, Any]) -> str:
+    """`rlcheck localize`'s per-layer plot (`rlcheck.forensics.localize_report.draw_layers`) of one
+    localize.json: each request's largest relative error per decoder layer, the tolerance dashed."""
+    from rlcheck.forensics.localize_report import draw_layers
+
+    fig, ax = _figure(max(4.0, 0.5 * len(data["layer_types"]) + 2), 2.4)
+    draw_layers(ax, data)
+    return to_svg(fig, name, {})
+
+
 def _coarse(hist: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray] | None:
     """(counts, edges) of a sparse |d| histogram without its zero bin, HIST_GROUP bins to a bar."""
     from rlcheck.sinks.wandb import histogram_args

@@ -37,13 +37,14 @@ class PolicyTrainer:
 
     # ---- the three calls of the loop ------------------------------------------------------------
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[int, np.ndarray]:
-        """This rank's share of the plan: sequence index -> float32 logprobs of its response tokens."""
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None) -> dict[int, np.ndarray]:
+        """This rank's share of the plan: sequence index -> float32 logprobs of its response tokens
+        (at the config's temperature, or `temperature`: the sync check's probe scores at 1)."""
         out: dict[int, np.ndarray] = {}
         self.backend.module.eval()
         with torch.no_grad():
             for mb in self._my_batches(plan):
-                logps = self._forward(seqs, mb)  # also when empty (a dummy): the forward is a collective
+                logps = self._forward(seqs, mb, temperature)  # also when empty (a dummy): a collective
                 for i, lp in zip(mb, logps if mb else [], strict=True):
                     out[i] = lp.float().cpu().numpy()
         return out
@@ -81,6 +82,17 @@ class PolicyTrainer:
         """The unsharded weights as (HF name, CPU tensor) pairs on rank 0, None on the other ranks."""
         return self.backend.full_state_dict()
 
+    def fingerprint(self, engine_dtype: str) -> dict[str, list[float]]:
+        """This rank's part of the sync check's fingerprint (`rlcheck.trainers.fingerprint`), for an
+        engine computing in `engine_dtype`; the driver adds the ranks' parts."""
+        from rlcheck.trainers.fingerprint import module_fingerprint
+
+        b, c = self.backend, self.cfg
+        sharding = {"fsdp2": "fsdp2", "deepspeed": "zero3" if c.zero_stage == 3 else "none"}.get(c.backend, "none")
+        module = b.engine.module if c.backend == "deepspeed" else b.module
+        return module_fingerprint(module, getattr(torch, engine_dtype), sharding=sharding, rank=self.rank,
+                                  world_size=self.world_size)
+
     # ---- forwards -------------------------------------------------------------------------------
 
     def _my_batches(self, plan: MicroBatchPlan) -> tuple[tuple[int, ...], ...]:
@@ -88,25 +100,26 @@ class PolicyTrainer:
             raise InputError(f"plan is for {plan.world_size} ranks, this trainer group has {self.world_size}")
         return plan.ranks[self.rank]
 
-    def _forward(self, seqs: Sequences, mb: tuple[int, ...]) -> list[torch.Tensor]:
+    def _forward(self, seqs: Sequences, mb: tuple[int, ...], temperature: float | None = None) -> list[torch.Tensor]:
         """Response-token logprobs of each sequence of the micro-batch (a 2-token dummy if empty)."""
         rows = [list(seqs.prompts[i]) + list(seqs.responses[i]) for i in mb] or [[self.pad_id, self.pad_id]]
         resp = [len(seqs.responses[i]) for i in mb] or [1]
+        t = self.cfg.temperature if temperature is None else temperature
         if self.packed and len(rows) > 1:
-            return self._packed(rows, resp)
-        return self._padded(rows, resp)
+            return self._packed(rows, resp, t)
+        return self._padded(rows, resp, t)
 
-    def _packed(self, rows: list[list[int]], resp: list[int]) -> list[torch.Tensor]:
+    def _packed(self, rows: list[list[int]], resp: list[int], temperature: float) -> list[torch.Tensor]:
         device = self.cfg.device
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)[None]  # (1, T)
         lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
         cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
-        flat = token_logprobs(self.backend.module, ids, cu_seqlens=cu.to(device), temperature=self.cfg.temperature).logp
+        flat = token_logprobs(self.backend.module, ids, cu_seqlens=cu.to(device), temperature=temperature).logp
         per_seq = torch.split(flat, (lens - 1).tolist())  # each sequence's L - 1 logprobs
         return [lp[-n:] for lp, n in zip(per_seq, resp, strict=True)]
 
-    def _padded(self, rows: list[list[int]], resp: list[int]) -> list[torch.Tensor]:
+    def _padded(self, rows: list[list[int]], resp: list[int], temperature: float) -> list[torch.Tensor]:
         ids = right_padded(rows, self.pad_id)  # (B, W)
-        logp = token_logprobs(self.backend.module, ids.to(self.cfg.device), temperature=self.cfg.temperature).logp  # (B, W-1)
+        logp = token_logprobs(self.backend.module, ids.to(self.cfg.device), temperature=temperature).logp  # (B, W-1)
         return [logp[b, len(r) - n - 1 : len(r) - 1] for b, (r, n) in enumerate(zip(rows, resp, strict=True))]

@@ -87,3 +87,37 @@ class TestEngineFaultsInTheLoop:
         """State slots aliased past 16 blocks (64 live requests hold 256): the first step halts."""
         _, result, _ = _run(tiny_model("hybrid"), tmp_path, "index-wrap=16", 3)
         assert result.halted and _alarm_steps(result) == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+class TestSyncCheckInTheLoop:
+    """Syncs that count as done but leave the engine on other weights: the versions agree, and only
+    the sync check (fingerprints after every sync) sees it, at the first step after the first sync."""
+
+    @pytest.mark.parametrize(("spec", "layers", "group"), [
+        ("drop-sync=shared_mlp", [0, 1, 2, 3], "linear"),  # every layer's MLP left out of the sync
+        ("drop-sync=self_attn", [2], "linear"),  # the hybrid's one attention layer
+        ("stale-buffer", [0, 1, 3], "buffers"),  # the Mamba layers' conv buffers keep old values
+    ])
+    def test_halts_at_the_first_spoiled_step_naming_the_layers(self, tiny_model, ray_local, tmp_path, spec, layers, group):
+        _, result, touched = _run(tiny_model("hybrid"), tmp_path, spec, 3)
+        assert result.halted and result.steps_run == 2 and not touched[0] and touched[1]
+        (alarm,) = [a for a in result.reports[-1].alarms if a.kind == "weights"]
+        assert alarm.step == 1 and alarm.severity == "critical"
+        assert alarm.details["layers"] == layers
+        assert alarm.details["differing"] == [f"{i}:{group}" for i in layers]
+        assert diagnose(tmp_path).verdict.cause == "weights_out_of_sync"
+        metrics = [json.loads(line)["metrics"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        # step 0 checked the engine's own load (clean); step 1 the first sync
+        assert metrics[0]["sync/fingerprint_differs"] == 0 and metrics[1]["sync/fingerprint_differs"] == len(layers)
+
+    def test_an_engine_loaded_wrong_halts_before_any_sync(self, tiny_model, ray_local, tmp_path):
+        """perturb-layer=1 (layer 1's output projection x1.01 inside vLLM): the check of the engine's
+        own load, before step 0, names layer 1 from its fingerprint, the probe agrees, and step 0 halts."""
+        _, result, _ = _run(tiny_model("hybrid"), tmp_path, "perturb-layer=1", 3)
+        assert result.halted and result.steps_run == 1
+        (alarm,) = [a for a in result.reports[-1].alarms if a.kind == "weights"]
+        assert alarm.step == 0 and alarm.details["layers"] == [1] and alarm.details["differing"] == ["1:linear"]
+        assert alarm.message.startswith("the weights the engine loaded")
+        assert alarm.details["probe"]["mean_abs"] > alarm.details["probe"]["tolerance"]  # 1% on one layer: past fp32's 1e-3

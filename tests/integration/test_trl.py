@@ -172,6 +172,7 @@ class TestRLCheckGRPOTrainer:
             m = line["metrics"]
             assert not [a for a in line["alarms"] if a["severity"] == "critical"]
             assert m[K.TOKEN_COUNT] > 0
+            assert m["sync/fingerprint_differs"] == 0  # the sync check after the sync before this step
             assert 0 < m[K.ABS_DIFF_MEAN] < 0.1  # bf16 on both sides: ~1e-2 on this model
             np.testing.assert_allclose(m[K.ABS_DIFF_MEAN], m[TRL_MEAN], rtol=1e-5)
 
@@ -243,4 +244,28 @@ class TestAttachMonitor:
         print("fp32 mean |d| per step:", [f"{line['metrics'][K.ABS_DIFF_MEAN]:.3g}" for line in lines])
         assert [line["step"] for line in lines] == [0, 1]
         assert all(line["metrics"][K.ABS_DIFF_MEAN] < 1e-5 and not line["alarms"] for line in lines)
+        assert all(line["metrics"]["sync/fingerprint_differs"] == 0 for line in lines)
         assert hook.halt is None and trainer.rlcheck is hook
+
+    def test_a_sync_that_left_tensors_out_halts_naming_the_layers(self, tiny_model, tmp_path, monkeypatch):
+        """drop-sync=down_proj: the sync before step 1 sends every tensor but the MLP down
+        projections and counts as done (the versions agree); the sync check halts step 1 naming
+        every decoder layer, from their linear layers."""
+        from trl import GRPOTrainer
+
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.integrations.trl import TRLOptions, attach_monitor
+
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        trainer = GRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
+                              args=_grpo_args(tmp_path, 3, 5e-2, fp32=False), train_dataset=_dataset())
+        hook = attach_monitor(trainer, MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
+                              TRLOptions(inject="drop-sync=down_proj"))
+        with pytest.raises(MismatchHalt) as halted:
+            trainer.train()
+        report = halted.value.report
+        assert report.step == 1 and hook.halt is halted.value
+        (alarm,) = [a for a in report.alarms if a.kind == "weights"]
+        assert alarm.severity == "critical" and alarm.details["layers"] == [0, 1, 2, 3]
+        assert alarm.details["differing"] == [f"{i}:linear" for i in range(4)]

@@ -145,6 +145,23 @@ class TestVerlDataProto:
         for rid, s in zip(V.to_step_batch(batch).request_ids, samples, strict=True):
             assert by_id[rid]["prompt_tokens"] == s["prompt"] and by_id[rid]["response_tokens"] == s["response"]
 
+    def test_async_weight_versions_halt_past_the_allowed_lag(self, tmp_path):
+        """A real DataProto carrying verl's per-trajectory `min_global_steps` (as its fully async
+        trainer assembles them): rows two versions behind pass with max_weight_lag=2 and halt the
+        on-policy default at once, the weights alarm naming them; the dump keeps their versions."""
+        batch, _ = verl_step()
+        rows = len(batch)
+        batch.non_tensor_batch["min_global_steps"] = np.array([7] * (rows - 3) + [5] * 3, dtype=object)
+        with Monitor(MonitorConfig(run_dir=tmp_path / "lag2", sinks=("jsonl",), max_weight_lag=2)) as mon:
+            assert not V.observe(mon, 1, batch, trainer_version=7).alarms
+        with Monitor(MonitorConfig(run_dir=tmp_path / "lag0", sinks=("jsonl",))) as mon, pytest.raises(MismatchHalt) as exc:
+            V.observe(mon, 1, batch, trainer_version=7)
+        (alarm,) = [a for a in exc.value.report.alarms if a.kind == "weights"]
+        ids = V.to_step_batch(batch).request_ids
+        assert alarm.details["stale"] == 3 and set(alarm.details["request_ids"]) == set(ids[-3:])
+        dumped, _ = read_dump(exc.value.dump_dir)
+        assert sorted(r["weight_version"] for r in dumped) == [5] * 3 + [7] * (rows - 3)
+
     def test_bypass_mode_refused(self):
         """verl's bypass mode (old_log_probs = rollout_log_probs) is refused: nothing was recomputed."""
         batch, _ = verl_step()

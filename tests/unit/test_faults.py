@@ -107,12 +107,29 @@ class TestParseInject:
         ("bf16-noise=0", "scale > 0"),
         ("bf16-noise=-1", "scale > 0"),
         ("bf16-noise=one", "a number"),
+        ("drop-sync", "name pattern"),
+        ("drop-sync=", "name pattern"),
+        ("stale-buffer=1", "takes no value"),
+        ("stale-buffer@3", "first sync"),
     ])
     def test_rejects_bad_specs(self, spec, match):
         """Unknown names, missing or malformed values, a value for a fault without one, a START that is not
         an integer and out-of-range values are ConfigErrors saying which."""
         with pytest.raises(ConfigError, match=match):
             parse_inject(spec)
+
+
+class TestSyncSpoilers:
+    def test_drop_sync_leaves_out_its_pattern_from_start(self):
+        fault = parse_inject("drop-sync=mlp.down_proj@3")
+        assert [fault.sync_leave_out(s) for s in (2, 3, 9)] == [None, "mlp.down_proj", "mlp.down_proj"]
+        assert not fault.skip_sync(3) and fault.describe() == "drop-sync=mlp.down_proj@3"
+        assert fault.cause == "weights_out_of_sync" and not fault.spoils_syncs
+
+    def test_stale_buffer_acts_inside_the_engine(self):
+        fault = parse_inject("stale-buffer")
+        assert fault.engine_fault() == ("stale-buffer", {}) and fault.spoils_syncs
+        assert fault.sync_leave_out(5) is None and not fault.skip_sync(5)
 
 
 class TestSkipSync:

@@ -227,6 +227,38 @@ class TestObserve:
         assert line["metrics"][K.TOKEN_COUNT] == report.metrics[K.TOKEN_COUNT]
 
 
+class TestWeightVersions:
+    """verl's fully async trainer records each trajectory's first weights version (min_global_steps)."""
+
+    def _with_versions(self, versions):
+        fields, _ = verl_fields()
+        return {**fields, "min_global_steps": np.array(versions, dtype=object)}
+
+    def test_versions_become_weight_version(self):
+        fields = self._with_versions([5] * 6 + [4] * 6)
+        assert V.to_step_batch(fields).weight_version.tolist() == [5] * 6 + [4] * 6
+        assert V.to_step_batch(verl_fields()[0]).weight_version is None
+        assert V.to_step_batch(self._with_versions([None] * 12)).weight_version is None
+
+    def test_a_lag_past_the_allowed_one_halts(self, tmp_path):
+        from rlcheck.errors import MismatchHalt
+
+        fields = self._with_versions([5] * 6 + [3] * 6)
+        with Monitor(MonitorConfig(run_dir=tmp_path / "async", sinks=("jsonl",), max_weight_lag=2)) as mon:
+            assert not V.observe(mon, 0, fields, trainer_version=5).alarms  # within the staleness allowed
+        with Monitor(MonitorConfig(run_dir=tmp_path / "on-policy", sinks=("jsonl",))) as mon:
+            with pytest.raises(MismatchHalt) as halted:
+                V.observe(mon, 0, fields, trainer_version=5)
+        (alarm,) = [a for a in halted.value.report.alarms if a.kind == "weights"]
+        assert alarm.details["max_lag"] == 2 and alarm.details["stale"] == 6
+
+    def test_bad_versions(self):
+        with pytest.raises(InputError, match="min_global_steps"):
+            V.to_step_batch(self._with_versions([1] * 5))
+        with pytest.raises(InputError, match="integer"):
+            V.to_step_batch(self._with_versions(["x"] * 12))
+
+
 class TestVerlEquivalents:
     def test_keys_are_rlcheck_metrics(self):
         """Every equivalent names a metric rlcheck always logs, with sign +1 or -1."""

@@ -1,0 +1,83 @@
+"""The loop's sync check: after each weight sync, does the engine compute with the trainer's weights?
+
+    checker = SyncChecker(cfg, tokenizer)
+    checker.check(loop, 0, at_start=True)  # before the first step: the weights the engine loaded
+    checker.check(loop, version)           # right after each sync (fingerprints; the probe when due)
+    alarms, extra = checker.take(step)     # at the next step: a critical `weights` alarm if it failed
+
+Fingerprints (`rlcheck.core.sync_check`): the rollout actor fingerprints the vLLM model in its worker,
+every trainer rank its own shard, the driver adds the ranks' parts and compares. The probe: a fixed
+teacher-forced batch (the task's first prompts, each followed by the same `probe_tokens` token ids),
+scored by the engine (prompt logprobs) and the trainer at temperature 1, judged by its mean |d|
+against `PROBE_TOLERANCE` of the engine's dtype. The check's findings travel to the Monitor as an
+alarm of the next step (the step whose rollouts those weights generate) and, as `sync/...` scalars,
+in that step's `extra`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult, SyncCheck, compare
+from rlcheck.core.types import Alarm
+from rlcheck.loop.task import encode_prompts
+from rlcheck.trainers import Sequences
+
+
+class SyncChecker:
+    """See the module docstring; `checks` holds every check of the run (the last `keep`)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, keep: int = 1000):
+        self.cfg, self.syncs, self.keep = cfg.sync_check, 0, keep
+        self.dtype = cfg.rollout.dtype
+        self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
+        self.pending: SyncCheck | None = None
+        self.checks: list[SyncCheck] = []
+        prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
+        rng = np.random.default_rng(0x5C)
+        vocab = max(int(getattr(tokenizer, "vocab_size", 0) or 0), 16)
+        responses = [rng.integers(3, vocab, self.cfg.probe_tokens).tolist() for _ in prompts]
+        self.probe_batch = Sequences.build(prompts, responses)
+
+    def check(self, loop: Any, version: int, *, at_start: bool = False) -> SyncCheck | None:
+        """Check the sync just made (to `version`); its result is taken by the next step. `at_start`:
+        the weights the engine loaded itself, before the first step (both checks, not counted as a sync)."""
+        if at_start:
+            fingerprints, probe = bool(self.cfg.fingerprint_every), bool(self.cfg.probe_every)
+        else:
+            self.syncs += 1
+            fingerprints, probe = self.cfg.due(self.syncs)
+        if not (fingerprints or probe):
+            return None
+        t0 = time.perf_counter()
+        engine: dict = {}
+        trainer: dict = {}
+        if fingerprints:  # both sides at once
+            trainer, engine = loop.group.fingerprint(self.dtype, lambda: loop.engine.call(lambda a: a.fingerprint.remote()))
+        t1 = time.perf_counter()
+        scored = self._probe(loop) if probe else None
+        t2 = time.perf_counter()
+        details = {"fingerprint_seconds": t1 - t0} if fingerprints else {}
+        details |= {"probe_seconds": t2 - t1} if probe else {}
+        details |= {"at_start": True} if at_start else {}
+        found = compare(version, engine, trainer, probe=scored, rtol=self.cfg.rtol, seconds=t2 - t0, details=details)
+        self.pending = found
+        self.checks = (self.checks + [found])[-self.keep:]
+        return found
+
+    def _probe(self, loop: Any) -> ProbeResult:
+        b = self.probe_batch
+        engine = loop.engine.call(lambda actor: actor.score.remote(b.prompts, b.responses))
+        trainer = loop.group.logprobs(b, loop.group.plan(b), temperature=1.0)
+        d = np.abs(np.concatenate(trainer).astype(np.float64) - np.concatenate(engine).astype(np.float64))
+        return ProbeResult(int(d.size), float(d.mean()), float(d.max()), self.tolerance)
+
+    def take(self, step: int) -> tuple[list[Alarm], dict[str, float]]:
+        """The alarm (if the last check failed) and the scalars of the check pending for this step."""
+        found, self.pending = self.pending, None
+        if found is None:
+            return [], {}
+        return found.alarms(step), found.metrics()

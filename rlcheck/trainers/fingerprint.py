@@ -1,0 +1,103 @@
+"""The trainer's side of the sync check (`rlcheck.core.sync_check`): this rank's part of the fingerprint
+of the weights it trains, as the engine should hold them (rounded to the engine's dtype, Mamba's A_log
+as -exp(A_log)). Each rank reads only what it holds, and the parts add up to the whole:
+
+- one process, or ZeRO 1/2 (every rank holds every weight): rank 0 reads everything, the others nothing;
+- FSDP2: each rank its `DTensor` shards (rows of every weight, so the probed columns are all there);
+- ZeRO-3: each rank its flat partition `ds_tensor`, positions mapped back to (row, column).
+
+    part = module_fingerprint(model, torch.bfloat16, sharding="fsdp2")   # per rank; merge_fingerprints(parts)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcheck.core.sync_check import LAYER_RE, layer_key, probe_columns
+from rlcheck.engines.fingerprint import add_stats
+
+SHARDINGS = ("none", "fsdp2", "zero3")
+
+
+def linear_weights(model: torch.nn.Module) -> set[str]:
+    """Names of the weights the engine probes as linear layers: every nn.Linear inside a decoder layer."""
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and layer_key(n + ".").isdigit()}
+
+
+def as_engine_holds(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as vLLM stores it after loading: Mamba's A_log becomes A = -exp(A_log) (in float32, as its
+    weight loader computes it), everything rounded to the engine's dtype."""
+    if name.endswith("A_log"):
+        t = -torch.exp(t.float())
+    return t.to(dtype)
+
+
+def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: str = "none",
+                       rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
+    """This rank's part of the fingerprint of `model` (HF names) for an engine computing in `dtype`."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    fp: dict[str, list[float]] = {}
+    if sharding == "none" and rank != 0:
+        return fp
+    linear = linear_weights(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = layer_key(name)
+            if sharding == "zero3":
+                values, cols = _zero3_part(p, name in linear, rank)
+            else:
+                values = p.to_local() if hasattr(p, "to_local") else p
+                cols = values.detach()[:, probe_columns(values.shape[1])] if name in linear else None
+            if cols is not None:
+                add_stats(fp, key + ":linear", as_engine_holds(name, cols, dtype))
+                continue
+            values = as_engine_holds(name, values.detach().reshape(-1), dtype)
+            add_stats(fp, key + ":params", values)
+            if name.endswith("conv1d.weight"):  # the mixer's derived conv_weights should equal it
+                add_stats(fp, key + ":buffers", values)
+    return fp
+
+
+def stream_fingerprint(named, dtype: torch.dtype, linear_tails: set[str]) -> dict[str, list[float]]:
+    """The fingerprint of full (gathered) tensors as a sync streams them, e.g. TRL's
+    `_iter_named_params()`; `linear_tails`: `linear_tails(model)`, how the linear weights' names end."""
+    fp: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, t in named:
+            key, tail = layer_key(name), tail_of(name)
+            if key.isdigit() and tail in linear_tails:
+                add_stats(fp, key + ":linear", as_engine_holds(name, t.detach()[:, probe_columns(t.shape[1])], dtype))
+                continue
+            values = as_engine_holds(name, t.detach().reshape(-1), dtype)
+            add_stats(fp, key + ":params", values)
+            if name.endswith("conv1d.weight"):
+                add_stats(fp, key + ":buffers", values)
+    return fp
+
+
+def tail_of(name: str) -> str:
+    """What follows "layers.N." in a tensor's name ("self_attn.q_proj.weight"); the name outside the layers."""
+    m = LAYER_RE.search(name)
+    return name[m.end():] if m else name
+
+
+def linear_tails(model: torch.nn.Module) -> set[str]:
+    return {tail_of(n) for n in linear_weights(model)}
+
+
+def _zero3_part(p: torch.Tensor, is_linear: bool, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's elements of a ZeRO-3 parameter (its partition less the padding) and, for a linear
+    weight, those of them in the probed columns."""
+    part = p.ds_tensor.detach().reshape(-1)
+    size = part.numel()
+    start = rank * size
+    valid = max(0, min(p.ds_numel - start, size))
+    part = part[:valid]
+    if not is_linear:
+        return part, None
+    k = p.ds_shape[-1]
+    rows = torch.arange(start // k, (start + valid + k - 1) // k, device=part.device)
+    flat = (rows[:, None] * k + torch.tensor(probe_columns(k), device=part.device)[None, :]).reshape(-1) - start
+    return part, part[flat[(flat >= 0) & (flat < valid)]]

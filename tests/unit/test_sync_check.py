@@ -1,0 +1,147 @@
+"""The sync check's logic: fingerprint keys, probed columns, the merge of shards, the comparison and
+its alarm; the trainer's side on a real tiny HF model (plain, streamed, and ZeRO-3 partitions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcheck.core.sync_check import (
+    ProbeResult,
+    SyncCheck,
+    SyncCheckConfig,
+    compare,
+    differing_keys,
+    layer_key,
+    merge_fingerprints,
+    probe_columns,
+)
+from rlcheck.errors import ConfigError
+
+
+class TestKeys:
+    def test_layer_key(self):
+        assert layer_key("model.layers.3.mlp.down_proj.weight") == "3"
+        assert layer_key("backbone.layers.12.mixer.A_log") == "12"
+        assert layer_key("model.embed_tokens.weight") == "embed"
+        assert layer_key("backbone.embeddings.weight") == "embed"
+        assert layer_key("model.norm.weight") == "head" and layer_key("lm_head.weight") == "head"
+        assert layer_key("model.extra_layers_norm.weight") == "head"  # "layers." must be a path part
+
+    def test_probe_columns_spread_and_bounded(self):
+        assert probe_columns(128) == list(range(0, 128, 8))
+        assert probe_columns(5) == [0, 1, 2, 3, 4]
+        cols = probe_columns(4096)
+        assert len(cols) == 16 and cols[0] == 0 and cols[-1] == 3840
+
+
+class TestCompare:
+    def test_shards_add_up(self):
+        a = {"0:linear": (1.0, 2.0, 3.0), "head:params": (0.5, 0.25, 0.5)}
+        b = {"0:linear": (-1.0, 1.0, 1.0)}
+        assert merge_fingerprints([a, b]) == {"0:linear": (0.0, 3.0, 4.0), "head:params": (0.5, 0.25, 0.5)}
+
+    def test_float64_order_noise_passes_a_real_change_does_not(self):
+        base = {"1:params": (0.1, 5.0, 40.0), "2:linear": (3.0, 7.0, 9.0)}
+        noisy = {"1:params": (0.1 + 1e-14, 5.0 * (1 + 1e-15), 40.0), "2:linear": (3.0, 7.0, 9.0)}
+        assert differing_keys(base, noisy) == []
+        moved = dict(noisy, **{"2:linear": (3.0, 7.0 + 7e-6, 9.0)})  # one bf16 step in a weight: ~1e-6 relative
+        assert differing_keys(base, moved) == ["2:linear"]
+
+    def test_missing_keys_differ_and_sort_by_layer(self):
+        eng = {"10:params": (1, 1, 1), "2:params": (1, 1, 1), "embed:params": (1, 1, 1)}
+        tr = {"10:params": (2, 1, 1), "2:params": (1, 1, 1), "head:params": (1, 1, 1), "3:buffers": (1, 1, 1)}
+        assert differing_keys(eng, tr) == ["embed:params", "3:buffers", "10:params", "head:params"]
+
+    def test_a_clean_check_raises_nothing(self):
+        check = compare(4, {"0:linear": (1, 1, 1)}, {"0:linear": (1, 1, 1)}, probe=ProbeResult(32, 1e-6, 1e-5, 1e-3))
+        assert check.ok and check.alarms(5) == [] and check.layers == []
+        assert check.metrics()["sync/fingerprint_differs"] == 0 and check.metrics()["sync/probe_mean_abs"] == 1e-6
+
+    def test_a_failed_check_is_a_critical_weights_alarm_naming_the_layers(self):
+        check = SyncCheck(7, ("1:buffers", "3:buffers", "head:params"))
+        (alarm,) = check.alarms(8)
+        assert (alarm.kind, alarm.severity, alarm.step) == ("weights", "critical", 8)
+        assert alarm.details["layers"] == [1, 3] and alarm.details["version"] == 7
+        assert "derived buffers" in alarm.message and "[1, 3]" in alarm.message and "head" in alarm.message
+
+    def test_the_engines_own_load_is_named_as_such(self):
+        check = compare(0, {"2:linear": (1, 1, 1)}, {"2:linear": (2, 1, 1)}, details={"at_start": True})
+        (alarm,) = check.alarms(0)
+        assert alarm.message.startswith("the weights the engine loaded do not match") and alarm.details["layers"] == [2]
+        assert "sync/at_start" not in check.metrics()
+
+    def test_a_failed_probe_alone_alarms(self):
+        check = SyncCheck(2, (), ProbeResult(32, 0.4, 3.0, 0.15))
+        (alarm,) = check.alarms(3)
+        assert alarm.details["layers"] == [] and "0.4 mean |d|" in alarm.message
+
+
+class TestConfig:
+    def test_due(self):
+        cfg = SyncCheckConfig(fingerprint_every=1, probe_every=3)
+        assert [cfg.due(i) for i in (1, 2, 3)] == [(True, False), (True, False), (True, True)]
+        assert not SyncCheckConfig(0, 0).enabled and SyncCheckConfig(0, 0).due(5) == (False, False)
+
+    @pytest.mark.parametrize("kwargs", [{"fingerprint_every": -1}, {"probe_tokens": 0}, {"rtol": 0.0}])
+    def test_bad_values(self, kwargs):
+        with pytest.raises(ConfigError):
+            SyncCheckConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model("hybrid"), dtype=torch.float32)
+
+
+class TestTrainerSide:
+    """On the tiny hybrid's HF model: every way of reading the trainer's weights gives one fingerprint."""
+
+    def test_streamed_equals_module(self, model):
+        import torch
+
+        from rlcheck.trainers.fingerprint import linear_tails, module_fingerprint, stream_fingerprint
+
+        whole = module_fingerprint(model, torch.bfloat16)
+        streamed = stream_fingerprint(model.named_parameters(), torch.bfloat16, linear_tails(model))
+        assert whole.keys() == streamed.keys() and differing_keys(whole, streamed) == []
+        assert {k.partition(":")[2] for k in whole} == {"linear", "params", "buffers"}
+        assert sorted(k for k in whole if k.endswith("buffers")) == ["0:buffers", "1:buffers", "3:buffers"]
+
+    @pytest.mark.parametrize("world", [2, 3])
+    def test_zero3_partitions_add_up_to_the_whole(self, model, world):
+        """ZeRO-3's layout (a flat partition per rank, the last one padded) read back rank by rank."""
+        import torch
+
+        from rlcheck.trainers.fingerprint import module_fingerprint
+
+        class Partitioned(torch.nn.Module):
+            def __init__(self, inner, rank):
+                super().__init__()
+                self.inner = inner
+                for p in inner.parameters():
+                    size = -(-p.numel() // world)
+                    flat = torch.nn.functional.pad(p.detach().reshape(-1), (0, size * world - p.numel()), value=7.0)
+                    p.ds_tensor, p.ds_numel, p.ds_shape = flat[rank * size:(rank + 1) * size], p.numel(), p.shape
+
+        whole = module_fingerprint(model, torch.float32)
+        parts = [module_fingerprint(Partitioned(model, r).inner, torch.float32, sharding="zero3", rank=r,
+                                    world_size=world) for r in range(world)]
+        assert differing_keys(whole, merge_fingerprints(parts)) == []
+        for p in model.parameters():
+            del p.ds_tensor, p.ds_numel, p.ds_shape
+
+    def test_one_changed_weight_is_named(self, model):
+        import torch
+
+        from rlcheck.trainers.fingerprint import module_fingerprint
+
+        before = module_fingerprint(model, torch.bfloat16)
+        w = model.model.layers[2].self_attn.o_proj.weight
+        with torch.no_grad():
+            w[:, 0] += 0.01  # column 0 is always probed
+            after = module_fingerprint(model, torch.bfloat16)
+            w[:, 0] -= 0.01
+        assert differing_keys(before, after) == ["2:linear"]
