@@ -148,8 +148,9 @@ class SyncCheck:
             parts.append(f"the engine's {', '.join(GROUPS.get(g, g) for g in groups)} differ from the trainer's "
                          f"in {where}" + (f" and {', '.join(others)}" if others else ""))
         if self.probe is not None and not self.probe.ok:
+            agree = "" if self.differing else ", while the fingerprints agree (the weights are in; its computation is not)"
             parts.append(f"the probe batch scores {self.probe.mean_abs:.3g} mean |d| apart "
-                         f"(tolerance {self.probe.tolerance:g})")
+                         f"(tolerance {self.probe.tolerance:g}){agree}")
         if self.details.get("at_start"):
             message = ("the weights the engine loaded do not match the trainer's: " + "; ".join(parts)
                        + " (a different checkpoint, or a layer loaded wrong)")

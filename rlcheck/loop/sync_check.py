@@ -44,9 +44,9 @@ class SyncChecker:
 
     def check(self, loop: Any, version: int, *, at_start: bool = False) -> SyncCheck | None:
         """Check the sync just made (to `version`); its result is taken by the next step. `at_start`:
-        the weights the engine loaded itself, before the first step (both checks, not counted as a sync)."""
-        if at_start:
-            fingerprints, probe = bool(self.cfg.fingerprint_every), bool(self.cfg.probe_every)
+        the weights the engine loaded itself, before the first step (fingerprints, not counted as a sync)."""
+        if at_start:  # fingerprints only: the probe's requests would take state slots before the first wave
+            fingerprints, probe = bool(self.cfg.fingerprint_every), False
         else:
             self.syncs += 1
             fingerprints, probe = self.cfg.due(self.syncs)

@@ -114,10 +114,9 @@ class TestSyncCheckInTheLoop:
 
     def test_an_engine_loaded_wrong_halts_before_any_sync(self, tiny_model, ray_local, tmp_path):
         """perturb-layer=1 (layer 1's output projection x1.01 inside vLLM): the check of the engine's
-        own load, before step 0, names layer 1 from its fingerprint, the probe agrees, and step 0 halts."""
+        own load, before step 0, names layer 1 from its fingerprint, and step 0 halts."""
         _, result, _ = _run(tiny_model("hybrid"), tmp_path, "perturb-layer=1", 3)
         assert result.halted and result.steps_run == 1
         (alarm,) = [a for a in result.reports[-1].alarms if a.kind == "weights"]
         assert alarm.step == 0 and alarm.details["layers"] == [1] and alarm.details["differing"] == ["1:linear"]
-        assert alarm.message.startswith("the weights the engine loaded")
-        assert alarm.details["probe"]["mean_abs"] > alarm.details["probe"]["tolerance"]  # 1% on one layer: past fp32's 1e-3
+        assert alarm.message.startswith("the weights the engine loaded") and alarm.details["probe"] is None

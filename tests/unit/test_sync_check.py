@@ -73,7 +73,7 @@ class TestCompare:
     def test_a_failed_probe_alone_alarms(self):
         check = SyncCheck(2, (), ProbeResult(32, 0.4, 3.0, 0.15))
         (alarm,) = check.alarms(3)
-        assert alarm.details["layers"] == [] and "0.4 mean |d|" in alarm.message
+        assert alarm.details["layers"] == [] and "0.4 mean |d|" in alarm.message and "fingerprints agree" in alarm.message
 
 
 class TestConfig:
