@@ -95,11 +95,12 @@ def check_sync(vllm_generation: Any, version: int):
     from rlcheck.core.sync_check import compare
     from rlcheck.engines.fingerprint import fingerprint_llm
     from rlcheck.trainers.fingerprint import linear_tails, stream_fingerprint
+    from rlcheck.trainers.logprobs import unwrap
 
     vg, t0 = vllm_generation, time.perf_counter()
     dtype = vg.llm.llm_engine.model_config.dtype
     dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-    trainer = stream_fingerprint(vg._iter_named_params(), dtype, linear_tails(_unwrapped(vg.model)))
+    trainer = stream_fingerprint(vg._iter_named_params(), dtype, linear_tails(unwrap(vg.model)))
     engine = fingerprint_llm(vg.llm)
     return compare(version, engine, trainer, seconds=time.perf_counter() - t0)
 
@@ -117,12 +118,6 @@ def _leaving_out(vllm_generation: Any, pattern: str | None):
         yield
     finally:
         del vllm_generation._iter_named_params
-
-
-def _unwrapped(model: Any) -> Any:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 class WeightSync:

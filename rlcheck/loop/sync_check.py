@@ -28,14 +28,13 @@ from rlcheck.trainers import Sequences
 
 
 class SyncChecker:
-    """See the module docstring; `checks` holds every check of the run (the last `keep`)."""
+    """See the module docstring."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, keep: int = 1000):
-        self.cfg, self.syncs, self.keep = cfg.sync_check, 0, keep
+    def __init__(self, cfg: Any, tokenizer: Any):
+        self.cfg, self.syncs = cfg.sync_check, 0
         self.dtype = cfg.rollout.dtype
         self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
         self.pending: SyncCheck | None = None
-        self.checks: list[SyncCheck] = []
         prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
         rng = np.random.default_rng(0x5C)
         vocab = max(int(getattr(tokenizer, "vocab_size", 0) or 0), 16)
@@ -65,7 +64,6 @@ class SyncChecker:
         details |= {"at_start": True} if at_start else {}
         found = compare(version, engine, trainer, probe=scored, rtol=self.cfg.rtol, seconds=t2 - t0, details=details)
         self.pending = found
-        self.checks = (self.checks + [found])[-self.keep:]
         return found
 
     def _probe(self, loop: Any) -> ProbeResult:

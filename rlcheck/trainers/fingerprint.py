@@ -44,19 +44,12 @@ def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: 
     linear = linear_weights(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key = layer_key(name)
             if sharding == "zero3":
                 values, cols = _zero3_part(p, name in linear, rank)
             else:
                 values = p.to_local() if hasattr(p, "to_local") else p
                 cols = values.detach()[:, probe_columns(values.shape[1])] if name in linear else None
-            if cols is not None:
-                add_stats(fp, key + ":linear", as_engine_holds(name, cols, dtype))
-                continue
-            values = as_engine_holds(name, values.detach().reshape(-1), dtype)
-            add_stats(fp, key + ":params", values)
-            if name.endswith("conv1d.weight"):  # the mixer's derived conv_weights should equal it
-                add_stats(fp, key + ":buffers", values)
+            _add_tensor(fp, name, values, cols, dtype)
     return fp
 
 
@@ -66,15 +59,23 @@ def stream_fingerprint(named, dtype: torch.dtype, linear_tails: set[str]) -> dic
     fp: dict[str, list[float]] = {}
     with torch.no_grad():
         for name, t in named:
-            key, tail = layer_key(name), tail_of(name)
-            if key.isdigit() and tail in linear_tails:
-                add_stats(fp, key + ":linear", as_engine_holds(name, t.detach()[:, probe_columns(t.shape[1])], dtype))
-                continue
-            values = as_engine_holds(name, t.detach().reshape(-1), dtype)
-            add_stats(fp, key + ":params", values)
-            if name.endswith("conv1d.weight"):
-                add_stats(fp, key + ":buffers", values)
+            linear = layer_key(name).isdigit() and tail_of(name) in linear_tails
+            _add_tensor(fp, name, t, t.detach()[:, probe_columns(t.shape[1])] if linear else None, dtype)
     return fp
+
+
+def _add_tensor(fp: dict[str, list[float]], name: str, values: torch.Tensor, cols: torch.Tensor | None,
+                dtype: torch.dtype) -> None:
+    """One tensor's share of the fingerprint: its probed columns (`cols`, a linear weight) or all its
+    values, and a Mamba conv weight once more for the mixer's derived `conv_weights` buffer."""
+    key = layer_key(name)
+    if cols is not None:
+        add_stats(fp, key + ":linear", as_engine_holds(name, cols, dtype))
+        return
+    values = as_engine_holds(name, values.detach().reshape(-1), dtype)
+    add_stats(fp, key + ":params", values)
+    if name.endswith("conv1d.weight"):
+        add_stats(fp, key + ":buffers", values)
 
 
 def tail_of(name: str) -> str:

@@ -37,7 +37,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "chunked_to
            "logit_transform", "token_logprobs"]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside DeepSpeed / DDP wrappers (`.module`); FSDP2 wraps in place."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
@@ -124,7 +124,7 @@ def token_logprobs(
     between packed sequences); `attention_mask` must then be None.
     """
     check_temperature(temperature)
-    hf = _unwrap(model)
+    hf = unwrap(model)
     if cu_seqlens is not None:
         if input_ids.shape[0] != 1 or attention_mask is not None:
             raise InputError(
