@@ -134,6 +134,25 @@ def _signatures() -> Section:
     )
 
 
+def _quarantine() -> Section:
+    from rlcheck.core.correction import PREFIX as CORR
+    from rlcheck.core.quarantine import REASONS
+
+    return Section(
+        "Quarantine and correction",
+        "Sequences taken out of the step instead of halting (MonitorConfig.quarantine), by reason, and "
+        "the importance-sampling correction's clip fractions and ESS (MonitorConfig.correction, verl's names).",
+        (
+            _line("quarantined: sequences and tokens (fraction)", [K.QUARANTINE_FRAC, K.QUARANTINE_TOKEN_FRAC]),
+            _line("quarantined sequences by reason", [K.quarantine_reason(r) for r in REASONS]),
+            _line("correction: ESS of the IS weights", [CORR + "rollout_is_eff_sample_size"]),
+            _line("correction: weights clipped high / low, tokens rejected",
+                  [CORR + "rollout_is_ratio_fraction_high", CORR + "rollout_is_ratio_fraction_low",
+                   CORR + "rollout_rs_masked_fraction"]),
+        ),
+    )
+
+
 def _alarms() -> Section:
     return Section(
         "Alarms",
@@ -161,7 +180,8 @@ def _offenders() -> Section:
 
 def sections(thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> list[Section]:
     """The dashboards' sections, with fresh panel objects (panels carry ids: never share them)."""
-    return [_overview(), _token(thresholds), _ratio(), _sequence(), _signatures(), _alarms(), _offenders()]
+    return [_overview(), _token(thresholds), _ratio(), _sequence(), _signatures(), _quarantine(), _alarms(),
+            _offenders()]
 
 
 def build_workspace(

@@ -19,7 +19,10 @@ The wrapper must be installed in the driver process, which Ray starts; a Ray set
         +ray_kwargs.ray_init.runtime_env.env_vars.RLCHECK_RUN_DIR=$PWD/runs/verl-gsm8k
 
 (or call `install()` at the top of your own TaskRunner.run). Every Ray worker runs the hook; only the
-driver calls the wrapped method, so only it creates a Monitor. Not run here: this machine cannot run
+driver calls the wrapped method, so only it creates a Monitor. With RLCHECK_QUARANTINE=1 (also in
+env_vars) the Monitor quarantines instead of halting on a few bad sequences, and the legacy trainer's
+batch gets their rows out of `response_mask` before the actor trains on it (the v1 trainer's batch
+lives in TransferQueue: there the report says which rows, `report.keep`, but nothing is written back). Not run here: this machine cannot run
 verl's trainer (no GPU); the adapter it calls is tested on verl's DataProto in tests/integration/test_verl.py.
 With trainer.v1.trainer_mode set to an async mode, rollouts may come from older weights: the mismatch then
 includes that staleness, so expect a higher baseline than in sync mode.
@@ -31,6 +34,7 @@ import functools
 import os
 
 from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.integrations import verl as rlcheck_verl
 
 FIELDS = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
@@ -38,11 +42,13 @@ _monitor: Monitor | None = None
 
 
 def monitor() -> Monitor:
-    """The driver's Monitor, created on first use (RLCHECK_RUN_DIR, default runs/verl)."""
+    """The driver's Monitor, created on first use (RLCHECK_RUN_DIR, default runs/verl; RLCHECK_QUARANTINE=1:
+    quarantine on)."""
     global _monitor
     if _monitor is None:
         run_dir = os.environ.get("RLCHECK_RUN_DIR", "runs/verl")
-        _monitor = Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console"),
+        quarantine = QuarantineConfig() if os.environ.get("RLCHECK_QUARANTINE") == "1" else None
+        _monitor = Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console"), quarantine=quarantine,
                                          context={"framework": "verl"}))
     return _monitor
 
@@ -51,7 +57,7 @@ def _wrap_legacy(original):
     @functools.wraps(original)
     def _compute_old_log_prob(self, batch):
         old_log_prob, mfu = original(self, batch)
-        rlcheck_verl.observe(monitor(), self.global_steps, batch,
+        rlcheck_verl.observe(monitor(), self.global_steps, batch,  # quarantined rows leave its response_mask
                              logp_train=old_log_prob.batch["old_log_probs"])
         return old_log_prob, mfu
     return _compute_old_log_prob

@@ -25,6 +25,14 @@ too: rank 0 raises it, the others raise it as well when it can be named (an erro
 `rlcheck.errors` built from its message; it travels as plain data, its class name and message), otherwise
 an `RLCheckError` naming it. A rank with nothing to compare passes `batch=None`. `all_ranks_agree`
 is the one-flag vote for deciding together whether to observe at all. torch is imported lazily here.
+
+Quarantine (`quarantine=QuarantineConfig(...)`, the Monitor's `cfg.quarantine`): each rank judges its
+own sequences (`rlcheck.core.quarantine.judge`, with rank 0's trainer version and alarms), the ranks
+agree on the step's quarantined fraction, and within `max_frac` each reduces the statistics of the
+sequences it keeps. Rank 0's Monitor gets one verdict of every rank's sequences (rank order, as the
+offenders count them) and the quarantined sequences themselves, for their dump. Every rank's report
+then says which of its own sequences to train on: `keep` ((N,) bool, its batch order), `quarantined`
+(indices in its batch) and `batch` are the rank's own; the metrics count the whole step.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import numpy as np
 from rlcheck import errors
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.monitor import Monitor
+from rlcheck.core.quarantine import QuarantineConfig, Verdict, judge, kept_partial
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial, merge
 from rlcheck.core.types import Alarm, StepReport
 from rlcheck.errors import ConfigError, MismatchHalt, RLCheckError
@@ -169,14 +178,21 @@ def _rebuild(name: str | None, message: str, step: int) -> RLCheckError:
 
 
 def _verdict(monitor: Monitor | None, step: int, partial: PartialStats, extra: Mapping[str, float] | None,
-             trainer_version: int | None = None, alarms: Sequence[Alarm] = ()) -> tuple[tuple, MismatchHalt | Exception | None]:
+             trainer_version: int | None = None, alarms: Sequence[Alarm] = (), verdict: Verdict | None = None,
+             quarantine_batch: StepBatch | None = None) -> tuple[tuple, MismatchHalt | Exception | None]:
     """Rank 0: what its Monitor said of the step, as the message every rank receives, and the
     exception it raised (None when the step passed)."""
     if monitor is None:
         error = ConfigError("observe_across_ranks: rank 0 must pass the run's Monitor, it passed None")
         return ("error", _sendable(error), str(error)), error
+    if (verdict is None) != (monitor.cfg.quarantine is None):
+        error = ConfigError("observe_across_ranks: pass quarantine=monitor.cfg.quarantine (the same on every "
+                            f"rank); the Monitor's quarantine is {monitor.cfg.quarantine}, the call's "
+                            f"{'off' if verdict is None else 'on'}")
+        return ("error", _sendable(error), str(error)), error
     try:
-        return ("ok", monitor.observe_partial(step, partial, None, extra, alarms, trainer_version=trainer_version)), None
+        return ("ok", monitor.observe_partial(step, partial, None, extra, alarms, trainer_version=trainer_version,
+                                              verdict=verdict, quarantine_batch=quarantine_batch)), None
     except MismatchHalt as halt:
         return ("halt", halt.report, halt.reason, halt.problems), halt
     except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
@@ -204,26 +220,91 @@ def _dump_all(monitor: Monitor | None, step: int, batch: StepBatch | None, repor
     return _broadcast((where, problems), group)
 
 
+# ---- quarantine over every rank -----------------------------------------------------------------
+
+
+def _merge_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
+    """One verdict of the ranks' batches joined in rank order: `keep` concatenated, each rank's
+    quarantined sequences indexed past the preceding ranks' sequences."""
+    offsets = np.cumsum([0] + [v.keep.shape[0] for v in verdicts[:-1]])  # (R,)
+    quarantined = tuple(replace(q, index=q.index + int(off)) for v, off in zip(verdicts, offsets, strict=True)
+                        for q in v.quarantined)
+    return Verdict(np.concatenate([v.keep for v in verdicts]), quarantined,
+                   sum(v.num_tokens for v in verdicts), sum(v.total_tokens for v in verdicts))
+
+
+def _judge_across_ranks(batch: StepBatch | None, stats: StatsConfig, cfg: QuarantineConfig, max_weight_lag: int,
+                        trainer_version: int | None, alarms: Sequence[Alarm], group: Any = None,
+                        ) -> tuple[PartialStats, Verdict, Verdict | None, StepBatch | None]:
+    """Every rank's sequences judged by `cfg` (a collective): (this rank's statistics, of the sequences
+    it keeps when the step's quarantined fraction is within `max_frac`, else of all; its own verdict;
+    on rank 0 the merged verdict and every rank's quarantined sequences in its order, else None)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    trainer_version, alarms = _broadcast((trainer_version, list(alarms)), group)  # rank 0's, as the Monitor's
+    if batch is None:
+        own = Verdict(np.zeros(0, dtype=bool), (), 0, 0)
+    else:
+        own = judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag, alarms=alarms)
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, own, group=group)
+    merged = _merge_verdicts(verdicts)
+    if batch is None:
+        partial = empty_partial(stats)
+    elif own.count and merged.frac <= cfg.max_frac:
+        partial = kept_partial(batch, own, stats)
+    else:
+        partial = compute_partial(batch, stats)
+    if merged.count == 0:
+        return partial, own, merged if rank == 0 else None, None
+    mine = batch.select([q.index for q in own.quarantined]) if own.count else None
+    held: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, held, dst=_root(group), group=group)
+    if rank != 0:
+        return partial, own, None, None
+    return partial, own, merged, StepBatch.concat([b for b in held if b is not None])
+
+
+def _own_part(report: StepReport, batch: StepBatch | None, own: Verdict | None) -> StepReport:
+    """`report` (the step's, from rank 0) with this rank's keep, quarantined sequences and batch."""
+    if own is not None:
+        report.keep, report.quarantined = own.keep, own.quarantined
+    else:
+        report.keep, report.quarantined = None if batch is None else np.ones(batch.num_sequences, dtype=bool), ()
+    report.batch = batch
+    return report
+
+
 def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | None, stats: StatsConfig,
                          extra: Mapping[str, float] | None = None, group: Any = None, *,
-                         trainer_version: int | None = None, alarms: Sequence[Alarm] = ()) -> StepReport:
+                         trainer_version: int | None = None, alarms: Sequence[Alarm] = (),
+                         quarantine: QuarantineConfig | None = None, max_weight_lag: int = 0) -> StepReport:
     """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
     `batch`, a `StepBatch`, or None when it has nothing to compare). `monitor`: rank 0's Monitor
     (the other ranks pass None; theirs is not used); `stats`: the same `StatsConfig` on every rank
     (the Monitor's `cfg.stats`); `extra`: rank 0's scalars for the step; `trainer_version`: rank 0's,
     compared with every rank's sequences' `weight_version`; `alarms`: rank 0's, found outside the
-    Monitor (a failed sync check), judged with the step's. Returns rank 0's
-    `StepReport` on every rank; raises `MismatchHalt` on every rank when rank 0's Monitor halts,
+    Monitor (a failed sync check), judged with the step's; `quarantine` and `max_weight_lag`: the
+    Monitor's `cfg.quarantine` and `cfg.max_weight_lag`, the same on every rank (see the module
+    docstring). Returns rank 0's `StepReport` on every rank, with the rank's own `keep`,
+    `quarantined` and `batch`; raises `MismatchHalt` on every rank when rank 0's Monitor halts,
     after one dump of every rank's sequences; raises on every rank when rank 0's Monitor fails."""
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
-    partial = compute_partial(batch, stats) if batch is not None else empty_partial(stats)
+    own = merged = quarantined = None
+    if quarantine is not None:
+        partial, own, merged, quarantined = _judge_across_ranks(batch, stats, quarantine, max_weight_lag,
+                                                                trainer_version, alarms, group)
+    else:
+        partial = compute_partial(batch, stats) if batch is not None else empty_partial(stats)
     partial = all_reduce_partial(partial, group, top_k=stats.top_k)
-    said, raised = _verdict(monitor, step, partial, extra, trainer_version, alarms) if rank == 0 else (None, None)
+    said, raised = (_verdict(monitor, step, partial, extra, trainer_version, alarms, merged, quarantined)
+                    if rank == 0 else (None, None))
     said = _broadcast(said, group)
     if said[0] == "ok":
-        return said[1]
+        return _own_part(said[1], batch, own)
     if said[0] == "error":
         _, name, message = said
         if raised is not None:
@@ -231,4 +312,4 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
         raise _rebuild(name, message, step)
     _, report, reason, problems = said
     where, more = _dump_all(monitor if rank == 0 else None, step, batch, report, reason, group)
-    raise MismatchHalt(report, reason, where, tuple(problems) + tuple(more)) from raised
+    raise MismatchHalt(_own_part(report, batch, own), reason, where, tuple(problems) + tuple(more)) from raised

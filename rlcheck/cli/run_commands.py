@@ -62,6 +62,8 @@ def demo(
     model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
+    quarantine: bool = typer.Option(False, "--quarantine", help="Quarantine the sequences the evidence condemns (out of the step and the loss) instead of halting; past 10%% of a step's sequences it still halts."),
+    correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2) or sequence (sequence TIS, cap 2)."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
@@ -91,8 +93,11 @@ def demo(
 
     if trainer not in BACKENDS:
         raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
+    if correction not in (None, "token", "sequence"):
+        raise typer.BadParameter(f"{correction!r} is not token or sequence", param_hint="--correction")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
-                       inject=inject, wandb=wandb, seed=seed, guard=guard)
+                       inject=inject, wandb=wandb, seed=seed, guard=guard, quarantine=quarantine,
+                       correction=correction)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, screen)
     render(summarize(run_dir), screen)

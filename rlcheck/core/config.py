@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcheck.core import metrics as K
+from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import ConfigError
 
@@ -79,6 +81,14 @@ class MonitorConfig:
     max_weight_lag: int = 0
     """Weight versions a sequence may lag the trainer's (`observe(..., trainer_version=V)`): 0 is
     on-policy; an async or off-policy loop sets the staleness it allows."""
+    quarantine: QuarantineConfig | None = None
+    """Take the sequences the evidence condemns out of the step instead of halting
+    (`rlcheck.core.quarantine`; README, "Halt or quarantine"); None (the default): off, every
+    sequence is judged and the halt policy alone decides."""
+    correction: CorrectionConfig | None = None
+    """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
+    names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
+    `StepReport.correction` / `token_weights` / `sequence_weights`."""
 
     def __post_init__(self) -> None:
         if not str(self.run_dir):
@@ -87,3 +97,7 @@ class MonitorConfig:
             raise ConfigError(f"sinks is a tuple of names, e.g. ({self.sinks!r},)")
         if isinstance(self.max_weight_lag, bool) or not isinstance(self.max_weight_lag, int) or self.max_weight_lag < 0:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
+        if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
+            raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
+            raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")

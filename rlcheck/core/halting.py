@@ -1,5 +1,5 @@
 """The halt policy (`HaltConfig`) over the stream of alarms: the hard limits' critical alarms (and a
-NaN/inf logprob's, always) and `weights` alarms halt at once; other qualifying alarms (kind in `kinds`, severity at least
+NaN/inf logprob's, always), `weights` and `quarantine` alarms halt at once; other qualifying alarms (kind in `kinds`, severity at least
 `min_severity`) halt once they have come `patience` observed steps in a row. An empty step without a
 qualifying alarm neither extends nor breaks the streak. Halting off, the hard limits still alarm."""
 
@@ -54,10 +54,12 @@ class HaltPolicy:
 
     def decide(self, report: StepReport, hard: list[Alarm]) -> None:
         """After `advance`: mark `report` halted when the policy says so. A `weights` alarm (a
-        sequence from weights past the allowed lag) halts at once, like a hard limit."""
+        sequence from weights past the allowed lag) and a `quarantine` alarm (too much to mask)
+        halt at once, like a hard limit."""
         if not self.cfg.enabled:
             return
-        hard = hard + [a for a in report.alarms if a.kind == "weights" and a.kind in self.cfg.kinds]
+        hard = hard + [a for a in report.alarms if a.kind in ("weights", "quarantine") and a.kind in self.cfg.kinds
+                       and a.severity == "critical"]
         if hard:
             report.halted, report.halt_reason = True, hard[0].message
         elif self.streak >= self.cfg.patience and self.qualifying(report.alarms):

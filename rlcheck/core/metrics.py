@@ -69,8 +69,18 @@ SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
 WEIGHTS_MAX_LAG = "rlcheck/weights/max_lag"  # trainer version - oldest sequence's weight version
 WEIGHTS_STALE_COUNT = "rlcheck/weights/stale_count"  # sequences past MonitorConfig.max_weight_lag
 # (both logged when the step's batch carried weight versions and observe was given trainer_version)
+# quarantine (`rlcheck.core.quarantine`; logged when MonitorConfig.quarantine is set)
+QUARANTINE_COUNT = "rlcheck/quarantine/count"  # sequences taken out of the step
+QUARANTINE_FRAC = "rlcheck/quarantine/frac"  # ... as a fraction of the step's sequences
+QUARANTINE_TOKEN_FRAC = "rlcheck/quarantine/token_frac"  # their tokens, of the step's tokens
+QUARANTINE_UNDUMPED = "rlcheck/quarantine/undumped_count"  # quarantined past the run's dump budget
 ALARM_COUNT = "rlcheck/alarm/count"
 MONITOR_SECONDS = "rlcheck/monitor/seconds"
+
+
+def quarantine_reason(reason: str) -> str:
+    """Key of the count of sequences quarantined for `reason` (`rlcheck.core.quarantine.REASONS`)."""
+    return f"rlcheck/quarantine/{reason}_count"
 
 
 def frac_abs_diff_above(threshold: float) -> str:

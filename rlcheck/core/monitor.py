@@ -17,6 +17,12 @@ One live Monitor per run dir (`Run.create` locks it, released by `close()` and o
 Monitor that resumes a run warns naming the step it resumes after, counts the resume in state.json
 (`resumes`) and marks its first record (`"resumed": {"after_step": ..., "count": ...}`).
 
+Quarantine (`MonitorConfig.quarantine`, `rlcheck.core.quarantine`): the sequences the rules condemn
+are taken out before the detectors judge the step (the report's `keep` and `quarantined` say which
+and why); their request ids and reasons go into the step's record (`"quarantined"`) and the
+sequences into `quarantine/step_N/` (a dump, up to `max_dumped` sequences a run); past `max_frac`
+the step is judged whole and a critical `quarantine` alarm halts.
+
 Crash safety (`rlcheck.core.run.files` has the fsync rules): each step's metrics.jsonl line is fsynced
 before state.json is saved; a new Monitor replays any line a killed process logged after its last state
 save, so the detectors' history continues exactly and no step is logged twice. A disk that fills
@@ -35,14 +41,18 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core import quarantine as Q
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.catch_up import catch_up
 from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
+from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
 from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
+from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
-from rlcheck.core.stats import PartialStats, compute_partial, finalize
+from rlcheck.core.stats import PartialStats, finalize
 from rlcheck.core.types import StepReport
 from rlcheck.core.weights import check_versions
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
@@ -67,6 +77,7 @@ class Monitor:
             self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
             self.resumes = 0
+            self.quarantine = Quarantine(cfg.quarantine, cfg.detectors.signature) if cfg.quarantine else None
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
             if self.run.has_state():
                 if not cfg.resume:
@@ -97,16 +108,23 @@ class Monitor:
                 "StepBatch.from_ragged, from_padded or from_packed"
             )
         t0 = time.perf_counter()
-        return self._observe(check_step(step), compute_partial(batch, self.cfg.stats), batch, t0, extra, alarms,
-                             check_version(trainer_version))
+        step, trainer_version = check_step(step), check_version(trainer_version)
+        partial, verdict = Q.step_partial(batch, self.cfg.stats, self.cfg.quarantine, trainer_version,
+                                          self.cfg.max_weight_lag, check_alarms(alarms, step),
+                                          self.cfg.detectors.signature)
+        return self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
+                             quarantine_batch=batch)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
-                        trainer_version: int | None = None) -> StepReport:
+                        trainer_version: int | None = None, verdict: Q.Verdict | None = None,
+                        quarantine_batch: StepBatch | None = None) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
-        `batch` (this rank's sequences) goes into the dump on halt when given."""
+        `batch` (this rank's sequences) goes into the dump on halt when given; `verdict`: the
+        quarantine verdict of every rank's sequences (in rank order), `quarantine_batch` its
+        quarantined sequences (for their dump)."""
         return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms,
-                             check_version(trainer_version))
+                             check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch)
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -135,7 +153,8 @@ class Monitor:
 
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
-                 trainer_version: int | None = None) -> StepReport:
+                 trainer_version: int | None = None, verdict: Q.Verdict | None = None,
+                 quarantine_batch: StepBatch | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -166,14 +185,27 @@ class Monitor:
             alarms += weights
         hard = self.policy.hard_limit_alarms(step, metrics)
         alarms += hard
+        added: dict[str, Any] = {}
+        if verdict is not None and self.quarantine is not None:
+            found, quarantine_metrics, added = self.quarantine.step(
+                self.run, step, verdict, quarantine_batch, context=dict(self.cfg.context),
+                divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact)
+            alarms += found
+            metrics.update(quarantine_metrics)
+        if self.cfg.correction is not None and batch is not None:
+            metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics.update(extra)
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
-        report = StepReport(step, metrics, alarms, offenders)
-        self._advance(step, alarms, empty)
+        report = StepReport(step, metrics, alarms, offenders, batch=batch)
+        if verdict is not None:
+            report.keep, report.quarantined = verdict.keep, verdict.quarantined
+        elif batch is not None:
+            report.keep = np.ones(batch.num_sequences, dtype=bool)
+        self.advance(step, alarms, empty)
         self.policy.decide(report, hard)
 
-        write_error = self._record(report, self._step_record(report, partial, empty))
+        write_error = self._record(report, {**self._step_record(report, partial, empty), **added})
         if write_error is None:
             self._resumed = None
         if report.halted:
@@ -230,7 +262,7 @@ class Monitor:
         """Steps in a row with a halting alarm (`HaltPolicy`)."""
         return self.policy.streak
 
-    def _advance(self, step: int, alarms: list[Alarm], empty: bool = False) -> None:
+    def advance(self, step: int, alarms: list[Alarm], empty: bool = False) -> None:
         """Bookkeeping of one observed step: the halting streak, the last step, alarm counts."""
         self.policy.advance(alarms, empty)
         self.last_step = step
@@ -260,6 +292,7 @@ class Monitor:
             "streak": self.streak,
             "alarm_counts": self.alarm_counts,
             "resumes": self.resumes,
+            **({"quarantine": self.quarantine.state_dict()} if self.quarantine is not None else {}),
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
         }
 
@@ -275,33 +308,13 @@ class Monitor:
         self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
         self.resumes = int(state.get("resumes", 0)) + 1
+        if self.quarantine is not None:
+            self.quarantine.load_state_dict(state.get("quarantine") or {})
         for kind, det_state in state.get("detectors", {}).items():
             if kind in self.detectors:
                 self.detectors[kind].load_state_dict(det_state)
-        caught_up = self._catch_up(state.get("jsonl_bytes"))
+        caught_up = catch_up(self, state.get("jsonl_bytes"))
         self._resumed = {"after_step": self.last_step, "count": self.resumes}
         after = "before any step" if self.last_step is None else f"after step {self.last_step}"
         warnings.warn(f"rlcheck: resuming {self.run_dir} (resume {self.resumes} of this run){caught_up}; "
                       f"the detectors resume {after}", stacklevel=4)
-
-    def _catch_up(self, committed: int | None) -> str:
-        """Feed the detectors the metrics.jsonl lines a killed process logged after its last state
-        save (their metrics are exactly what its detectors saw), so no step is lost or repeated; say
-        what was replayed (for the resume warning)."""
-        records = self.run.uncommitted(committed)
-        replayed = []
-        added_after = (K.ALARM_COUNT, K.MONITOR_SECONDS)  # and the caller's extra keys, outside the prefix
-        for rec in records:
-            if not isinstance(rec.get("step"), int) or not isinstance(rec.get("metrics"), dict):
-                continue
-            seen = {k: v for k, v in rec["metrics"].items() if k.startswith(K.PREFIX) and k not in added_after}
-            empty = rec.get("empty") is True
-            for det in self.detectors.values() if not empty else ():
-                det.update(rec["step"], seen)
-            self._advance(rec["step"], [Alarm.from_dict(a) for a in rec.get("alarms") or ()], empty)
-            replayed.append(rec["step"])
-        if not (replayed or records.num_skipped):
-            return ""
-        torn = f"; {records.num_skipped} line(s) cut short were skipped" if records.num_skipped else ""
-        return (f": metrics.jsonl held step(s) {replayed} logged after the last state save (the previous "
-                f"process stopped in between){torn}; the detectors caught up")

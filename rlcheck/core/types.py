@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rlcheck.errors import ConfigError
 
-KINDS = ("threshold", "robust_z", "drift", "periodic", "signature", "weights")
+KINDS = ("threshold", "robust_z", "drift", "periodic", "signature", "weights", "quarantine")
 SEVERITIES = ("info", "warn", "critical")
 
 
@@ -85,7 +87,11 @@ def rank_offenders(offenders: Sequence[Offender], k: int) -> tuple[Offender, ...
 
 @dataclass
 class StepReport:
-    """What one `observe` call found."""
+    """What one `observe` call found. `keep` and `quarantined` (`rlcheck.core.quarantine`): per
+    sequence of the observed batch (this rank's, with `observe_across_ranks`), in batch order; with
+    quarantine off every sequence is kept. `correction`, `token_weights` and `sequence_weights`
+    compute the importance-sampling correction of the batch (`rlcheck.core.correction`, verl's names
+    and defaults); they need the batch, which the report holds until `release()`."""
 
     step: int
     metrics: dict[str, float]
@@ -93,3 +99,53 @@ class StepReport:
     offenders: tuple[Offender, ...]
     halted: bool = False
     halt_reason: str = ""
+    keep: Any = None  # (N,) bool numpy array, or None when the step's batch was not given
+    quarantined: tuple[Any, ...] = ()  # `rlcheck.core.quarantine.Quarantined`, batch order
+    batch: Any = field(default=None, repr=False, compare=False)  # the observed StepBatch
+
+    def release(self) -> None:
+        """Drop the batch (a report kept for long should not hold its step's tokens)."""
+        self.batch = None
+
+    def correction(self, rollout_is: str | None = None, rollout_is_threshold: float | str = 2.0,
+                   rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
+                   rollout_is_batch_normalize: bool = False) -> Any:
+        """The step's `rlcheck.core.correction.Correction`: per token (packed like the batch) the IS
+        weight and the response mask (valid tokens of kept sequences, not rejected), and verl's
+        metrics. Arguments: verl's `rollout_correction` fields, with its defaults."""
+        from rlcheck.core.correction import CorrectionConfig, compute, response_mask
+
+        cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
+                               rollout_is_batch_normalize)
+        b = self._batch()
+        return compute(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep), b.cu_seqlens, cfg)
+
+    def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,
+                      rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
+                      rollout_is_batch_normalize: bool = False) -> np.ndarray:
+        """(M,) float32, packed like the batch: each token's weight in the loss, 0 for a token of a
+        quarantined or rejected sequence (or a masked / non-finite one). Default: token TIS, cap 2."""
+        return self.correction(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
+                               rollout_is_batch_normalize).weights
+
+    def sequence_weights(self, rollout_is: str | None = "sequence", rollout_is_threshold: float | str = 2.0,
+                         rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
+                         rollout_is_batch_normalize: bool = False) -> np.ndarray:
+        """(N,) float32, one per sequence: its sequence-level IS weight (default: sequence TIS, cap 2;
+        None: 1), 0 where it is quarantined or rejected by a sequence-level `rollout_rs`."""
+        from rlcheck.core.correction import CorrectionConfig, response_mask, sequence_weights
+
+        cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
+                               rollout_is_batch_normalize)
+        b = self._batch()
+        keep = np.ones(b.num_sequences, dtype=bool) if self.keep is None else self.keep
+        return sequence_weights(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep),
+                                b.cu_seqlens, keep, cfg)
+
+    def _batch(self) -> Any:
+        if self.batch is None:
+            raise ConfigError(
+                f"the report of step {self.step} holds no batch (observed from statistics alone, or released): "
+                "the correction needs the step's tokens; call Monitor.observe with the batch"
+            )
+        return self.batch

@@ -10,12 +10,16 @@ the monitor compares them (JSONL, a W&B offline run), and the new weights go bac
 `--inject skip-sync-every=K` leaves the sync out after every K-th update: the rollouts of step K then
 carry a weights version behind the trainer's, and the monitor halts there (a `weights` alarm) with a
 dump; `--inject drop-sync=PATTERN` and `stale-buffer` spoil every sync while it still counts as done,
-and the sync check halts the first step after it, naming the decoder layers. A closing summary says
-what it found.
+and the sync check halts the first step after it, naming the decoder layers. `--quarantine` takes the
+sequences the evidence condemns out of the step (and the loss) instead of halting: with
+`--inject corrupt-seqs=R` the run goes to its end, quarantining the corrupted sequences that are
+far off (on the confident trained model most of them claim ~0 logprob for tokens the trainer also
+finds near-certain, and stay); with `stale-state` it still halts (too much to mask). A closing summary says what it found.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from dataclasses import dataclass
@@ -25,7 +29,7 @@ from typing import Any
 from rlcheck.core import metrics as K
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
-from rlcheck.faults import Fault, SkipSync, parse_inject
+from rlcheck.faults import CorruptSequences, Fault, SkipSync, parse_inject
 from rlcheck.loop.driver import PHASES
 
 DEFAULT_STEPS = 20
@@ -49,6 +53,10 @@ class DemoOptions:
     seed: int = 0
     guard: bool = False
     """Run the rollout engine with the engine guard (rlcheck.engines.guard)."""
+    quarantine: bool = False
+    """Quarantine condemned sequences instead of halting (`rlcheck.core.quarantine`, defaults)."""
+    correction: str | None = None
+    """The loss's IS correction: "token" (token TIS, cap 2) or "sequence" (sequence TIS, cap 2)."""
 
     @property
     def fault(self) -> Fault:
@@ -83,6 +91,10 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     model = ensure_model(opts.model, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
                    fault=fault, seed=opts.seed, guard=opts.guard)
+    if opts.correction is not None:
+        from rlcheck.core.correction import CorrectionConfig
+
+        cfg = dataclasses.replace(cfg, correction=CorrectionConfig(rollout_is=opts.correction))
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
     with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
@@ -97,10 +109,13 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
 
 def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+    from rlcheck.core.quarantine import QuarantineConfig
     from rlcheck.sinks.wandb import WandbConfig
 
     return MonitorConfig(
         run_dir=opts.run_dir,
+        quarantine=QuarantineConfig() if opts.quarantine else None,
+        correction=cfg.correction,
         sinks=("jsonl", "wandb") if opts.wandb else ("jsonl",),
         resume=False,
         wandb=WandbConfig(mode=os.environ.get("WANDB_MODE", "offline"), name=opts.run_dir.name, tags=("demo",)),
@@ -116,15 +131,25 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=opts.max_steps)
 
+        touched: set[str] = set()
+        quarantined: dict[str, str] = {}
+
         def on_step(step: int, report: StepReport, info: dict[str, Any]) -> None:
             for a in report.alarms:
                 progress.console.print(f"[yellow]step {step}[/] {a.kind}/{a.severity}: {a.message}")
             skipped = " (sync skipped)" if info.get("sync_skipped") else ""
+            held = ""
+            if not report.halted:
+                touched.update(info.get("fault_touched") or ())
+                quarantined.update({q.request_id: q.reason for q in report.quarantined})
+                held = f"  quarantined {len(quarantined)}" if opts.quarantine else ""
             reward = report.metrics.get("loop/reward_mean", float("nan"))
             progress.update(task, advance=1, description=(
-                f"mean |d| {report.metrics[K.ABS_DIFF_MEAN]:.2g}  reward {reward:.3f}{skipped}"))
+                f"mean |d| {report.metrics.get(K.ABS_DIFF_MEAN, float('nan')):.2g}  reward {reward:.3f}{skipped}{held}"))
 
         result = loop.run(on_step)
+    found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined,
+                 rewards=list(result.rewards))
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
                  alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
                  error=result.error, restarts=result.restarts)
@@ -149,6 +174,17 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
                       f"at step {a.step}; next expected at step {a.details['next_expected']}")
     elif not found["alarms"]:
         console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
+    if found.get("quarantine"):
+        q, t = set(found["quarantined"]), found["touched"]
+        by_reason: dict[str, int] = {}
+        for reason in found["quarantined"].values():
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(by_reason.items())) or "none"
+        line = f"quarantined {len(q)} sequence(s) ({reasons}) over {found['steps_run']} steps"
+        if isinstance(fault, CorruptSequences):
+            line += (f"; of the {len(t)} the fault corrupted, {len(q & t)} quarantined (the others within the "
+                     f"catastrophic level of the trainer's logprobs), {len(q - t)} healthy ones quarantined")
+        console.print(line + f"; their sequences: {found['run_dir'] / 'quarantine'}")
     wandb_runs = sorted(found["run_dir"].glob("wandb/*run-*"))
     if wandb_runs:
         console.print(f"W&B run: {wandb_runs[-1]} (`wandb sync` it to upload)")
@@ -168,13 +204,18 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
 
 
 def demo_succeeded(found: dict[str, Any]) -> bool:
-    """A clean demo raises no alarm; an injected sync fault (skip-sync, stale-weights, drop-sync,
+    """With --quarantine, a sequence-corrupting data fault (corrupt-seqs) runs to the end, quarantining
+    no sequence the fault left alone. Otherwise a clean demo raises no alarm; an injected sync fault (skip-sync, stale-weights, drop-sync,
     stale-buffer) ends in a halt on a `weights` alarm (or, for skip-sync with `weights` out of the
     halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts."""
     fault = found["fault"]
     if found.get("error") is not None:  # an actor was lost: the demo did not show what it should
         return False
     kinds = {a.kind for a in found["alarms"]}
+    if found.get("quarantine") and isinstance(fault, CorruptSequences):
+        # corrupt-seqs: the run goes on to its end and quarantines only sequences the fault corrupted (on
+        # a confident model most corruptions, logprob ~0 for near-certain tokens, stay near the truth)
+        return not found["halted"] and set(found["quarantined"]) <= found["touched"]
     if fault.cause == "weights_out_of_sync":
         periods = [a.details.get("period") for a in found["alarms"] if a.kind == "periodic"]
         return found["halted"] and ("weights" in kinds or (isinstance(fault, SkipSync) and fault.every in periods))

@@ -12,6 +12,7 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None 
         findings = [_healthy_or_unexplained(ev)]
     findings.sort(key=lambda f: -f.confidence)
     _note_restart(ev, findings[0])
+    _note_quarantine(ev, findings[0])
     name_layer(findings[0], localizations)
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 
@@ -281,6 +283,24 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
     kinds = sorted({f"{a['kind']}:{a['metric'].removeprefix(K.PREFIX)}" for a in alarms})
     return Finding("unexplained", 0.3, [f"{len(alarms)} alarm(s) ({', '.join(kinds[:6])}) fit no known shape"],
                    alarm_steps(alarms))
+
+
+def _note_quarantine(ev: Evidence, verdict: Finding) -> None:
+    """The quarantined sequences (records' `"quarantined"`) in the evidence; a step past max_frac was judged whole."""
+    held, over = [], []
+    for r in ev.records:
+        whole = any(a.get("kind") == "quarantine" and a.get("metric") == K.QUARANTINE_FRAC for a in r.get("alarms") or ())
+        (over if whole else held).extend((int(r["step"]), q) for q in r.get("quarantined") or ())
+    where = f" (their sequences: {ev.path / 'quarantine'})" if ev.source == "run" else ""
+    if held:
+        steps = sorted({s for s, _ in held})
+        why = ", ".join(f"{n} {r}" for r, n in Counter(q.get("reason", "?") for _, q in held).most_common())
+        verdict.evidence.append(f"{len(held)} sequence(s) quarantined on {len(steps)} step(s) from step {steps[0]}: "
+                                f"{why}; the verdict is of the sequences kept{where}")
+    if over:
+        steps = sorted({s for s, _ in over})
+        verdict.evidence.append(f"step {steps[0]}: {sum(1 for s, _ in over if s == steps[0])} sequences condemned, past "
+                                f"the quarantine's max_frac: too many to mask, the step was judged whole{where}")
 
 
 def _note_restart(ev: Evidence, verdict: Finding) -> None:

@@ -17,6 +17,9 @@ unique across steps, processes and samples of one run (a resumed run that repeat
 ids). Per-row meta: rank, row, prompt_index and sample_index in the global generation batch (process
 order, `num_generations` consecutive rows per prompt, as TRL groups them for the advantages), and
 `weight_version`, the step whose weights vLLM last received.
+
+Quarantine: `mask_rows` zeroes the `completion_mask` rows of quarantined sequences (found by request
+id, `quarantined_rows`), so TRL's loss gives them no weight; every other tensor stays as TRL made it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,25 @@ def response_mask(output: Mapping[str, Any]) -> np.ndarray:
     if output.get(TOOL_MASK_KEY) is not None:
         mask &= to_numpy(output[TOOL_MASK_KEY], TOOL_MASK_KEY).astype(bool)
     return mask
+
+
+def quarantined_rows(ids: Sequence[str], quarantined: Iterable[Any]) -> list[int]:
+    """The rows (positions in `ids`, this process's request ids in row order) of the quarantined
+    sequences (`rlcheck.core.quarantine.Quarantined`, matched by `request_id`), ascending."""
+    row_of = {rid: i for i, rid in enumerate(ids)}
+    return sorted(row_of[q.request_id] for q in quarantined)
+
+
+def mask_rows(output: dict[str, Any], rows: Sequence[int]) -> int:
+    """Zero `rows` of `output["completion_mask"]` (a new tensor in the dict; the old one may be
+    shared) and return how many loss tokens (completion x tool mask) they held."""
+    if not rows:
+        return 0
+    dropped = int(response_mask(output)[list(rows)].sum())
+    mask = output[MASK_KEY].clone()  # (B, C)
+    mask[list(rows)] = 0
+    output[MASK_KEY] = mask
+    return dropped
 
 
 def _prompt_tokens(output: Mapping[str, Any]) -> list[np.ndarray] | None:

@@ -24,6 +24,10 @@ from rlcheck.integrations._trl_batch import FORWARD_PREFIXES
 from rlcheck.integrations._trl_sync import METHODS
 
 TRAINER_METRICS = (K.ABS_DIFF_MEAN, K.ABS_DIFF_MAX, K.KL_K3, K.RATIO_ESS, K.ALARM_COUNT)
+DROPPED_SEQUENCES = "rlcheck/trl/dropped_sequences"
+"""Quarantined sequences whose completion_mask rlcheck zeroed this step (all processes)."""
+DROPPED_TOKENS = "rlcheck/trl/dropped_tokens"
+"""Their loss tokens (completion_mask x tool_mask), taken out of TRL's `num_items_in_batch` too."""
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty")
 """GRPOConfig fields that change the distribution vLLM samples from (and reports logprobs of)."""
 SAMPLING_KWARGS = SAMPLING_FIELDS + ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -56,6 +60,10 @@ class TRLOptions:
     """Attach even when GRPOConfig sets top_p < 1, top_k > 0, min_p > 0 or repetition_penalty != 1
     (or `generation_kwargs` a filter or penalty): a warning instead of a ConfigError, and the settings
     recorded in the Monitor's context. The mismatch they cause is then real and counted."""
+    mask_quarantined: bool = True
+    """With the Monitor's quarantine on (`MonitorConfig.quarantine`): zero the `completion_mask` rows
+    of the quarantined sequences, so TRL's loss leaves them out. False: the Monitor judges the step
+    without them, but TRL still trains on them (a dry run of quarantine)."""
 
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:

@@ -20,6 +20,12 @@ from the trainer's (top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1) ar
 attaching, each GRPOConfig field named (`TRLOptions.allow_logit_processing` to go on; see
 `rlcheck.integrations._trl_config`).
 
+Quarantine (`MonitorConfig(quarantine=QuarantineConfig())`): the sequences the Monitor condemns leave
+TRL's loss; their rows of the step's `completion_mask` are zeroed (`TRLOptions.mask_quarantined`) and
+their tokens taken out of `num_items_in_batch`, so the loss is normalised as if they had never been
+sampled; TRL's importance-sampling ratios and logprobs stay as they are. How many were dropped goes to
+TRL's logs (`rlcheck/trl/dropped_sequences`, `rlcheck/trl/dropped_tokens`, over all processes).
+
 Halting: the Monitor flushes its sinks, writes the step's dump and raises `MismatchHalt`; before it
 leaves the trainer, TRL gets a last log row (`rlcheck/halted` = 1 and the step's rlcheck metrics)
 and a Monitor rlcheck opened itself is closed (its W&B run finished). The exception propagates out
@@ -41,17 +47,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlcheck.core import metrics as K
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
 from rlcheck.errors import MismatchHalt
 from rlcheck.faults import Fault
 from rlcheck.integrations._trl_batch import (
+    MASK_KEY,
+    mask_rows,
     new_scalars,
+    quarantined_rows,
     request_ids,
     row_meta,
     to_step_batch,
 )
 from rlcheck.integrations._trl_config import (
+    DROPPED_SEQUENCES,
+    DROPPED_TOKENS,
     TRAINER_METRICS,
     TRLOptions,
     check_fault,
@@ -123,7 +135,8 @@ class RLCheckHook:
     def observe(self, output: dict, extra: dict[str, float] | None = None) -> StepReport | None:
         """Compare one generation's logprobs; the step's report (on every rank). A generation whose
         completion tokens are all masked out (`mask_truncated_completions`) is logged by the Monitor
-        as an empty step, with a warning, and skipped by its detectors."""
+        as an empty step, with a warning, and skipped by its detectors. With quarantine on, the
+        quarantined sequences' rows of `output["completion_mask"]` are zeroed."""
         step = self.trainer.state.global_step
         batch, _ = self.fault.apply(step, self._batch(step, output))
         try:
@@ -136,6 +149,7 @@ class RLCheckHook:
         self.last_report = report
         if report is not None:
             self._append_trainer_metrics(report.metrics)
+            self._append_trainer_metrics(self._drop_quarantined(step, output, report), (DROPPED_SEQUENCES, DROPPED_TOKENS))
         return report
 
     # ---- one step ------------------------------------------------------------------------------
@@ -172,12 +186,31 @@ class RLCheckHook:
             return self.monitor.observe(step, batch, extra=extra, alarms=alarms, trainer_version=step)
         from rlcheck.distributed import observe_across_ranks
 
-        return observe_across_ranks(self.monitor, step, batch, self.monitor_config.stats, extra, trainer_version=step,
-                                    alarms=alarms if self.rank == 0 else ())
+        cfg = self.monitor_config
+        return observe_across_ranks(self.monitor, step, batch, cfg.stats, extra, trainer_version=step,
+                                    alarms=alarms if self.rank == 0 else (), quarantine=cfg.quarantine,
+                                    max_weight_lag=cfg.max_weight_lag)
 
-    def _append_trainer_metrics(self, metrics: dict[str, float]) -> None:
+    def _drop_quarantined(self, step: int, output: dict, report: StepReport) -> dict[str, float]:
+        """Zero this process's quarantined rows of TRL's loss mask and take their tokens out of
+        `num_items_in_batch` (a sum over every process, so every process's dropped tokens); what was
+        dropped, over all processes ({} when quarantine is off or `mask_quarantined` False)."""
+        if self.monitor_config.quarantine is None or not self.options.mask_quarantined:
+            return {}
+        rows = quarantined_rows(request_ids(step, self.rank, output[MASK_KEY].shape[0]), report.quarantined)
+        tokens = mask_rows(output, rows)
+        count = report.metrics.get(K.QUARANTINE_COUNT, 0.0)  # the step's, the same on every process
+        if self.world_size > 1 and count:
+            import torch
+
+            tokens = int(self.trainer.accelerator.gather(torch.tensor(tokens, device=output[MASK_KEY].device)).sum())
+        if tokens and output.get("num_items_in_batch") is not None:
+            output["num_items_in_batch"] = output["num_items_in_batch"] - tokens
+        return {DROPPED_SEQUENCES: float(count), DROPPED_TOKENS: float(tokens)}
+
+    def _append_trainer_metrics(self, metrics: dict[str, float], keys: tuple[str, ...] | None = None) -> None:
         logged = self.trainer._metrics["train"]
-        for key in self.options.trainer_metrics:
+        for key in self.options.trainer_metrics if keys is None else keys:
             if key in metrics:
                 logged[key].append(metrics[key])
 

@@ -30,6 +30,21 @@ allows (`async_training.staleness_threshold`; 0, the default, is on-policy).
 
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
+
+Handing the verdict back: `observe` then updates `data` in place, as verl's own
+`compute_rollout_correction_and_add_to_batch` does (`update_batch`; row b is sequence b of the report):
+
+    report = observe(mon, step, data, correction=CorrectionConfig(rollout_is="token"))
+    data.batch["response_mask"]       # 0 on the rows `report.keep` drops (MonitorConfig.quarantine)
+                                      # and on the tokens `correction.rollout_rs` rejects
+    data.batch["rollout_is_weights"]  # (B, R), old_log_probs' dtype and device: verl's actor scales
+                                      # the policy loss by it (only with correction.rollout_is set)
+
+`correction=monitor.cfg.correction` hands back the correction whose metrics the Monitor logs
+(`rlcheck/corr/...`). Without quarantine and correction nothing is written; where `observe` halts,
+nothing either. Give `correction` only with verl's own `algorithm.rollout_correction.rollout_is`
+unset: verl refuses to union a second `rollout_is_weights` (its rejection may stay on: it then runs
+on the mask rlcheck handed back).
 """
 
 from __future__ import annotations
@@ -41,16 +56,26 @@ import numpy as np
 
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch, to_numpy
-from rlcheck.errors import InputError
+from rlcheck.core.correction import CorrectionConfig
+from rlcheck.core.types import StepReport
+from rlcheck.errors import ConfigError, InputError
+from rlcheck.integrations._verl_fields import (  # noqa: F401 - the keys are this module's API too
+    MASK_KEY,
+    RESPONSES_KEY,
+    ROLLOUT_KEY,
+    TRAIN_KEY,
+    WEIGHTS_KEY,
+    fields_of,
+    get_field,
+    logprobs_of,
+    response_mask_of,
+)
+from rlcheck.integrations._verl_handback import update_batch
 
-ROLLOUT_KEY = "rollout_log_probs"
-TRAIN_KEY = "old_log_probs"
-MASK_KEY = "response_mask"
-RESPONSES_KEY = "responses"
 META_KEYS = ("uid", "priority", "data_source")
+"""Per-row `non_tensor_batch` columns copied into the dump when present."""
 VERSION_KEY = "min_global_steps"
 """Per-row weights version verl's fully async trainer and v1 agent loop record (the first of a trajectory)."""
-"""Per-row `non_tensor_batch` columns copied into the dump when present."""
 FORWARD_PREFIXES = ("training/rollout_", "rollout_corr/", "actor/entropy")
 """verl step metrics `observe` logs beside rlcheck's by default: its own mismatch view and entropy."""
 
@@ -65,61 +90,6 @@ VERL_EQUIVALENTS: dict[str, tuple[str, float]] = {
 """verl metric -> (rlcheck key, sign): verl's value is sign x rlcheck's on the same batch and mask (verl's
 `calculate_debug_metrics` and `compute_offpolicy_metrics`), while no |d| exceeds 20 (verl clips the
 log-ratio there for chi2) and no row is fully masked (verl averages those in as 0 for log_ppl_diff)."""
-
-
-def _fields(data: Any) -> tuple[Any, Mapping[str, Any]]:
-    """(tensor fields, non-tensor fields) of a DataProto, or of one plain mapping holding both."""
-    if hasattr(data, "batch") and hasattr(data, "non_tensor_batch"):
-        if data.batch is None:
-            raise InputError("the DataProto has no tensor batch (data.batch is None)")
-        return data.batch, data.non_tensor_batch or {}
-    if hasattr(data, "keys") and hasattr(data, "__getitem__"):
-        return data, data
-    raise InputError(
-        f"expected a verl DataProto or a mapping of its fields, got {type(data).__name__}"
-    )
-
-
-def _get(fields: Any, key: str) -> Any:
-    return fields[key] if key in fields else None
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    """True when two tensors are one buffer: verl's bypass mode sets old_log_probs = rollout_log_probs."""
-    if hasattr(a, "data_ptr") and hasattr(b, "data_ptr"):
-        return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape)
-    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
-
-
-def _logprobs(tensors: Any, logp_train: Any) -> tuple[Any, Any]:
-    rollout = _get(tensors, ROLLOUT_KEY)
-    if rollout is None:
-        raise InputError(
-            f"no {ROLLOUT_KEY!r} in the batch: verl stores vLLM's sampling logprobs only with "
-            "actor_rollout_ref.rollout.calculate_log_probs=True; set it and rerun"
-        )
-    train = _get(tensors, TRAIN_KEY) if logp_train is None else logp_train
-    if train is None:
-        raise InputError(
-            f"no {TRAIN_KEY!r} in the batch: call rlcheck after verl recomputes the actor's logprobs "
-            "(after `batch = batch.union(old_log_prob)`), or pass logp_train="
-        )
-    if _same_memory(train, rollout):
-        raise InputError(
-            f"{TRAIN_KEY} is {ROLLOUT_KEY} itself (algorithm.rollout_correction.bypass_mode=True): verl "
-            "does not recompute the logprobs, so there is no mismatch to measure; turn bypass mode off"
-        )
-    return rollout, train
-
-
-def _response_mask(tensors: Any, num_cols: int) -> Any:
-    mask = _get(tensors, MASK_KEY)
-    if mask is not None:
-        return mask
-    attn = _get(tensors, "attention_mask")  # verl's compute_response_mask: its last R columns
-    if attn is None:
-        raise InputError(f"no {MASK_KEY!r} (nor attention_mask) in the batch: which tokens count is unknown")
-    return to_numpy(attn, "attention_mask")[:, -num_cols:]
 
 
 def _check_shapes(arrays: Mapping[str, np.ndarray]) -> tuple[int, int]:
@@ -137,10 +107,10 @@ def _check_shapes(arrays: Mapping[str, np.ndarray]) -> tuple[int, int]:
 
 def default_request_ids(non_tensors: Mapping[str, Any], num_rows: int) -> list[str]:
     """Each row's request id: the `request_id` column when complete, else "<uid>/<k>" (module docstring)."""
-    rid = _get(non_tensors, "request_id")
+    rid = get_field(non_tensors, "request_id")
     if rid is not None and len(rid) == num_rows and all(r is not None and str(r) for r in rid):
         return [str(r) for r in rid]
-    uids = _get(non_tensors, "uid")
+    uids = get_field(non_tensors, "uid")
     if uids is None:
         raise InputError(
             "no 'uid' or 'request_id' in non_tensor_batch to name the rows; pass request_ids="
@@ -159,7 +129,7 @@ def default_request_ids(non_tensors: Mapping[str, Any], num_rows: int) -> list[s
 
 def _prompt_tokens(tensors: Any, num_rows: int, num_cols: int) -> list[np.ndarray] | None:
     """Each row's prompt ids without verl's left padding, when `prompts` and `attention_mask` are there."""
-    prompts, attn = _get(tensors, "prompts"), _get(tensors, "attention_mask")
+    prompts, attn = get_field(tensors, "prompts"), get_field(tensors, "attention_mask")
     if prompts is None or attn is None:
         return None
     p = to_numpy(prompts, "prompts")  # (B, P)
@@ -174,7 +144,7 @@ def _prompt_tokens(tensors: Any, num_rows: int, num_cols: int) -> list[np.ndarra
 def _meta(non_tensors: Mapping[str, Any], num_rows: int) -> dict[str, list[Any]]:
     out = {}
     for key in META_KEYS:
-        col = _get(non_tensors, key)
+        col = get_field(non_tensors, key)
         if col is not None and len(col) == num_rows:
             out[key] = np.asarray(col).tolist()
     return out
@@ -186,15 +156,15 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
     `data`: a `verl.DataProto`, or a mapping of the same fields (tensors and per-row arrays together).
     `logp_train`: (B, R) logprobs to compare against instead of `old_log_probs`.
     `request_ids`: B ids instead of the default ones (`default_request_ids`)."""
-    tensors, non_tensors = _fields(data)
-    rollout, train = _logprobs(tensors, logp_train)
+    tensors, non_tensors = fields_of(data)
+    rollout, train = logprobs_of(tensors, logp_train)
     lr = to_numpy(rollout, ROLLOUT_KEY)
     num_cols = lr.shape[-1] if lr.ndim else 0
-    responses = _get(tensors, RESPONSES_KEY)
+    responses = get_field(tensors, RESPONSES_KEY)
     arrays = {
         ROLLOUT_KEY: lr,
         TRAIN_KEY: to_numpy(train, TRAIN_KEY),
-        MASK_KEY: to_numpy(_response_mask(tensors, num_cols), MASK_KEY),
+        MASK_KEY: to_numpy(response_mask_of(tensors, num_cols), MASK_KEY),
         RESPONSES_KEY: None if responses is None else to_numpy(responses, RESPONSES_KEY),
     }
     num_rows, num_cols = _check_shapes(arrays)
@@ -246,12 +216,19 @@ def forwarded_metrics(metrics: Mapping[str, Any] | None,
 
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
-            forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None) -> Any:
+            forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,
+            correction: CorrectionConfig | None = None) -> StepReport:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
     logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
-    rows' `min_global_steps` where verl recorded them. Returns the `StepReport`, raises
-    `MismatchHalt` when the policy halts."""
+    rows' `min_global_steps` where verl recorded them. Then `update_batch(data, report, correction)`:
+    quarantined rows and rejected tokens leave `response_mask`, `rollout_is_weights` is set with
+    `correction.rollout_is` (module docstring). Returns the `StepReport`, raises `MismatchHalt` when the
+    policy halts (`data` untouched)."""
+    if correction is not None and not isinstance(correction, CorrectionConfig):
+        raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(correction).__name__}")
     batch = to_step_batch(data, logp_train=logp_train, request_ids=request_ids)
     if batch.weight_version is None:
         trainer_version = None  # nothing to compare it with
-    return monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward), trainer_version=trainer_version)
+    report = monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward), trainer_version=trainer_version)
+    update_batch(data, report, correction, logp_train=logp_train)
+    return report

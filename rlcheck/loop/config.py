@@ -7,11 +7,13 @@ per-step callback type. The loop that runs them is `rlcheck.loop.driver`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.sync_check import SyncCheckConfig
 from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import VLLMConfig
@@ -50,6 +52,12 @@ class LoopConfig:
     """After a sync, check that the engine holds the trainer's weights (`rlcheck.core.sync_check`):
     fingerprints every sync, the probe batch every 10 (their cost: BENCHMARKS.md, "Sync check");
     a failed check is a critical `weights` alarm at the next step. `SyncCheckConfig(0, 0)`: off."""
+    correction: CorrectionConfig | None = None
+    """The importance-sampling correction in the loss (verl's `rollout_correction` names: e.g.
+    `CorrectionConfig(rollout_is="token")`, token TIS capped at 2): each response token's clipped
+    surrogate is weighted by `StepReport.correction`'s weight, the rejected tokens dropped. The
+    sequences the Monitor quarantines (`MonitorConfig.quarantine`) leave the loss either way; None:
+    no IS weight."""
     keep_reports: int = 10_000
     """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
@@ -66,6 +74,7 @@ class LoopConfig:
             "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
                         "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
             "fault": self.fault.describe(),
+            "correction": None if self.correction is None else dataclasses.asdict(self.correction),
         }
 
     def __post_init__(self) -> None:
@@ -73,6 +82,8 @@ class LoopConfig:
             raise ConfigError("need steps >= 1, group_size >= 2 (GRPO compares samples) and world_size >= 1")
         if self.max_engine_restarts < 0 or min(self.call_timeout_s, self.collective_timeout_s) <= 0:
             raise ConfigError("need max_engine_restarts >= 0, call_timeout_s > 0 and collective_timeout_s > 0")
+        if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
+            raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
         if self.keep_reports < 1:
             raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:

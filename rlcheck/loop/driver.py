@@ -15,6 +15,12 @@ step, naming the stale decoder layers, and halts there. A halt stops the actors 
 (the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
 step: rewards, loss, the time of each phase, and the step's engine restarts.
 
+Quarantine and correction: the update weights each response token by what the step's report says
+(`StepReport.correction`): 0 for the sequences the Monitor quarantined (`MonitorConfig.quarantine`),
+and the importance-sampling weight of `LoopConfig.correction` (verl's names) when one is asked for;
+the step's loop.jsonl line then names the quarantined requests, the tokens dropped and the
+correction's clip fractions and ESS.
+
 Lost actors (`rlcheck.loop.recovery`): a dead or hung rollout engine is replaced by a fresh one with
 the trainer's weights, up to `max_engine_restarts` times, and the step goes on; a lost trainer rank,
 or an engine past that bound, stops the run: every actor is killed within seconds (no rank is left
@@ -25,6 +31,7 @@ The run's config and result (`LoopConfig`, `LoopResult`, `PHASES`) are `rlcheck.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +46,10 @@ from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
 from rlcheck.trainers import Sequences, group_advantages
+
+CORRECTION_LOGGED = ("rollout_is_mean", "rollout_is_max", "rollout_is_ratio_fraction_high",
+                     "rollout_is_ratio_fraction_low", "rollout_is_eff_sample_size")
+"""The correction metrics (verl's names) each loop.jsonl line carries, with every masked fraction."""
 
 __all__ = ["PHASES", "GRPOLoop", "LoopConfig", "LoopResult", "StepCallback", "run_grpo"]
 
@@ -109,6 +120,7 @@ class GRPOLoop:
             result.keep(report, info, self.cfg.keep_reports)
             if on_step:
                 on_step(step, report, info)
+            report.release()  # the kept report need not hold the step's tokens
         return result
 
     def _actor_died(self, step: int, exc: ActorLost | ActorDiedError, result: LoopResult) -> None:
@@ -155,7 +167,8 @@ class GRPOLoop:
             report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms, trainer_version=self.version)
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)
-            train = self.group.train_step(seqs.with_update_inputs(adv, logp_train), plan)
+            weights, loss_tokens, dropped = self._loss_weights(report, batch)
+            train = self.group.train_step(seqs.with_update_inputs(adv, logp_train, weights, loss_tokens), plan)
             self.version += 1
         skipped = cfg.fault.skip_sync(step)
         with t("sync"):
@@ -166,9 +179,29 @@ class GRPOLoop:
                 self._check_sync(step)
         info = {"step": step, "reward_mean": extra["loop/reward_mean"], "train": train,
                 "sync_skipped": skipped, "fault_touched": faulted, "seconds": t.seconds,
-                "engine_restarts": self._restart_log()}
+                "engine_restarts": self._restart_log(), **dropped}
         self._log(info, len(report.alarms))
         return report, info
+
+    def _loss_weights(self, report: StepReport, batch) -> tuple[list[np.ndarray] | None, int | None, dict[str, Any]]:
+        """Each rollout's token weights in the loss (the quarantine's keep mask, and the IS correction
+        when `LoopConfig.correction` asks for one), the tokens the loss averages over, and what was
+        dropped (for loop.jsonl). (None, None, {}) when every token counts with weight 1."""
+        from rlcheck.core.correction import CorrectionConfig
+
+        corr = self.cfg.correction
+        if corr is None and (report.keep is None or report.keep.all()):
+            return None, None, {}
+        c = report.correction(**dataclasses.asdict(corr or CorrectionConfig()))
+        cu = batch.cu_seqlens
+        weights = [c.weights[cu[i]:cu[i + 1]] for i in range(batch.num_sequences)]
+        out: dict[str, Any] = {"dropped_tokens": int(batch.num_tokens - c.mask.sum())}
+        if report.quarantined:
+            out["quarantined"] = [{"request_id": q.request_id, "reason": q.reason} for q in report.quarantined]
+        if corr is not None:
+            out["correction"] = {k: v for k, v in c.metrics.items()
+                                 if k in CORRECTION_LOGGED or k.endswith("_masked_fraction")}
+        return weights, int(c.mask.sum()), out
 
     def _generate(self, prompts: list[list[int]], step: int) -> list:
         """The step's rollouts; a lost engine is replaced and asked again."""

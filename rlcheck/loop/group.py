@@ -81,7 +81,7 @@ class TrainerGroup:
 
         ref = ray.put(seqs)
         parts = self._all(lambda w: w.train_step.remote(ref, plan))
-        tokens = max(seqs.num_response_tokens, 1)
+        tokens = max(seqs.num_loss_tokens, 1)
         return {
             "loss": sum(p["loss_sum"] for p in parts) / tokens,
             "clip_frac": sum(p["clipped_tokens"] for p in parts) / tokens,

@@ -8,6 +8,7 @@ the busiest one (a rank with nothing left runs an empty one: a 2-token dummy for
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ class Sequences:
     old_logp: tuple[np.ndarray, ...] | None = None
     """Per sequence, the response tokens' logprobs the ratio is taken against (the policy that
     sampled them, recomputed under the training weights: on-policy, ratio 1 at the first update)."""
+    weights: tuple[np.ndarray, ...] | None = None
+    """Per sequence, each response token's weight in the loss (float32; 0 drops the token): the
+    monitor's keep mask and importance-sampling correction (`StepReport.correction`). None: all 1."""
+    loss_tokens: int | None = None
+    """The tokens the loss averages over (those a correction's mask keeps); None: every response token."""
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.responses) or not self.prompts:
@@ -41,6 +47,10 @@ class Sequences:
             bad = [i for i, (lp, r) in enumerate(zip(self.old_logp, self.responses, strict=True)) if len(lp) != len(r)]
             if bad:
                 raise InputError(f"old_logp length differs from the response length for sequences {bad[:5]}")
+        if self.weights is not None:
+            bad = [i for i, (w, r) in enumerate(zip(self.weights, self.responses, strict=True)) if len(w) != len(r)]
+            if len(self.weights) != len(self.prompts) or bad:
+                raise InputError(f"loss weights must match the response lengths (sequences {bad[:5]})")
 
     @classmethod
     def build(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -62,8 +72,19 @@ class Sequences:
     def num_response_tokens(self) -> int:
         return sum(len(r) for r in self.responses)
 
-    def with_update_inputs(self, advantages: Sequence[float], old_logp: Sequence[np.ndarray]) -> Sequences:
-        return Sequences.build(self.prompts, self.responses, advantages, old_logp)
+    @property
+    def num_loss_tokens(self) -> int:
+        """The tokens the loss averages over."""
+        return self.num_response_tokens if self.loss_tokens is None else self.loss_tokens
+
+    def with_update_inputs(self, advantages: Sequence[float], old_logp: Sequence[np.ndarray],
+                           weights: Sequence[np.ndarray] | None = None, loss_tokens: int | None = None) -> Sequences:
+        """These sequences with what `train_step` needs; `weights` and `loss_tokens`: see the fields."""
+        out = Sequences.build(self.prompts, self.responses, advantages, old_logp)
+        if weights is None:
+            return out
+        return dataclasses.replace(out, weights=tuple(np.asarray(w, dtype=np.float32) for w in weights),
+                                   loss_tokens=loss_tokens)
 
 
 @dataclass(frozen=True)

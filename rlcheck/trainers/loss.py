@@ -36,19 +36,25 @@ class SurrogateTerms(NamedTuple):
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                      clip_low: float, clip_high: float) -> SurrogateTerms:
+                      clip_low: float, clip_high: float, weights: torch.Tensor | None = None) -> SurrogateTerms:
     """PPO's clipped objective per token, summed:
 
-        r = exp(logp - old_logp);  loss_t = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
+        r = exp(logp - old_logp);  loss_t = -w_t * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
 
-    All arguments are (T,) over the response tokens (advantages already broadcast to tokens).
+    All arguments are (T,) over the response tokens (advantages already broadcast to tokens);
+    `weights` w (detached; None: 1) are the rollout correction's (verl's `rollout_is_weights`, 0 for a
+    quarantined or rejected token), so a token of weight 0 neither moves the weights nor counts as clipped.
     """
     ratio = torch.exp(logp - old_logp)  # (T,)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    was_clipped = clipped < unclipped
+    if weights is not None:
+        per_token = per_token * weights.detach()
+        was_clipped &= weights > 0
     return SurrogateTerms(
         loss_sum=per_token.sum(),
-        clipped=(clipped < unclipped).sum(),
+        clipped=was_clipped.sum(),
         ratio_max=ratio.detach().max() if ratio.numel() else torch.zeros(()),
     )

@@ -51,12 +51,13 @@ class PolicyTrainer:
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
         """One optimizer step on the clipped surrogate over all ranks' tokens. The loss is the mean over
-        every response token of the step (each rank divides its sum by the global count; the backends
-        average gradients over ranks, so the sum is scaled back by the world size)."""
+        every response token of the step, or over the tokens `seqs.weights` keeps, weighted by them
+        (each rank divides its sum by the global count; the backends average gradients over ranks,
+        so the sum is scaled back by the world size)."""
         if seqs.advantages is None or seqs.old_logp is None:
             raise InputError("train_step needs Sequences with advantages and old_logp")
         c, batches = self.cfg, self._my_batches(plan)
-        scale = self.world_size / max(seqs.num_response_tokens, 1)
+        scale = self.world_size / max(seqs.num_loss_tokens, 1)
         loss_sum = clipped = 0.0
         ratio_max = 0.0
         self.backend.module.train()
@@ -69,7 +70,8 @@ class PolicyTrainer:
             logp = torch.cat(logps)  # (T,) response tokens of the micro-batch
             old = torch.from_numpy(np.concatenate([seqs.old_logp[i] for i in mb])).to(logp)
             adv = torch.from_numpy(np.repeat(seqs.advantages[list(mb)], [len(seqs.responses[i]) for i in mb])).to(logp)
-            terms = clipped_surrogate(logp, old, adv, c.clip_low, c.clip_high)
+            w = None if seqs.weights is None else torch.from_numpy(np.concatenate([seqs.weights[i] for i in mb])).to(logp)
+            terms = clipped_surrogate(logp, old, adv, c.clip_low, c.clip_high, w)
             self.backend.backward(terms.loss_sum * scale)
             loss_sum += float(terms.loss_sum.detach())
             clipped += float(terms.clipped)

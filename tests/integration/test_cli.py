@@ -148,7 +148,25 @@ class TestRealDemo:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "d" / "metrics.jsonl").is_file()
 
+    def test_demo_quarantines_instead_of_halting(self, tmp_path, tiny_model):
+        """`rlcheck demo --quarantine --inject corrupt-seqs=0.1 --correction token`: 3 steps, no halt, each
+        step's corrupted sequences (6 of 64) quarantined, no other (the random model finds gibberish
+        improbable)."""
+        run = tmp_path / "d"
+        out = rlcheck("demo", "--run-dir", str(run), "--model", str(tiny_model("hybrid")), "--steps", "3",
+                      "--trainer", "hf", "--no-wandb", "--quarantine", "--inject", "corrupt-seqs=0.1",
+                      "--correction", "token")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        text = " ".join(out.stdout.split())
+        lines = [json.loads(x) for x in (run / "loop.jsonl").read_text().splitlines()]
+        assert all({q["request_id"] for q in x["quarantined"]} == set(x["fault_touched"]) and "correction" in x
+                   for x in lines)
+        n = sum(len(x["fault_touched"]) for x in lines)
+        assert f"quarantined {n} sequence(s) ({n} catastrophic) over 3 steps" in text
+        assert f"of the {n} the fault corrupted, {n} quarantined" in text and "halted after" not in text
+
     @pytest.mark.parametrize(("option", "value", "says"), [
+        ("--correction", "tokens", "not token or sequence"),
         ("--inject", "skip-sync-every=1", "K >= 2"),
         ("--inject", "melt-gpu=3", "unknown fault"),
         ("--trainer", "megatron", "not one of"),

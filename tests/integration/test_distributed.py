@@ -227,3 +227,103 @@ class TestObserveAcrossRanks:
         assert os.listdir(run_dir / "dumps") == [os.path.basename(dump_dir)]
         ids = pq.read_table(os.path.join(dump_dir, "sequences.parquet")).column("request_id").to_pylist()
         assert ids == list(concat_batches(steps[HALT]).request_ids)
+
+
+# ---- observe_across_ranks with quarantine --------------------------------------------------------
+
+QUARANTINE_MAX_FRAC = 0.2
+"""1 of the step's 8 sequences (12.5%) is quarantined, 4 of 8 halt."""
+
+
+def _corrupted(rng, rank: int, step: int, rows: list[int]) -> StepBatch:
+    """`_share` with the trainer's logprobs of `rows` 3 nats off (catastrophic sequences)."""
+    clean = _share(rng, rank, step)
+    lt = clean.logp_train.copy()
+    for i in rows:
+        lt[clean.cu_seqlens[i]:clean.cu_seqlens[i + 1]] -= 3.0
+    return StepBatch.from_packed(clean.logp_rollout, lt, clean.cu_seqlens, clean.request_ids, meta=clean.meta)
+
+
+def _quarantine_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
+    """One rank of a quarantining run: each step's ("ok", metrics, keep, quarantined) or ("halt", ...)."""
+    import torch.distributed as dist
+
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+    from rlcheck.core.quarantine import QuarantineConfig
+    from rlcheck.distributed import observe_across_ranks
+    from rlcheck.errors import MismatchHalt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    cfg = MonitorConfig(run_dir=f"{out_dir}/run", sinks=("jsonl",),
+                        quarantine=QuarantineConfig(max_frac=QUARANTINE_MAX_FRAC))
+    monitor = Monitor(cfg) if rank == 0 else None
+    results: list = []
+    for step, batches in enumerate(steps):
+        try:
+            r = observe_across_ranks(monitor, step, batches[rank], cfg.stats, quarantine=cfg.quarantine,
+                                     max_weight_lag=cfg.max_weight_lag)
+            results.append(("ok", r.metrics, r.keep.tolist(), [(q.request_id, q.index) for q in r.quarantined],
+                            r.batch.request_ids))
+        except MismatchHalt as halt:
+            r = halt.report
+            results.append(("halt", [a.kind for a in r.alarms if a.severity == "critical"], r.keep.tolist()))
+            break
+    dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def quarantine_across_ranks(tmp_path_factory):
+    """Two steps at world size 2: one corrupted sequence (rank 1's row 2), then four (two a rank)."""
+    out = tmp_path_factory.mktemp("quarantine-across-ranks")
+    rng = np.random.default_rng(1)
+    steps = [[_share(rng, 0, 0), _corrupted(rng, 1, 0, [2])],
+             [_corrupted(rng, 0, 1, [0, 3]), _corrupted(rng, 1, 1, [1, 2])]]
+    results = _run_bounded(_quarantine_rank_main, (_free_port(), steps, str(out)), out)
+    return out / "run", results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+class TestQuarantineAcrossRanks:
+    def test_each_rank_keeps_its_own_clean_sequences(self, quarantine_across_ranks):
+        """One corrupted sequence on rank 1: every rank's report says which of its own sequences to
+        keep (rank 1's row 2 out, by its local index), with its own batch; no halt."""
+        _, results = quarantine_across_ranks
+        (kind0, _, keep0, out0, ids0), (kind1, _, keep1, out1, ids1) = results[0][0], results[1][0]
+        assert (kind0, kind1) == ("ok", "ok")
+        assert keep0 == [True] * 4 and out0 == []
+        assert keep1 == [True, True, False, True] and out1 == [("s0-r1-2", 2)]
+        assert list(ids0) == [f"s0-r0-{i}" for i in range(4)] and list(ids1) == [f"s0-r1-{i}" for i in range(4)]
+
+    def test_the_step_is_judged_on_the_kept_sequences(self, quarantine_across_ranks):
+        """Both ranks get metrics counting the one quarantined sequence and, without it, the clean
+        statistics (no critical alarm); the record lists it by its global index, its dump holds it."""
+        import pyarrow.parquet as pq
+
+        run_dir, results = quarantine_across_ranks
+        metrics = results[0][0][1]
+        assert results[1][0][1] == metrics
+        assert metrics[K.QUARANTINE_COUNT] == 1 and metrics[K.QUARANTINE_FRAC] == 1 / 8
+        assert metrics[K.ABS_DIFF_MAX] < 0.1
+        first = _records(run_dir)[0]
+        assert [(q["request_id"], q["index"]) for q in first["quarantined"]] == [("s0-r1-2", 6)]
+        assert not [a for a in first["alarms"] if a["severity"] == "critical"]
+        table = pq.read_table(os.path.join(first["quarantine_dump"], "sequences.parquet"))
+        assert table.column("request_id").to_pylist() == ["s0-r1-2"]
+
+    def test_too_many_quarantined_halts_every_rank(self, quarantine_across_ranks):
+        """Four of eight sequences past max_frac: both ranks raise MismatchHalt with a critical
+        quarantine alarm, each report keeping its own rank's clean rows."""
+        _, results = quarantine_across_ranks
+        (kind0, kinds0, keep0), (kind1, kinds1, keep1) = results[0][1], results[1][1]
+        assert (kind0, kind1) == ("halt", "halt") and kinds0 == kinds1 and "quarantine" in kinds0
+        assert keep0 == [False, True, True, False] and keep1 == [True, False, False, True]
+
+
+def _records(run_dir) -> list[dict]:
+    import json
+
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]

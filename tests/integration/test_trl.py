@@ -269,3 +269,61 @@ class TestAttachMonitor:
         (alarm,) = [a for a in report.alarms if a.kind == "weights"]
         assert alarm.severity == "critical" and alarm.details["layers"] == [0, 1, 2, 3]
         assert alarm.details["differing"] == [f"{i}:linear" for i in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+class TestQuarantine:
+    def test_corrupted_sequences_leave_trls_loss(self, tiny_model, tmp_path, monkeypatch):
+        """Quarantine on, corrupt-seqs=0.1 (one of each step's 8 sequences): both steps run without
+        a halt, each quarantining one sequence, whose completion_mask row is zero in what TRL's loss
+        saw (the only empty rows there) and whose tokens left num_items_in_batch; TRL's logs count them."""
+        import torch
+
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.core.quarantine import QuarantineConfig
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
+
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        cfg = MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",), quarantine=QuarantineConfig(max_frac=0.2))
+        trainer = RLCheckGRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
+                                     args=_grpo_args(tmp_path, 2, 1e-3, fp32=False), train_dataset=_dataset(),
+                                     monitor=cfg, rlcheck_options=TRLOptions(inject="corrupt-seqs=0.1"))
+        hook, generated, trained = trainer.rlcheck, [], []
+        run, compute_loss = hook.run, trainer.compute_loss
+
+        def run_and_keep(generate, inputs):
+            made = []
+
+            def generate_and_keep(x):
+                out = generate(x)
+                made.append(out["completion_mask"])  # TRL's tensor: rlcheck puts a new one in the dict
+                return out
+
+            output = run(generate_and_keep, inputs)
+            generated.append((made[0], output, hook.last_report))
+            return output
+
+        def loss_and_keep(model, inputs, *args, **kwargs):
+            trained.append(inputs["completion_mask"].detach().clone())
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        monkeypatch.setattr(hook, "run", run_and_keep)
+        monkeypatch.setattr(trainer, "compute_loss", loss_and_keep)
+        trainer.train()
+        assert hook.halt is None and len(generated) == 2
+        for before, output, report in generated:
+            (q,) = report.quarantined
+            row = int(q.request_id.rsplit("-", 1)[1])
+            assert output["completion_mask"][row].sum() == 0 and before[row].sum() > 0
+            others = torch.arange(before.shape[0]) != row
+            assert torch.equal(output["completion_mask"][others], before[others])
+            assert int(output["num_items_in_batch"]) == int(before.sum() - before[row].sum())
+        seen = torch.cat(trained)  # (2 x 8, C): every row TRL's loss saw, shuffled
+        assert int((seen.sum(1) == 0).sum()) == 2
+        assert int(seen.sum()) == sum(int(o["completion_mask"].sum()) for _, o, _ in generated)
+        logged = [row for row in trainer.state.log_history if "rlcheck/trl/dropped_sequences" in row]
+        assert [row["rlcheck/trl/dropped_sequences"] for row in logged] == [1.0, 1.0]
+        lines = _metrics_lines(tmp_path / "rlcheck")
+        assert [len(line["quarantined"]) for line in lines] == [1, 1]

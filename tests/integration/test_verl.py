@@ -8,6 +8,7 @@ Needs verl (imported without its heavy deps):
 
 from __future__ import annotations
 
+import copy
 import math
 import uuid
 
@@ -17,7 +18,9 @@ import torch
 
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.run.dump import read_dump
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.integrations import verl as V
@@ -175,3 +178,81 @@ class TestVerlDataProto:
         batch.pop(batch_keys=["rollout_log_probs"])
         with pytest.raises(InputError, match="calculate_log_probs=True"):
             V.to_step_batch(batch)
+
+
+class TestHandBack:
+    """observe writes the quarantine and the correction into verl's DataProto as verl's own
+    compute_rollout_correction_and_add_to_batch writes its correction."""
+
+    BAD = 4
+
+    def _step(self):
+        """verl_step's batch with a seeded mismatch whose scale varies by row (0.02 / 0.1 / 0.3, so a
+        k3 rejection keeps some rows), two tokens past the TIS bounds, and row BAD corrupted."""
+        batch, _ = verl_step()
+        b, rng = batch.batch, np.random.default_rng(1)
+        mask, rollout = b["response_mask"].bool(), b["rollout_log_probs"]
+        rollout[[1, 2], 0] = -2.0
+        scale = torch.tensor([0.02, 0.1, 0.3])[torch.arange(len(batch)) % 3, None]
+        d = torch.from_numpy(rng.normal(0.0, 1.0, tuple(rollout.shape))).float() * scale
+        d[[1, 2], 0] = torch.tensor([1.2, -1.2])
+        b["old_log_probs"] = torch.where(mask, (rollout + d).clamp(max=0.0), -3.0)
+        rollout[self.BAD] = torch.where(mask[self.BAD], -25.0, rollout[self.BAD])
+        return batch
+
+    def _observe(self, tmp_path, batch, correction=None):
+        cfg = MonitorConfig(run_dir=tmp_path / "run", sinks=(), quarantine=QuarantineConfig())
+        with Monitor(cfg) as mon:
+            return V.observe(mon, 1, batch, correction=correction)
+
+    def _verl(self, batch, **cfg):
+        """verl's correction of the same DataProto with the corrupted row masked by hand."""
+        from verl.trainer.config.algorithm import RolloutCorrectionConfig
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        twin = copy.deepcopy(batch)
+        twin.batch["response_mask"][self.BAD] = 0
+        twin, _ = compute_rollout_correction_and_add_to_batch(twin, RolloutCorrectionConfig(**cfg))
+        return twin.batch
+
+    def test_quarantined_row_masked(self, tmp_path):
+        """The corrupted row is quarantined: its response_mask is 0, every other row's unchanged."""
+        batch = self._step()
+        before = batch.batch["response_mask"].clone()
+        report = self._observe(tmp_path, batch)
+        assert [q.index for q in report.quarantined] == [self.BAD]
+        after = batch.batch["response_mask"]
+        rest = [i for i in range(len(batch)) if i != self.BAD]
+        assert not after[self.BAD].any() and torch.equal(after[rest], before[rest]) and after.dtype == before.dtype
+
+    @pytest.mark.parametrize("cfg", [
+        dict(rollout_is="token", rollout_is_threshold=2.0),
+        dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
+        dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    ])
+    def test_correction_equals_verl(self, tmp_path, cfg):
+        """rollout_is_weights and response_mask equal verl's own on the batch with that row masked
+        (rlcheck's weights are 0 where its mask is, verl's stay: equal on the mask)."""
+        batch = self._step()
+        want = self._verl(batch, **cfg)
+        assert batch.batch["response_mask"][self.BAD].any()  # verl got a copy
+        self._observe(tmp_path, batch, correction=CorrectionConfig(**cfg))
+        got = batch.batch
+        assert torch.equal(got["response_mask"], want["response_mask"])
+        assert got["rollout_is_weights"].dtype == want["rollout_is_weights"].dtype
+        torch.testing.assert_close(got["rollout_is_weights"], want["rollout_is_weights"] * want["response_mask"],
+                                   rtol=1e-5, atol=1e-6)
+        assert not got["rollout_is_weights"][self.BAD].any()
+        if "rollout_rs" in cfg:  # some rows rejected, some kept
+            assert 1 < want["response_mask"].bool().any(axis=1).sum() < len(batch) - 1
+
+    def test_verl_rejection_runs_after(self, tmp_path):
+        """verl's own correction, rollout_is off, afterwards: no weights clash, the quarantine stays."""
+        from verl.trainer.config.algorithm import RolloutCorrectionConfig
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        batch = self._step()
+        self._observe(tmp_path, batch, correction=CorrectionConfig(rollout_is="token"))
+        weights = batch.batch["rollout_is_weights"].clone()
+        batch, _ = compute_rollout_correction_and_add_to_batch(batch, RolloutCorrectionConfig(rollout_is=None))
+        assert not batch.batch["response_mask"][self.BAD].any() and torch.equal(batch.batch["rollout_is_weights"], weights)

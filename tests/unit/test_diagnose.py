@@ -298,3 +298,25 @@ class TestRenderDiagnosis:
         render_diagnosis(diagnose(runs("clean").path), console)
         text = console.export_text()
         assert "likely cause: healthy" in text and "affected requests" not in text
+
+
+class TestQuarantineNote:
+    def test_quarantined_sequences_are_named_in_the_evidence(self, tmp_path):
+        """A run that quarantined a corrupted sequence: healthy (of the kept sequences), and the
+        evidence says how many were quarantined, why, and where they are."""
+        from rlcheck.core.quarantine import QuarantineConfig
+
+        rng = np.random.default_rng(0)
+        with Monitor(MonitorConfig(tmp_path, sinks=(), quarantine=QuarantineConfig())) as mon:
+            for step in range(3):
+                lr = [-rng.uniform(0.1, 3, 30) for _ in range(50)]
+                lt = [np.minimum(x + rng.normal(0, 1e-3, 30), 0) for x in lr]
+                if step == 1:
+                    lr[4], lt[4] = np.full(30, -0.001), np.full(30, -4.0)
+                mon.observe(step, StepBatch.from_ragged(logp_rollout=lr, logp_train=lt,
+                                                        request_ids=[f"s{step}-{i}" for i in range(50)]))
+        verdict = diagnose(tmp_path).verdict
+        assert verdict.cause == "healthy"
+        note = [e for e in verdict.evidence if "quarantined" in e]
+        assert note and "1 sequence(s) quarantined on 1 step(s) from step 1: 1 catastrophic" in note[0]
+        assert str(tmp_path / "quarantine") in note[0]

@@ -77,6 +77,28 @@ class TestWrapYourLoopDocs:
         assert "halted" not in out and out.count("[]") == 5
 
 
+class TestQuarantineDocs:
+    def test_defaults_match(self):
+        """The README's QuarantineConfig table is the dataclass's defaults."""
+        from rlcheck.core.quarantine import REASONS, QuarantineConfig
+
+        q = QuarantineConfig()
+        assert q.rules == REASONS and "| `rules` | all six |" in README and len(REASONS) == 6
+        assert f"| `max_frac` | {q.max_frac:g} |" in README
+        assert f"| `patience` | `{q.patience}` |" in README
+        assert f"| `max_dumped` | {q.max_dumped} |" in README
+
+    def test_example_runs(self, tmp_path, monkeypatch, capsys):
+        """The README's quarantine example runs as printed: req-7 quarantined, nothing else, no alarm."""
+        code = _python_block_after("### Halt or quarantine")
+        monkeypatch.chdir(tmp_path)
+        exec(compile(code, "README.md", "exec"), {})
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == "req-7 catastrophic" and out[1].startswith("1.0 ")
+        record = (tmp_path / "runs/quarantine-example/metrics.jsonl").read_text()
+        assert '"alarms":[]' in record and (tmp_path / "runs/quarantine-example/quarantine/step_000000").is_dir()
+
+
 class TestReliabilityDocs:
     def test_every_named_test_exists(self):
         """Every `file::Class::test` RELIABILITY.md names is a test in that file (parameters stripped)."""

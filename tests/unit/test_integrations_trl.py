@@ -1,5 +1,6 @@
 """The TRL integration's pure logic: TRL's padded step tensors to a StepBatch, request ids and row meta,
-TRL's scalars, the options, the sampling settings and faults it accepts, and the weight-sync wrapper."""
+TRL's scalars, the options, the sampling settings and faults it accepts, the weight-sync wrapper, and
+quarantined rows leaving TRL's loss mask (the hook on a stand-in trainer, a real Monitor)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from rlcheck.errors import ConfigError, InputError
 from rlcheck.faults import parse_inject
 from rlcheck.integrations._trl_batch import (
+    mask_rows,
     new_scalars,
+    quarantined_rows,
     request_ids,
     row_meta,
     to_step_batch,
@@ -266,3 +269,115 @@ class TestWeightSync:
         for step[0] in range(6):
             gen.sync_weights()
         assert sync.skipped == [2, 4]
+
+
+# ---- quarantine: the hook on a stand-in trainer ---------------------------------------------------
+
+BAD_ROW = 7
+
+
+def grpo_output(num_rows: int = 20, bad_row: int | None = BAD_ROW) -> dict:
+    """A TRL step output of `num_rows` rows of 6 completion tokens (the last one padding), as
+    `_generate_and_score_completions` returns it with vLLM's IS correction on; the trainer's
+    logprobs of `bad_row` 3 nats off vLLM's (a catastrophic sequence)."""
+    gen = torch.Generator().manual_seed(0)
+    cm = torch.ones(num_rows, 6, dtype=torch.long)  # (B, C)
+    cm[:, -1] = 0
+    sampling = -torch.rand(num_rows, 6, generator=gen) * cm  # (B, C)
+    old = sampling - 1e-3 * cm
+    if bad_row is not None:
+        old[bad_row] -= 3.0
+    return {
+        "prompt_ids": torch.ones(num_rows, 2, dtype=torch.long), "prompt_mask": torch.ones(num_rows, 2, dtype=torch.long),
+        "completion_ids": torch.arange(num_rows * 6).reshape(num_rows, 6) * cm, "completion_mask": cm,
+        "sampling_per_token_logps": sampling, "old_per_token_logps": old,
+        "importance_sampling_ratio": torch.exp(old - sampling) * cm,
+        "num_items_in_batch": cm.sum(), "advantages": torch.zeros(num_rows),
+    }
+
+
+def stand_in_trainer():
+    """The attributes of a `trl.GRPOTrainer` the hook reads (one process, TRL's vLLM server mode)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(steps_per_generation=1, gradient_accumulation_steps=1, output_dir=".")
+    return SimpleNamespace(
+        use_vllm=True, args=args, num_iterations=1, num_generations=4, vllm_generation=_Generation("server"),
+        accelerator=SimpleNamespace(process_index=0, num_processes=1), state=SimpleNamespace(global_step=0),
+        _metrics={"train": defaultdict(list)}, add_callback=lambda cb: None,
+    )
+
+
+@pytest.fixture
+def hook(tmp_path):
+    """`hook(quarantine=True, **options) -> RLCheckHook` on a stand-in trainer, with a real Monitor."""
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+    from rlcheck.core.quarantine import QuarantineConfig
+    from rlcheck.integrations.trl import RLCheckHook
+
+    monitors = []
+
+    def make(quarantine: bool = True, **options) -> RLCheckHook:
+        cfg = MonitorConfig(run_dir=tmp_path / f"run{len(monitors)}", sinks=("jsonl",),
+                            quarantine=QuarantineConfig() if quarantine else None)
+        monitors.append(Monitor(cfg))
+        return RLCheckHook(stand_in_trainer(), monitors[-1], TRLOptions(**options))
+
+    yield make
+    for m in monitors:
+        m.close()
+
+
+class TestQuarantinedRows:
+    def test_rows_by_request_id(self):
+        """Quarantined sequences map to their rows through their request ids, in row order."""
+        from types import SimpleNamespace
+
+        got = quarantined_rows(request_ids(3, 1, 5), [SimpleNamespace(request_id=r) for r in ("s3-r1-4", "s3-r1-0")])
+        assert got == [0, 4]
+
+    def test_mask_rows_counts_loss_tokens_and_leaves_the_old_tensor(self):
+        """The rows' loss tokens (tool output not counted) are returned; the dict gets a new mask, zero
+        on those rows; the tensor TRL made is not written to."""
+        out = trl_output(tool=True)
+        before = out["completion_mask"]
+        assert mask_rows(out, [0, 2]) == 3 + 3
+        assert out["completion_mask"].tolist() == [[0] * 4, [1, 1, 0, 0], [0] * 4]
+        assert before.tolist() == [[1] * 4, [1, 1, 0, 0], [1, 1, 1, 0]]
+        assert mask_rows(out, []) == 0
+
+
+class TestQuarantineInTheLoss:
+    def test_quarantined_row_leaves_the_loss(self, hook):
+        """With quarantine on, the corrupted row's completion_mask is zeroed and its tokens leave
+        num_items_in_batch; every other row and TRL's IS ratios are as TRL made them; TRL's logs
+        get the counts."""
+        h, out = hook(), grpo_output()
+        mask, ratio = out["completion_mask"].clone(), out["importance_sampling_ratio"]
+        report = h.observe(out)
+        assert [q.request_id for q in report.quarantined] == [f"s0-r0-{BAD_ROW}"]
+        assert report.keep.tolist() == [i != BAD_ROW for i in range(20)]
+        assert out["completion_mask"][BAD_ROW].sum() == 0
+        keep = torch.arange(20) != BAD_ROW
+        assert torch.equal(out["completion_mask"][keep], mask[keep])
+        assert out["importance_sampling_ratio"] is ratio
+        assert int(out["num_items_in_batch"]) == int(mask.sum()) - 5
+        logged = h.trainer._metrics["train"]
+        assert logged["rlcheck/trl/dropped_sequences"] == [1.0] and logged["rlcheck/trl/dropped_tokens"] == [5.0]
+        assert not report.halted and report.metrics["rlcheck/quarantine/count"] == 1
+
+    def test_dry_run_leaves_the_mask(self, hook):
+        """mask_quarantined=False: the Monitor still quarantines the row, TRL's tensors stay as they are."""
+        h, out = hook(mask_quarantined=False), grpo_output()
+        mask = out["completion_mask"]
+        report = h.observe(out)
+        assert len(report.quarantined) == 1
+        assert out["completion_mask"] is mask and "rlcheck/trl/dropped_sequences" not in h.trainer._metrics["train"]
+
+    def test_quarantine_off_changes_nothing(self, hook):
+        """Without quarantine the output keeps its own mask and a clean step logs no drop."""
+        h, out = hook(quarantine=False), grpo_output(bad_row=None)
+        mask = out["completion_mask"]
+        h.observe(out)
+        assert out["completion_mask"] is mask and "rlcheck/trl/dropped_tokens" not in h.trainer._metrics["train"]

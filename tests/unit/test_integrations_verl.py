@@ -11,9 +11,11 @@ import torch
 
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig, compute_partial, finalize
-from rlcheck.errors import InputError
+from rlcheck.errors import ConfigError, InputError, MismatchHalt
 from rlcheck.integrations import verl as V
 
 
@@ -241,8 +243,6 @@ class TestWeightVersions:
         assert V.to_step_batch(self._with_versions([None] * 12)).weight_version is None
 
     def test_a_lag_past_the_allowed_one_halts(self, tmp_path):
-        from rlcheck.errors import MismatchHalt
-
         fields = self._with_versions([5] * 6 + [3] * 6)
         with Monitor(MonitorConfig(run_dir=tmp_path / "async", sinks=("jsonl",), max_weight_lag=2)) as mon:
             assert not V.observe(mon, 0, fields, trainer_version=5).alarms  # within the staleness allowed
@@ -264,3 +264,97 @@ class TestVerlEquivalents:
         """Every equivalent names a metric rlcheck always logs, with sign +1 or -1."""
         for rl_key, sign in V.VERL_EQUIVALENTS.values():
             assert rl_key in K.ALWAYS and sign in (1.0, -1.0)
+
+
+class TestHandBack:
+    """observe hands the quarantine and the correction back to verl's batch, as verl's own
+    compute_rollout_correction_and_add_to_batch does (response_mask, rollout_is_weights)."""
+
+    BAD = 3
+
+    def _corrupted(self, bad=(BAD,)):
+        fields, _ = verl_fields()
+        rollout, mask = fields["rollout_log_probs"], fields["response_mask"]
+        rollout[list(bad)] = torch.where(mask[list(bad)].bool(), -25.0, rollout[list(bad)])
+        return fields, mask.clone()
+
+    def _observe(self, tmp_path, fields, quarantine=QuarantineConfig(), **kw):
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=(), quarantine=quarantine)) as mon:
+            return V.observe(mon, 0, fields, **kw)
+
+    def test_quarantined_row_leaves_response_mask(self, tmp_path):
+        """The quarantined row's response_mask is all 0, the other rows' unchanged, dtype kept."""
+        fields, before = self._corrupted()
+        report = self._observe(tmp_path, fields)
+        assert [q.index for q in report.quarantined] == [self.BAD]
+        after = fields["response_mask"]
+        assert after.dtype == before.dtype and not after[self.BAD].any()
+        rest = [i for i in range(len(before)) if i != self.BAD]
+        assert torch.equal(after[rest], before[rest]) and V.WEIGHTS_KEY not in fields
+
+    def test_nothing_written_without_quarantine_or_correction(self, tmp_path):
+        """Quarantine off and no correction: the batch is left as it was (the same mask tensor)."""
+        fields, _ = verl_fields()
+        mask = fields["response_mask"]
+        self._observe(tmp_path, fields, quarantine=None)
+        assert fields["response_mask"] is mask and V.WEIGHTS_KEY not in fields
+
+    def test_correction_weights_are_the_reports(self, tmp_path):
+        """rollout_is_weights is report.token_weights() laid out [B, R]: old_log_probs' dtype, 0 on
+        padding and on the quarantined row."""
+        fields, before = self._corrupted()
+        cfg = CorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+        report = self._observe(tmp_path, fields, correction=cfg)
+        w = fields[V.WEIGHTS_KEY]
+        assert w.shape == before.shape and w.dtype == fields["old_log_probs"].dtype
+        assert not w[before == 0].any() and not w[self.BAD].any()
+        packed = report.token_weights(**{k: getattr(cfg, k) for k in ("rollout_is", "rollout_is_threshold")})
+        np.testing.assert_array_equal(w[before.bool()].numpy(), packed[report.batch.mask])
+
+    def test_rejection_folds_into_response_mask(self, tmp_path):
+        """A sequence-level rejection zeroes the rejected rows' response_mask; without rollout_is no
+        weights are written (as verl)."""
+        fields, before = self._corrupted()
+        fields["old_log_probs"][:6] += -0.2 * fields["response_mask"][:6]  # rows 0-5 drift off
+        cfg = CorrectionConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01)
+        report = self._observe(tmp_path, fields, correction=cfg)
+        kept = fields["response_mask"].bool().any(axis=1).tolist()
+        assert kept == [False] * 6 + [True] * (len(before) - 6) and V.WEIGHTS_KEY not in fields
+        assert report.correction(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01).metrics[
+            "rollout_rs_seq_masked_fraction"] == pytest.approx(5 / 12)  # rows 0-5 but the quarantined 3, of all (verl)
+
+    def test_bf16_weights(self, tmp_path):
+        """Weights take old_log_probs' dtype (bf16 here), as verl's helper returns them."""
+        fields, _ = self._corrupted()
+        fields["old_log_probs"] = fields["old_log_probs"].to(torch.bfloat16)
+        self._observe(tmp_path, fields, correction=CorrectionConfig(rollout_is="sequence"))
+        assert fields[V.WEIGHTS_KEY].dtype == torch.bfloat16
+
+    def test_numpy_fields(self, tmp_path):
+        """A mapping of numpy arrays gets numpy arrays back."""
+        fields, _ = self._corrupted()
+        fields = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        self._observe(tmp_path, fields, correction=CorrectionConfig(rollout_is="token"))
+        assert fields[V.MASK_KEY].dtype == np.int64 and fields[V.WEIGHTS_KEY].dtype == np.float32
+        assert not fields[V.MASK_KEY][self.BAD].any()
+
+    def test_halt_leaves_the_batch(self, tmp_path):
+        """Past max_frac the run halts and the batch is not touched."""
+        fields, before = self._corrupted(bad=(1, 3, 5))
+        with pytest.raises(MismatchHalt):
+            self._observe(tmp_path, fields, correction=CorrectionConfig(rollout_is="token"))
+        assert torch.equal(fields["response_mask"], before) and V.WEIGHTS_KEY not in fields
+
+    def test_bad_correction(self, tmp_path):
+        """correction= takes a CorrectionConfig."""
+        fields, _ = self._corrupted()
+        with pytest.raises(ConfigError, match="CorrectionConfig"):
+            self._observe(tmp_path, fields, correction="token")
+
+    def test_another_batch_refused(self, tmp_path):
+        """update_batch on a batch of other rows than the report's says so."""
+        fields, _ = self._corrupted()
+        report = self._observe(tmp_path, fields)
+        other, _ = verl_fields(num_prompts=2)
+        with pytest.raises(InputError, match="the batch the report observed"):
+            V.update_batch(other, report)

@@ -47,9 +47,15 @@ def dump_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "dumps" / f"step_{step:06d}"
 
 
+def quarantine_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the quarantined sequences of `step` go (a dump like `dump_dir`'s, kept apart from them)."""
+    return Path(run_dir) / "quarantine" / f"step_{step:06d}"
+
+
 def remove_partial_dumps(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the hidden temp dirs a crash in the middle of `write_dump` left under run_dir/dumps."""
-    partial = [p for p in (Path(run_dir) / "dumps").glob(".step_*") if p.is_dir()]
+    """Delete the hidden temp dirs a crash in the middle of `write_dump` left under run_dir/dumps
+    (and run_dir/quarantine)."""
+    partial = [p for sub in ("dumps", "quarantine") for p in (Path(run_dir) / sub).glob(".step_*") if p.is_dir()]
     for p in partial:
         shutil.rmtree(p, ignore_errors=True)
     return partial
@@ -117,8 +123,10 @@ def write_dump(
     context: dict[str, Any] | None = None,
     divergence_tau: float = 0.5,
     redact: bool = False,
+    quarantined: Iterable[dict] | None = None,
 ) -> Path:
-    """Write the dump of one step to `directory` (replaced whole, atomically) and return it."""
+    """Write the dump of one step to `directory` (replaced whole, atomically) and return it;
+    `quarantined` (a quarantine dump's sequences, their reasons) goes into meta.json when given."""
     import pyarrow as pa
 
     directory = Path(directory)
@@ -137,6 +145,8 @@ def write_dump(
         "versions": versions(),
         "context": context or {},
     }
+    if quarantined is not None:
+        meta["quarantined"] = list(quarantined)
     _write_atomically(directory, pa.table(cols), meta)
     return directory
 

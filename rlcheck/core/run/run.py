@@ -5,6 +5,7 @@ opens it once (`Run.open`) and reads each file through it, at most once:
     RUN_DIR/metrics.jsonl   the journal, one record per step (`journal`)
     RUN_DIR/state.json      the Monitor's detector state and journal offset (`files`)
     RUN_DIR/dumps/step_N/   a halted (or asked-for) step's sequences and meta (`dump`)
+    RUN_DIR/quarantine/step_N/  a step's quarantined sequences, a dump of the same form
     RUN_DIR/guard/          the engine guard's record (`guard_files`)
     RUN_DIR/loop.jsonl      the GRPO loop's per-step lines (reward, loss, restarts)
     RUN_DIR/.lock           the live writer (`files.RunDirLock`)
@@ -21,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.core.run import files
-from rlcheck.core.run.dump import META, SEQUENCES, dump_dir, read_dump, remove_partial_dumps, write_dump
+from rlcheck.core.run.dump import (
+    META,
+    SEQUENCES,
+    dump_dir,
+    quarantine_dir,
+    read_dump,
+    remove_partial_dumps,
+    write_dump,
+)
 from rlcheck.core.run.guard_files import GuardData, load_guard
 from rlcheck.core.run.journal import FILENAME as JOURNAL_FILE
 from rlcheck.core.run.journal import Journal, Records, read_jsonl
@@ -119,6 +128,14 @@ class Run:
     def write_dump(self, step: int, batch: Any, **kwargs: Any) -> Path:
         """The dump of `step` (`rlcheck.core.run.dump.write_dump`) under dumps/."""
         return write_dump(dump_dir(self.path, step), batch, step=step, **kwargs)
+
+    def write_quarantine(self, step: int, batch: Any, **kwargs: Any) -> Path:
+        """The quarantined sequences of `step` under quarantine/ (`write_dump`, with `quarantined`)."""
+        return write_dump(quarantine_dir(self.path, step), batch, step=step, **kwargs)
+
+    def quarantine_paths(self) -> list[Path]:
+        """The run's quarantine dumps, by step."""
+        return sorted(d for d in (self.path / "quarantine").glob("step_*") if d.is_dir())
 
     # ---- reading, each file once ---------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from rlcheck.core import histogram as H
+from rlcheck.core.batch import segment_token_indices
 from rlcheck.core.types import Offender, rank_offenders
 
 
@@ -56,19 +57,34 @@ def divergence(d: np.ndarray, cu: np.ndarray, tau: float) -> tuple[np.ndarray, l
 def catastrophic_sequences(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, cfg) -> np.ndarray:
     """(N,) bool: sequences with at least `catastrophic_min_frac` of their `counts` (N,) valid tokens,
     and `catastrophic_min_tokens` tokens, at |d| >= catastrophic_tau (`ad` (M,), 0 where invalid); or
-    whose max |d| reaches catastrophic_tau and which diverge (|d| > divergence_tau) within their
-    first `early_window` tokens with at least `catastrophic_min_tokens` tokens past divergence_tau: a
-    stale recurrent state garbles the first tokens of a short response (the engine's stale-state
-    fault on the tiny hybrid: first divergence at token 0, max |d| 1.4-3.7, one token of 32 past 2
-    nats), while a healthy tail token is one token, anywhere."""
+    which diverge (|d| > divergence_tau) within their first `early_window` tokens and, within their
+    first `early_span` tokens, hold `catastrophic_min_tokens` tokens past divergence_tau and one at
+    catastrophic_tau: a stale recurrent state garbles the first tokens of a response (the engine's
+    stale-state fault on the tiny hybrid: first divergence at token 0, max |d| 1.4-3.7, one token of
+    32 past 2 nats), while a healthy tail token is one token, anywhere."""
+    rate, early = catastrophic_parts(ad, cu, counts, cfg)
+    return rate | early
+
+
+def catastrophic_parts(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """The two clauses of `catastrophic_sequences`, (N,) bool each: (the rate, the early divergence).
+    The early clause counts its tokens past divergence_tau and catastrophic_tau within the sequence's
+    first `early_span` tokens only, where a stale state garbles it."""
     over = segment_count(ad >= cfg.catastrophic_tau, cu)  # (N,)
     rate = (over >= cfg.catastrophic_min_tokens) & (over >= cfg.catastrophic_min_frac * counts)
-    diverged = ad > cfg.divergence_tau
-    seqs, pos = first_positions(diverged, cu)
+    seqs, pos = first_positions(ad > cfg.divergence_tau, cu)
+    cand = seqs[pos < cfg.early_window]  # (C,) sequences that diverge within their first tokens
     early = np.zeros(cu.shape[0] - 1, dtype=bool)
-    early[seqs[pos < cfg.early_window]] = True
-    num_div = segment_count(diverged, cu)
-    return rate | (early & (over > 0) & (num_div >= cfg.catastrophic_min_tokens))
+    if cand.size:
+        starts = cu[cand]
+        lens = np.minimum(cu[cand + 1] - starts, cfg.early_span)
+        tok = segment_token_indices(starts, lens)  # their leading tokens
+        head = np.zeros(cand.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=head[1:])
+        head_ad = ad[tok]
+        early[cand] = ((segment_count(head_ad >= cfg.catastrophic_tau, head) > 0)
+                       & (segment_count(head_ad > cfg.divergence_tau, head) >= cfg.catastrophic_min_tokens))
+    return rate, early
 
 
 def sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists) -> tuple[Offender, ...]:

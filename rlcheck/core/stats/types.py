@@ -9,11 +9,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rlcheck.core.limits import MIN_LOGPROB, RATIO_LOG_CAP  # noqa: F401 - re-exported
 from rlcheck.core.types import Offender, rank_offenders
 from rlcheck.errors import ConfigError
-
-RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
-MIN_LOGPROB = -1e4  # below this a "logprob" is a stand-in for -inf (-1e9, finfo.min): counted as non-finite
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,12 @@ class StatsConfig:
     tail token moves a step's level by at most clip / tokens."""
     early_window: int = 4
     """A catastrophic sequence whose first divergence is before this position diverged early."""
+    early_span: int = 32
+    """The early clause of a catastrophic sequence counts its diverged and catastrophic tokens within
+    this many leading tokens: a stale state garbles the start of a response, while a long healthy
+    one gathers three tokens past 0.5 nats and one past 2 somewhere in its thousands (counted over
+    the whole sequence, bf16-long-cot's held-out seeds made 24 of their 115,200 healthy sequences
+    "early-diverged", and seed 100 halted 14 times; BENCHMARKS.md, "Quarantine")."""
     ratio_c: float = 2.0
     """`ratio/frac_above_c` counts tokens with r > ratio_c."""
     top_k: int = 10
@@ -66,7 +70,7 @@ class StatsConfig:
             raise ConfigError(f"catastrophic_min_frac must be in (0, 1], got {self.catastrophic_min_frac}")
         if not (self.clip > 0 and math.isfinite(self.clip)):
             raise ConfigError(f"clip must be positive and finite, got {self.clip}")
-        for name in ("early_window", "top_k", "shift_window", "catastrophic_min_tokens"):
+        for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 

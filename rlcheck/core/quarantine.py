@@ -1,0 +1,242 @@
+"""Quarantine: take the few sequences the evidence condemns out of the step, instead of halting the run.
+
+    mon = Monitor(MonitorConfig(run_dir, quarantine=QuarantineConfig()))
+    report = mon.observe(step, batch)
+    report.keep            # (N,) bool, batch order: False for a quarantined sequence
+    report.quarantined     # (Quarantined(request_id, index, reason, ...), ...)
+
+A sequence is condemned by the first rule of `QuarantineConfig.rules` it breaks (in `REASONS`
+order; `Quarantined.reasons` lists all it breaks):
+
+| reason            | the sequence ...                                                                   |
+|-------------------|------------------------------------------------------------------------------------|
+| nonfinite         | holds a NaN/inf logprob (or a -1e9-style sentinel) on a compared token             |
+| catastrophic      | has `StatsConfig.catastrophic_min_frac` of its tokens (and at least                |
+|                   | `catastrophic_min_tokens`) at |d| >= `catastrophic_tau`                            |
+| early_divergence  | diverges within its first `early_window` tokens, with `catastrophic_min_tokens`    |
+|                   | tokens past `divergence_tau` and one past `catastrophic_tau` in its first          |
+|                   | `early_span`; or diverges in its first tokens on a step with the signature         |
+|                   | detector's early burst (`SignatureConfig.early_*`: a stale state, step-wide)       |
+| token_mismatch    | was scored by the trainer on other token ids than the engine sampled               |
+| stale_weights     | comes from weights further behind the trainer's than `MonitorConfig.max_weight_lag`|
+| guard             | is named by an alarm found outside the Monitor (`details["request_ids"]`: the      |
+|                   | engine guard's violations)                                                         |
+
+These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`): a quarantined
+sequence is one the step counts as catastrophic, early-diverged, mismatched or stale.
+
+With some sequences quarantined, the detectors, the hard limits and the weight-version check judge
+the kept sequences (what the trainer learns from); the offenders are the kept ones' worst, their
+`index` in the whole batch. Past `max_frac` of the step's sequences the step is judged whole, as if
+quarantine were off (so the alarms that name the cause fire), and a critical `quarantine` alarm
+halts the run: masking that much would hide a broken engine (a step past it only through a burst of
+early divergences halts, as the signature detector does, when the burst recurs within its
+`recur_window`; once, it warns). With `patience` set, quarantine on that many steps in a row halts
+too. The run's bookkeeping, the alarm and the dumps: `rlcheck.core.quarantine_run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect.signature import SignatureConfig
+from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial
+from rlcheck.core.stats.sequences import catastrophic_parts, first_positions, segment_count, segment_max
+from rlcheck.core.stats.types import MIN_LOGPROB
+from rlcheck.core.types import Alarm
+from rlcheck.errors import ConfigError
+
+REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "guard")
+
+MAX_LISTED = 100
+"""Quarantined sequences a step's metrics.jsonl record lists (all of them are in `StepReport`)."""
+
+
+@dataclass(frozen=True)
+class QuarantineConfig:
+    """When a sequence is quarantined rather than the run halted (README, "Halt or quarantine")."""
+
+    rules: tuple[str, ...] = REASONS
+    """The reasons (`REASONS`) that quarantine a sequence."""
+    max_frac: float = 0.1
+    """A step quarantining more than this fraction of its sequences halts (a critical `quarantine`
+    alarm), judged whole. The real loop's `corrupt-seqs=0.02` quarantines 1 of 32 (3.1%) a step,
+    its `stale-state` 12-100% (BENCHMARKS.md, "Quarantine")."""
+    patience: int | None = None
+    """Quarantine on this many consecutive observed steps halts; None: never for that alone (a
+    steady trickle of bad sequences is what quarantine is for)."""
+    dump: bool = True
+    """Write each step's quarantined sequences to `RUN_DIR/quarantine/step_N/` (a dump like
+    `dumps/step_N/`: replay and localize read it)."""
+    max_dumped: int = 1000
+    """Sequences written to quarantine dumps over the whole run; past it, the record still lists
+    them (request id, reason, max |d|) and `quarantine/undumped_count` counts them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rules, str):
+            raise ConfigError(f"quarantine rules is a tuple of reasons, e.g. ({self.rules!r},)")
+        unknown = set(self.rules) - set(REASONS)
+        if unknown or not self.rules:
+            raise ConfigError(f"quarantine rules must be a non-empty subset of {REASONS}, got {self.rules}")
+        if not (0 <= self.max_frac < 1):
+            raise ConfigError(f"quarantine max_frac must be in [0, 1), got {self.max_frac}")
+        if self.patience is not None and (isinstance(self.patience, bool) or int(self.patience) < 1):
+            raise ConfigError(f"quarantine patience must be None or >= 1, got {self.patience}")
+        if self.max_dumped < 0:
+            raise ConfigError(f"quarantine max_dumped must be >= 0, got {self.max_dumped}")
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """One sequence taken out of a step."""
+
+    request_id: str
+    index: int  # its position in the observed batch
+    reason: str  # the first of REASONS it breaks
+    reasons: tuple[str, ...]
+    max_abs_diff: float
+    first_divergence: int | None
+    length: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "index": self.index, "reason": self.reason,
+                "reasons": list(self.reasons), "max_abs_diff": self.max_abs_diff,
+                "first_divergence": self.first_divergence, "length": self.length}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the rules say of one batch: which sequences to keep, and why the others go."""
+
+    keep: np.ndarray  # (N,) bool
+    quarantined: tuple[Quarantined, ...]
+    num_tokens: int  # tokens of the quarantined sequences
+    total_tokens: int
+    burst_only: int = 0
+    """Sequences condemned by the step's burst of early divergences alone (no rule of their own)."""
+
+    @property
+    def count(self) -> int:
+        return len(self.quarantined)
+
+    @property
+    def frac(self) -> float:
+        return self.count / max(self.keep.shape[0], 1)
+
+    def metrics(self) -> dict[str, float]:
+        out = {K.QUARANTINE_COUNT: float(self.count), K.QUARANTINE_FRAC: self.frac,
+               K.QUARANTINE_TOKEN_FRAC: self.num_tokens / max(self.total_tokens, 1)}
+        for reason in REASONS:
+            out[K.quarantine_reason(reason)] = float(sum(q.reason == reason for q in self.quarantined))
+        return out
+
+
+def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, trainer_version: int | None = None,
+          max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None) -> Verdict:
+    """The rules of `cfg` applied to every sequence of `batch` (vectorised over tokens); `signature`:
+    the signature detector's early-burst levels (default `SignatureConfig()`)."""
+    cu = batch.cu_seqlens  # (N+1,)
+    num = batch.num_sequences
+    flags = per_sequence_flags(batch, stats)
+    early = flags["early"]
+    by_burst = np.zeros(num, dtype=bool)
+    if _early_burst(flags, num, signature or SignatureConfig()):
+        by_burst = flags["early_any"] & ~early
+        early = early | by_burst
+    found: dict[str, np.ndarray] = {
+        "nonfinite": flags["nonfinite"], "catastrophic": flags["catastrophic"],
+        "early_divergence": early, "token_mismatch": flags["token_mismatch"],
+    }
+    stale = np.zeros(num, dtype=bool)
+    if trainer_version is not None and batch.weight_version is not None:
+        lag = trainer_version - batch.weight_version  # (N,)
+        stale = (lag > max_weight_lag) | (lag < 0)
+    found["stale_weights"] = stale
+    named = {rid for a in alarms for rid in (a.details.get("request_ids") or ())}
+    found["guard"] = np.array([rid in named for rid in batch.request_ids], dtype=bool) if named else np.zeros(num, bool)
+    condemned = np.zeros(num, dtype=bool)
+    for reason in cfg.rules:
+        condemned |= found[reason]
+    firm = np.zeros(num, dtype=bool)  # what the per-sequence rules alone condemn
+    for reason in cfg.rules:
+        firm |= found[reason] & ~by_burst if reason == "early_divergence" else found[reason]
+    lens = np.diff(cu)
+    out = []
+    for i in np.flatnonzero(condemned).tolist():
+        reasons = tuple(r for r in REASONS if r in cfg.rules and found[r][i])
+        first = int(flags["first_div"][i])
+        out.append(Quarantined(batch.request_ids[i], i, reasons[0], reasons, float(flags["max_abs_diff"][i]),
+                               first if first >= 0 else None, int(lens[i])))
+    return Verdict(~condemned, tuple(out), int(lens[condemned].sum()), batch.num_tokens,
+                   int(np.count_nonzero(condemned & ~firm)))
+
+
+def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.ndarray]:
+    """(N,) arrays of the statistics' per-sequence rules: nonfinite, catastrophic (the rate clause),
+    early (the early clause), token_mismatch (bool); max_abs_diff (float64); first_div (int64, -1
+    where none): the same numbers `compute_partial` counts."""
+    cu = batch.cu_seqlens
+    num = batch.num_sequences
+    lr, lt = batch.logp_rollout, batch.logp_train
+    if lr.dtype != lt.dtype:
+        lr, lt = lr.astype(np.float64), lt.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = ~((lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB))  # NaN, -inf, sentinels
+        compared = np.ones(lr.shape[0], dtype=bool) if batch.mask is None else batch.mask
+        bad &= compared
+        valid = compared & ~bad
+        ad = np.where(valid, np.abs(lt - lr), 0.0)  # (M,)
+    counts = segment_count(valid, cu)
+    rate, early = catastrophic_parts(ad, cu, counts, stats)
+    nonfinite = segment_count(bad, cu) > 0
+    mismatch = np.zeros(num, dtype=bool)
+    if batch.tokens is not None and batch.tokens_train is not None:
+        mismatch = segment_count((batch.tokens != batch.tokens_train) & compared, cu) > 0
+    first_div = np.full(num, -1, dtype=np.int64)
+    diverged = ad > stats.divergence_tau
+    seqs, pos = first_positions(diverged | bad, cu)
+    first_div[seqs] = pos
+    # what the signature detector's early burst reads (`sig/early_any_count`, `sig/early_any_expected`)
+    early_slots = float(np.minimum(counts, stats.early_window).sum())
+    expected = np.count_nonzero(diverged) / max(int(counts.sum()), 1) * early_slots
+    return {"nonfinite": nonfinite, "catastrophic": rate, "early": early, "token_mismatch": mismatch,
+            "max_abs_diff": segment_max(ad, cu), "first_div": first_div,
+            "early_any": (first_div >= 0) & (first_div < stats.early_window), "early_expected": np.float64(expected)}
+
+
+def _early_burst(flags: dict[str, np.ndarray], num: int, sig: SignatureConfig) -> bool:
+    """The signature detector's early burst (`SignatureDetector._early_burst`) on this batch."""
+    early = int(np.count_nonzero(flags["early_any"]))
+    return early >= max(sig.early_min_count, sig.early_min_frac * num) and early >= sig.early_excess * float(flags["early_expected"])
+
+
+def kept_partial(batch: StepBatch, verdict: Verdict, stats: StatsConfig) -> PartialStats:
+    """The statistics of the sequences `verdict` keeps, their offenders' `index` counted in `batch`
+    (and `num_sequences` that of `batch`, so ranks' offsets stay right)."""
+    kept = np.flatnonzero(verdict.keep)
+    if kept.size == 0:
+        part = empty_partial(stats, 0)
+    else:
+        part = compute_partial(batch.select(kept), stats)
+    offenders = tuple(replace(o, index=int(kept[o.index])) for o in part.offenders)
+    return replace(part, offenders=offenders, num_sequences=batch.num_sequences)
+
+
+def step_partial(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig | None, trainer_version: int | None,
+                 max_weight_lag: int, alarms: Sequence[Alarm],
+                 signature: SignatureConfig | None = None) -> tuple[PartialStats, Verdict | None]:
+    """The statistics the Monitor judges a step by, and the verdict (None with quarantine off): the
+    kept sequences' when some are quarantined within `max_frac`, else the whole batch's."""
+    if cfg is None:
+        return compute_partial(batch, stats), None
+    verdict = judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag, alarms=alarms,
+                    signature=signature)
+    if 0 < verdict.count and verdict.frac <= cfg.max_frac:
+        return kept_partial(batch, verdict, stats), verdict
+    return compute_partial(batch, stats), verdict
