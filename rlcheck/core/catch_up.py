@@ -26,7 +26,7 @@ def catch_up(mon: Any, committed: int | None) -> str:
             det.update(rec["step"], seen)
         mon.advance(rec["step"], [Alarm.from_dict(a) for a in rec.get("alarms") or ()], empty)
         if mon.quarantine is not None:
-            mon.quarantine.replay(rec["metrics"])
+            mon.quarantine.replay(rec["metrics"], rec.get("alarms") or [])
         replayed.append(rec["step"])
     if not (replayed or records.num_skipped):
         return ""

@@ -45,12 +45,18 @@ class Quarantine:
             record["quarantine_dump"] = where
         return alarms, metrics, record
 
-    def replay(self, metrics: dict[str, float]) -> None:
-        """A step logged by a process that stopped before saving its state (the Monitor's catch-up)."""
-        if K.QUARANTINE_COUNT in metrics:
-            count = metrics[K.QUARANTINE_COUNT]
-            self.streak = self.streak + 1 if count else 0
-            self.dumped += int(count - metrics.get(K.QUARANTINE_UNDUMPED, count))
+    def replay(self, metrics: dict[str, float], alarms: list[dict[str, Any]] = ()) -> None:
+        """A step logged by a process that stopped before saving its state (the Monitor's catch-up):
+        its record's metrics and alarms."""
+        if K.QUARANTINE_COUNT not in metrics:
+            return
+        count = metrics[K.QUARANTINE_COUNT]
+        self.streak = self.streak + 1 if count else 0
+        self.dumped += int(count - metrics.get(K.QUARANTINE_UNDUMPED, count))
+        self.observed += 1
+        if any(a.get("kind") == "quarantine" and a.get("metric") == K.QUARANTINE_FRAC
+               and (a.get("details") or {}).get("bursts") for a in alarms):  # a burst past max_frac
+            self.bursts = [o for o in self.bursts if o > self.observed - self.signature.recur_window] + [self.observed]
 
     def state_dict(self) -> dict[str, Any]:
         return {"streak": self.streak, "dumped": self.dumped, "observed": self.observed, "bursts": self.bursts}

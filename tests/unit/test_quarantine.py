@@ -350,3 +350,29 @@ class TestEarlyShapes:
             with pytest.raises(MismatchHalt) as halt:
                 mon.observe(1, burst(1))
         assert any(a.kind == "quarantine" and a.severity == "critical" for a in halt.value.report.alarms)
+
+
+class TestBurstResume:
+    def test_a_burst_before_a_crash_still_counts(self, tmp_path):
+        """A burst step logged by a process killed before its state save: the resumed Monitor's
+        catch-up counts it, so the next burst is its recurrence and halts."""
+        def burst(seed: int) -> StepBatch:
+            batch = healthy(50, 40, seed=seed, prefix=f"c{seed}-")
+            lt = batch.logp_train.copy()
+            hit = list(range(0, 50, 5)) + list(range(1, 50, 5))
+            lt[batch.cu_seqlens[hit]] = batch.logp_rollout[batch.cu_seqlens[hit]] - 1.5
+            return with_train(batch, np.minimum(lt, 0.0))
+
+        mon = monitor(tmp_path)
+        mon.observe(0, healthy(50, 40, seed=9, prefix="h-"))
+        state = (tmp_path / "run" / R.STATE_FILE).read_bytes()
+        mon.observe(1, burst(0))  # warns; then the process dies before ...
+        mon.close()
+        (tmp_path / "run" / R.STATE_FILE).write_bytes(state)  # ... its state save
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = monitor(tmp_path)
+        assert again.quarantine.bursts == [2] and again.quarantine.observed == 2
+        with pytest.raises(MismatchHalt):
+            again.observe(2, burst(1))
+        again.close()
