@@ -14,7 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dashboards"))
 import rlcheck_dashboards as D  # noqa: E402
 
 from rlcheck import Monitor, MonitorConfig  # noqa: E402
+from rlcheck.core.correction import CorrectionConfig  # noqa: E402
 from rlcheck.core.monitor import HaltConfig  # noqa: E402
+from rlcheck.core.quarantine import QuarantineConfig  # noqa: E402
 from rlcheck.core.stats import StatsConfig  # noqa: E402
 from rlcheck.sinks import WandbConfig  # noqa: E402
 from rlcheck.sinks import wandb as W  # noqa: E402
@@ -57,6 +59,10 @@ def offline_run(tmp_path, monkeypatch) -> Path:
         stats=StatsConfig(thresholds=THRESHOLDS),
         halt=HaltConfig(enabled=False),
         wandb=WandbConfig(mode="offline"),
+        # the quarantine and correction panels' keys: logged when configured (guard-named sequences only,
+        # so the corrupted ones stay in the step and alarm)
+        quarantine=QuarantineConfig(rules=("guard",)),
+        correction=CorrectionConfig(rollout_is="token", rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
     )
     with Monitor(cfg) as mon:
         for step in range(3):
