@@ -164,6 +164,12 @@ class TestRealDemo:
         n = sum(len(x["fault_touched"]) for x in lines)
         assert f"quarantined {n} sequence(s) ({n} catastrophic) over 3 steps" in text
         assert f"of the {n} the fault corrupted, {n} quarantined" in text and "halted after" not in text
+        assert all(x["dropped_tokens"] > 0 and "rollout_is_eff_sample_size" in x["correction"] for x in lines)
+        assert sorted(p.name for p in (run / "quarantine").iterdir()) == [f"step_{s:06d}" for s in range(3)]
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["metrics"]["rlcheck/quarantine/count"] == len(x["fault_touched"]) > 0
+                   and r["metrics"]["rlcheck/seq/catastrophic_count"] == 0  # judged on the kept sequences
+                   for r, x in zip(records, lines, strict=True))
 
     @pytest.mark.parametrize(("option", "value", "says"), [
         ("--correction", "tokens", "not token or sequence"),

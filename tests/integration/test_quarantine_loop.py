@@ -4,8 +4,6 @@ still halts. The loss weighting itself is checked on a real model without the lo
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,10 +20,6 @@ from rlcheck.loop.driver import GRPOLoop
 from rlcheck.loop.presets import tiny_cpu
 from rlcheck.trainers import Sequences
 from rlcheck.trainers.loss import clipped_surrogate
-
-
-def _lines(run_dir):
-    return [json.loads(x) for x in (run_dir / "loop.jsonl").read_text().splitlines()]
 
 
 class TestLossWeights:
@@ -70,38 +64,18 @@ class TestLossWeights:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 class TestQuarantineInTheLoop:
-    def test_corrupted_sequences_are_quarantined_and_the_run_goes_on(self, tiny_model, ray_local, tmp_path):
-        """corrupt-seqs=0.1 (6 of 64 sequences a step) with quarantine on and token TIS in the loss: no halt
-        over 5 steps, each step's quarantined requests are exactly the ones the fault corrupted, their
-        tokens leave the loss, and their sequences are in quarantine/step_N/."""
-        model = tiny_model("hybrid")
-        cfg = tiny_cpu(model, trainer="hf", steps=5, fault=parse_inject("corrupt-seqs=0.1"))
-        cfg = dataclasses.replace(cfg, correction=CorrectionConfig(rollout_is="token"))
-        with Monitor(MonitorConfig(tmp_path, sinks=("jsonl",), quarantine=QuarantineConfig(),
-                                   context=cfg.context())) as mon:
-            result = run_grpo(cfg, mon)
-        assert not result.halted and result.steps_run == 5
-        for line in _lines(tmp_path):
-            quarantined = {q["request_id"] for q in line["quarantined"]}
-            assert quarantined == set(line["fault_touched"]), line["step"]
-            assert line["dropped_tokens"] > 0 and "rollout_is_eff_sample_size" in line["correction"]
-        dumps = sorted(p.name for p in (tmp_path / "quarantine").iterdir())
-        assert dumps == [f"step_{s:06d}" for s in range(5)]
-        records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        lines = _lines(tmp_path)
-        assert all(r["metrics"]["rlcheck/quarantine/count"] == len(x["fault_touched"]) > 0
-                   for r, x in zip(records, lines, strict=True))
-        assert all(r["metrics"]["rlcheck/seq/catastrophic_count"] == 0 for r in records)  # judged on the kept
+    """(The loop with corrupt-seqs, quarantine and token TIS: `test_cli.py::test_demo_quarantines_instead_of_halting`.)"""
 
     def test_stale_state_is_too_much_to_quarantine(self, tiny_model, ray_local, tmp_path):
         """The engine's stale Mamba state garbles a good part of each step once slots are reused: the
-        quarantined fraction passes max_frac and the run halts, judged whole (the dump holds the step)."""
+        quarantined fraction passes max_frac through a burst of early divergences: a warning at step 1,
+        the halt when it recurs at step 2, judged whole (the dump holds the step)."""
         model = tiny_model("hybrid")
-        cfg = tiny_cpu(model, trainer="hf", steps=6, fault=parse_inject("stale-state"))
+        cfg = tiny_cpu(model, trainer="hf", steps=3, fault=parse_inject("stale-state"))
         with Monitor(MonitorConfig(tmp_path, sinks=("jsonl",), quarantine=QuarantineConfig(),
                                    context=cfg.context())) as mon:
             result = run_grpo(cfg, mon)
-        assert result.halted and result.dump_dir
+        assert result.halted and result.dump_dir and result.steps_run == 3
         last = result.reports[-1]
         kinds = {a.kind for a in last.alarms if a.severity == "critical"}
         assert "quarantine" in kinds, last.alarms
