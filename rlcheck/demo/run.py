@@ -182,8 +182,9 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(by_reason.items())) or "none"
         line = f"quarantined {len(q)} sequence(s) ({reasons}) over {found['steps_run']} steps"
         if isinstance(fault, CorruptSequences):
-            line += (f"; of the {len(t)} the fault corrupted, {len(q & t)} quarantined (the others within the "
-                     f"catastrophic level of the trainer's logprobs), {len(q - t)} healthy ones quarantined")
+            rest = " (the others within the catastrophic level of the trainer's logprobs)" if q & t != t else ""
+            line += (f"; of the {len(t)} the fault corrupted, {len(q & t)} quarantined{rest}, "
+                     f"{len(q - t)} healthy ones quarantined")
         console.print(line + f"; their sequences: {found['run_dir'] / 'quarantine'}")
     wandb_runs = sorted(found["run_dir"].glob("wandb/*run-*"))
     if wandb_runs:
