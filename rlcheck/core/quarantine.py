@@ -45,11 +45,12 @@ import numpy as np
 
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
-from rlcheck.core.detect.signature import SignatureConfig
+from rlcheck.core.correction import response_mask
+from rlcheck.core.detect.signature import SignatureConfig, early_burst
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial
 from rlcheck.core.stats.sequences import catastrophic_parts, first_positions, segment_count, segment_max
-from rlcheck.core.stats.types import MIN_LOGPROB
 from rlcheck.core.types import Alarm
+from rlcheck.core.weights import is_stale
 from rlcheck.errors import ConfigError
 
 REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "guard")
@@ -129,11 +130,14 @@ class Verdict:
     def frac(self) -> float:
         return self.count / max(self.keep.shape[0], 1)
 
+    def reason_counts(self) -> dict[str, int]:
+        """Quarantined sequences per (first) reason, every reason of REASONS."""
+        return {r: sum(q.reason == r for q in self.quarantined) for r in REASONS}
+
     def metrics(self) -> dict[str, float]:
         out = {K.QUARANTINE_COUNT: float(self.count), K.QUARANTINE_FRAC: self.frac,
                K.QUARANTINE_TOKEN_FRAC: self.num_tokens / max(self.total_tokens, 1)}
-        for reason in REASONS:
-            out[K.quarantine_reason(reason)] = float(sum(q.reason == reason for q in self.quarantined))
+        out.update({K.quarantine_reason(r): float(n) for r, n in self.reason_counts().items()})
         return out
 
 
@@ -144,28 +148,25 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
     cu = batch.cu_seqlens  # (N+1,)
     num = batch.num_sequences
     flags = per_sequence_flags(batch, stats)
-    early = flags["early"]
-    by_burst = np.zeros(num, dtype=bool)
-    if _early_burst(flags, num, signature or SignatureConfig()):
-        by_burst = flags["early_any"] & ~early
-        early = early | by_burst
+    by_burst = np.zeros(num, dtype=bool)  # early divergences condemned by the step's burst alone
+    if "early_divergence" in cfg.rules and early_burst(np.count_nonzero(flags["early_any"]), num,
+                                                       float(flags["early_expected"]), signature or SignatureConfig()):
+        by_burst = flags["early_any"] & ~flags["early"]
     found: dict[str, np.ndarray] = {
         "nonfinite": flags["nonfinite"], "catastrophic": flags["catastrophic"],
-        "early_divergence": early, "token_mismatch": flags["token_mismatch"],
+        "early_divergence": flags["early"], "token_mismatch": flags["token_mismatch"],
     }
     stale = np.zeros(num, dtype=bool)
     if trainer_version is not None and batch.weight_version is not None:
-        lag = trainer_version - batch.weight_version  # (N,)
-        stale = (lag > max_weight_lag) | (lag < 0)
+        stale = is_stale(batch.weight_version, trainer_version, max_weight_lag)  # (N,)
     found["stale_weights"] = stale
     named = {rid for a in alarms for rid in (a.details.get("request_ids") or ())}
     found["guard"] = np.array([rid in named for rid in batch.request_ids], dtype=bool) if named else np.zeros(num, bool)
-    condemned = np.zeros(num, dtype=bool)
+    firm = np.zeros(num, dtype=bool)  # what the per-sequence rules condemn
     for reason in cfg.rules:
-        condemned |= found[reason]
-    firm = np.zeros(num, dtype=bool)  # what the per-sequence rules alone condemn
-    for reason in cfg.rules:
-        firm |= found[reason] & ~by_burst if reason == "early_divergence" else found[reason]
+        firm |= found[reason]
+    found["early_divergence"] = found["early_divergence"] | by_burst
+    condemned = firm | by_burst
     lens = np.diff(cu)
     out = []
     for i in np.flatnonzero(condemned).tolist():
@@ -174,7 +175,7 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
         out.append(Quarantined(batch.request_ids[i], i, reasons[0], reasons, float(flags["max_abs_diff"][i]),
                                first if first >= 0 else None, int(lens[i])))
     return Verdict(~condemned, tuple(out), int(lens[condemned].sum()), batch.num_tokens,
-                   int(np.count_nonzero(condemned & ~firm)))
+                   int(np.count_nonzero(by_burst & ~firm)))
 
 
 def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.ndarray]:
@@ -186,11 +187,10 @@ def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.nda
     lr, lt = batch.logp_rollout, batch.logp_train
     if lr.dtype != lt.dtype:
         lr, lt = lr.astype(np.float64), lt.astype(np.float64)
+    compared = np.ones(lr.shape[0], dtype=bool) if batch.mask is None else batch.mask
+    valid = response_mask(batch)  # (M,) compared and finite on both sides
+    bad = compared & ~valid  # NaN, -inf, sentinels
     with np.errstate(invalid="ignore"):
-        bad = ~((lr >= MIN_LOGPROB) & (lt >= MIN_LOGPROB))  # NaN, -inf, sentinels
-        compared = np.ones(lr.shape[0], dtype=bool) if batch.mask is None else batch.mask
-        bad &= compared
-        valid = compared & ~bad
         ad = np.where(valid, np.abs(lt - lr), 0.0)  # (M,)
     counts = segment_count(valid, cu)
     rate, early = catastrophic_parts(ad, cu, counts, stats)
@@ -208,12 +208,6 @@ def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.nda
     return {"nonfinite": nonfinite, "catastrophic": rate, "early": early, "token_mismatch": mismatch,
             "max_abs_diff": segment_max(ad, cu), "first_div": first_div,
             "early_any": (first_div >= 0) & (first_div < stats.early_window), "early_expected": np.float64(expected)}
-
-
-def _early_burst(flags: dict[str, np.ndarray], num: int, sig: SignatureConfig) -> bool:
-    """The signature detector's early burst (`SignatureDetector._early_burst`) on this batch."""
-    early = int(np.count_nonzero(flags["early_any"]))
-    return early >= max(sig.early_min_count, sig.early_min_frac * num) and early >= sig.early_excess * float(flags["early_expected"])
 
 
 def kept_partial(batch: StepBatch, verdict: Verdict, stats: StatsConfig) -> PartialStats:

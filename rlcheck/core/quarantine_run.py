@@ -10,7 +10,7 @@ from typing import Any
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect.signature import SignatureConfig
-from rlcheck.core.quarantine import MAX_LISTED, REASONS, QuarantineConfig, Verdict
+from rlcheck.core.quarantine import MAX_LISTED, QuarantineConfig, Verdict
 from rlcheck.core.types import Alarm
 
 
@@ -99,7 +99,7 @@ def alarms_of(step: int, verdict: Verdict, cfg: QuarantineConfig, streak: int, b
     if verdict.count == 0:
         return []
     ids = [q.request_id for q in verdict.quarantined[:20]]
-    counts = {r: sum(q.reason == r for q in verdict.quarantined) for r in REASONS}
+    counts = verdict.reason_counts()
     why = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
     details = {"count": verdict.count, "frac": verdict.frac, "max_frac": cfg.max_frac, "streak": streak,
                "reasons": counts, "request_ids": ids}

@@ -13,13 +13,19 @@ from rlcheck.core.types import Alarm
 Versions = dict[int, tuple[int, tuple[str, ...]]]
 
 
+def is_stale(version, trainer_version: int, max_lag: int):
+    """Whether a sequence of weight `version` (an int, or an int array: elementwise) is past `max_lag`
+    behind `trainer_version`, or newer than it."""
+    return (trainer_version - version > max_lag) | (version > trainer_version)
+
+
 def check_versions(step: int, versions: Versions, trainer_version: int, max_lag: int) -> tuple[dict[str, float], list[Alarm]]:
     """The step's `weights/` metrics and its alarm (none when every sequence is within `max_lag`);
     `versions`: weight version -> (sequences, first request ids), `PartialStats.versions`."""
     if not versions:
         return {}, []
     oldest, newest = min(versions), max(versions)
-    stale = {v: versions[v] for v in versions if trainer_version - v > max_lag or v > trainer_version}
+    stale = {v: versions[v] for v in versions if is_stale(v, trainer_version, max_lag)}
     count = sum(n for n, _ in stale.values())
     metrics = {K.WEIGHTS_MAX_LAG: float(trainer_version - oldest), K.WEIGHTS_STALE_COUNT: float(count)}
     if not stale:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,9 +177,7 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
         console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
     if found.get("quarantine"):
         q, t = set(found["quarantined"]), found["touched"]
-        by_reason: dict[str, int] = {}
-        for reason in found["quarantined"].values():
-            by_reason[reason] = by_reason.get(reason, 0) + 1
+        by_reason = Counter(found["quarantined"].values())
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(by_reason.items())) or "none"
         line = f"quarantined {len(q)} sequence(s) ({reasons}) over {found['steps_run']} steps"
         if isinstance(fault, CorruptSequences):

@@ -132,9 +132,8 @@ class SignatureDetector(Detector):
         return out
 
     def _early_burst(self, m: dict[str, float]) -> bool:
-        cfg, early = self.cfg, m.get(K.SIG_EARLY_ANY_COUNT, 0.0)
-        return (early >= max(cfg.early_min_count, cfg.early_min_frac * m.get(K.SEQ_COUNT, 0.0))
-                and early >= cfg.early_excess * m.get(K.SIG_EARLY_ANY_EXPECTED, 0.0))
+        return early_burst(m.get(K.SIG_EARLY_ANY_COUNT, 0.0), m.get(K.SEQ_COUNT, 0.0),
+                           m.get(K.SIG_EARLY_ANY_EXPECTED, 0.0), self.cfg)
 
     def _catastrophic(self, step: int, m: dict[str, float]) -> list[Alarm]:
         count = m.get(K.SEQ_CATASTROPHIC_COUNT, 0.0)
@@ -174,3 +173,10 @@ class SignatureDetector(Detector):
         self.slope_streak = int(state.get("slope_streak", 0))
         self.observed = int(state.get("observed", 0))
         self.catastrophic_at = [int(o) for o in state.get("catastrophic_at", ())]
+
+
+def early_burst(early: float, num_sequences: float, expected: float, cfg: SignatureConfig) -> bool:
+    """A step's burst of early divergences: `early` sequences diverging in their first tokens, at least
+    `early_min_count` and `early_min_frac` of the step's `num_sequences`, and `early_excess` times the
+    `expected` count were its diverged tokens anywhere (the quarantine reads the same test)."""
+    return early >= max(cfg.early_min_count, cfg.early_min_frac * num_sequences) and early >= cfg.early_excess * expected
