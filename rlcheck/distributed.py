@@ -230,7 +230,8 @@ def _merge_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
     quarantined = tuple(replace(q, index=q.index + int(off)) for v, off in zip(verdicts, offsets, strict=True)
                         for q in v.quarantined)
     return Verdict(np.concatenate([v.keep for v in verdicts]), quarantined,
-                   sum(v.num_tokens for v in verdicts), sum(v.total_tokens for v in verdicts))
+                   sum(v.num_tokens for v in verdicts), sum(v.total_tokens for v in verdicts),
+                   sum(v.burst_only for v in verdicts))
 
 
 def _judge_across_ranks(batch: StepBatch | None, stats: StatsConfig, cfg: QuarantineConfig, max_weight_lag: int,
