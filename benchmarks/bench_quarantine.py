@@ -32,7 +32,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -44,13 +43,7 @@ from rlcheck.core.monitor import Monitor
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.errors import MismatchHalt
 from rlcheck.synthetic.field import FieldStream
-from rlcheck.synthetic.scenarios import (
-    CALIBRATION_SEEDS,
-    HELD_OUT_SEEDS,
-    SCENARIOS,
-    TEST_SEEDS,
-    observation_order,
-)
+from rlcheck.synthetic.scenarios import CALIBRATION_SEEDS, HELD_OUT_SEEDS, SCENARIOS, TEST_SEEDS, run_scenario
 
 SEEDS = {"calibration": CALIBRATION_SEEDS, "held-out": HELD_OUT_SEEDS, "test": TEST_SEEDS}
 TMP = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -159,30 +152,20 @@ def corrupt_rows(label: str, seeds: tuple[int, ...], args) -> dict:
 
 def healthy_scenario(name: str, seed: int) -> dict:
     """One healthy scenario, whole, quarantine on: every quarantined sequence with its numbers."""
-    s = SCENARIOS[name]
-    stream = FieldStream(dataclasses.replace(s.field, seed=seed), None, s.num_steps)
     run_dir = tempfile.mkdtemp(dir=TMP)
-    cfg = config(run_dir, QuarantineConfig())
-    obs = seqs = 0
-    found, alarms, halts = [], Counter(), []
-    mon = Monitor(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the resume and repeated-step notices
-        for i in observation_order(s):
-            if i < 0:
-                mon.close()
-                mon = Monitor(cfg)
-                continue
-            batch = whole_step(stream, i)
-            report, halted = observe(mon, stream.step(i), batch)
-            found += [{"seed": seed, "observation": i, **q.to_dict(), **tail_counts(batch, q.index)}
-                      for q in report.quarantined]
-            alarms.update(alarm_names(report.alarms))
-            halts += [obs] if halted else []
-            obs, seqs = obs + 1, seqs + batch.num_sequences
-    mon.close()
+    found, alarms, seqs = [], Counter(), [0]
+
+    def seen(i: int, batch: StepBatch, report) -> None:
+        found.extend({"seed": seed, "observation": i, **q.to_dict(), **tail_counts(batch, q.index)}
+                     for q in report.quarantined)
+        alarms.update(alarm_names(report.alarms))
+        seqs[0] += batch.num_sequences
+
+    result = run_scenario(SCENARIOS[name], seed, run_dir, monitor_config=lambda d: config(d, QuarantineConfig()),
+                          whole_batch=True, on_step=seen)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"observations": obs, "sequences": seqs, "quarantined": found, "alarms": alarms, "halts": halts}
+    return {"observations": len(result.steps), "sequences": seqs[0], "quarantined": found, "alarms": alarms,
+            "halts": result.halts}
 
 
 def tail_counts(batch: StepBatch, k: int) -> dict:

@@ -119,10 +119,14 @@ def observation_order(s: Scenario) -> list[int]:
 
 def run_scenario(s: Scenario, seed: int, run_dir: str | os.PathLike, fault: FieldFault | None = None,
                  monitor_config: Callable | None = None, stop_on_halt: bool = False,
-                 keep_metrics: bool = False) -> ScenarioResult:
+                 keep_metrics: bool = False, whole_batch: bool = False,
+                 on_step: Callable | None = None) -> ScenarioResult:
     """Feed the scenario through a `Monitor` (the default config, JSONL sink, in `run_dir`); a halt
     is counted and the run goes on, unless `stop_on_halt`. `monitor_config(run_dir)` overrides the
-    config."""
+    config. The ranks' statistics are reduced as across ranks (`observe_partial`), or with
+    `whole_batch` their sequences joined and observed at once (`observe`: what a quarantine needs to
+    judge them). `on_step(i, batch, report)` sees each observation i (the batch observed, or rank 0's)."""
+    from rlcheck.core.batch import StepBatch
     from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.core.stats import compute_partial, merge
 
@@ -139,12 +143,18 @@ def run_scenario(s: Scenario, seed: int, run_dir: str | os.PathLike, fault: Fiel
                     mon = Monitor(cfg)
                     continue
                 batches = stream.batches(i)
-                partial = merge([compute_partial(b, cfg.stats) for b in batches])
+                batch = StepBatch.concat(batches) if whole_batch else batches[0]
                 try:
-                    report = mon.observe_partial(stream.step(i), partial, batches[0])
+                    if whole_batch:
+                        report = mon.observe(stream.step(i), batch)
+                    else:
+                        partial = merge([compute_partial(b, cfg.stats) for b in batches])
+                        report = mon.observe_partial(stream.step(i), partial, batch)
                 except MismatchHalt as halt:
                     report = halt.report
                     result.halts.append(len(result.steps))
+                if on_step is not None:
+                    on_step(i, batch, report)
                 if fault is not None and result.onset_observation is None and i in stream.touched:
                     result.onset_observation = len(result.steps)
                 result.steps.append(stream.step(i))
