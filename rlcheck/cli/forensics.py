@@ -18,7 +18,13 @@ from rlcheck.cli.paths import existing_dir, output_dir
 from rlcheck.forensics.localize import DEFAULT_TOP as LOCALIZE_TOP
 from rlcheck.forensics.localize_compare import TOLERANCES
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
-from rlcheck.forensics.stress_config import FP32_THRESHOLD, StressConfig, parse_inject, parse_size
+from rlcheck.forensics.stress_config import (
+    FP32_THRESHOLD,
+    StressConfig,
+    parse_audits,
+    parse_inject,
+    parse_size,
+)
 from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE
 from rlcheck.forensics.stress_report import SWEEP_FILE
 from rlcheck.forensics.sweep import SWEEP_REQUESTS
@@ -60,6 +66,11 @@ _DTYPE = typer.Option(StressConfig.dtype, help="Engine dtype (the reference scor
 _SEED = typer.Option(StressConfig.seed, help="Seed of the prompts and the engine: same seed, same failing ids.")
 _INJECT = typer.Option(None, "--inject", help="An engine fault: stale-state, index-wrap[=B] (B: wrap boundary in blocks, default "
                                               "max_num_seqs/2) or perturb-layer=K (decoder layer K's output projection x 1.01 in vLLM).")
+_AUDIT = typer.Option(None, "--audit", help="Engine self-audit (repeatable): decode-prefill (every request re-scored by a fresh "
+                                            "prefill of the same engine) or batch-invariance (again at max_num_seqs 1 and in "
+                                            "shuffled order).")
+_NO_REFERENCE = typer.Option(False, "--no-reference", help="Skip the HF reference (engine only, fast); with --audit "
+                                                           "decode-prefill the fresh prefill judges each request.")
 _THRESHOLD = typer.Option(None, help=f"Max |d| (nats) over which a request fails (default: {FP32_THRESHOLD:g} for float32, "
                                      f"{DEFAULT_THRESHOLD:g} otherwise).")
 
@@ -74,19 +85,20 @@ def stress(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (failing_request_ids, num_requests, ...)."),
     guard: bool = typer.Option(False, "--guard", help="Run the engine guard: lifecycle invariants checked at every "
                                                       "engine step, violations named before the replay."),
+    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE,
 ) -> None:
     """vLLM at temperature 0 under memory pressure and load, every output replayed through the HF
     reference; lists the failing requests with their scheduler context (arrival, step, state block),
-    and with --guard the engine guard's violations (invariant, request, engine step, slot).
-    Exit code 0 when none fails, 1 when one does (or the guard found a violation), 2 on bad input.
+    with --guard the engine guard's violations (invariant, request, engine step, slot), and with
+    --audit the engine checked against itself (decode vs prefill, batch invariance).
+    Exit code 0 when none fails, 1 when one does (or the guard or an audit found one), 2 on bad input.
     `rlcheck diagnose OUT` names the cause."""
     from rlcheck.forensics.stress import run_stress
     from rlcheck.forensics.stress_report import render_stress
 
     cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                          inject, threshold)
-    if guard:
-        cfg = replace(cfg, guard=True)
+    cfg = replace(cfg, guard=guard, audits=parse_audits(audit), reference=not no_reference)
     out = output_dir(out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S"), "--out", own_marker=STRESS_FILE)
     with _phases() as advance:
         result = run_stress(cfg, out, progress=advance)
@@ -94,7 +106,7 @@ def stress(
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
         render_stress(result, console(), top=top)
-    if result.failing or (result.guard is not None and result.guard.violations):
+    if result.failing or result.audit_failed or (result.guard is not None and result.guard.violations):
         raise typer.Exit(1)
 
 
@@ -107,15 +119,18 @@ def sweep(
     inject: str = _INJECT, threshold: float = _THRESHOLD,
     out: Path = typer.Option(None, help="Where sweep.json and sweep.png go (default: runs/sweep-<time>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE,
 ) -> None:
     """Change one knob at a time (cache budget, max sequences, samples per prompt, batched tokens) and
-    record, per value, the failures, the first failing request and the failing fraction: a table and a plot."""
+    record, per value, the failures, the first failing request and the failing fraction (and with
+    --audit, each audit's count of disagreeing requests): a table and a plot."""
     from rlcheck.forensics.stress_report import render_sweep, write_sweep
     from rlcheck.forensics.sweep import parse_knob, run_sweep
 
     knobs = [parse_knob(k) for k in knob]
     base = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                           inject, threshold)
+    base = replace(base, audits=parse_audits(audit), reference=not no_reference)
     out = output_dir(out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S"), "--out", own_marker=SWEEP_FILE)
     with _phases() as advance:
         result = run_sweep(base, knobs, progress=advance)

@@ -58,12 +58,14 @@ def demo(
     steps: int = typer.Option(None, min=1, help="Steps to run [default: 20; with --inject, until the halt, at most 100]."),
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
-    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, drop-sync=PATTERN@S, and in the vLLM engine stale-state, index-wrap=B, stale-buffer, perturb-layer=K (see rlcheck.faults)."),
+    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, top-p=P, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, drop-sync=PATTERN@S, and in the vLLM engine stale-state, index-wrap=B, stale-buffer, perturb-layer=K (see rlcheck.faults)."),
     model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
     quarantine: bool = typer.Option(False, "--quarantine", help="Quarantine the sequences the evidence condemns (out of the step and the loss) instead of halting; past 10%% of a step's sequences it still halts."),
     correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2) or sequence (sequence TIS, cap 2)."),
+    topk: int = typer.Option(0, "--topk", min=0, help="Top-k distribution metrics (rlcheck/dist/*: top-k overlap, KL estimate): the engine returns K logprobs per position and the trainer scores the same ids; 0: off (20 is the usual K)."),
+    audit: bool = typer.Option(False, "--audit", help="The decode-prefill audit: 8 rollouts a step re-scored by a fresh prefill of the rollout engine; a rollout whose decode logprobs differ halts the step (engine-only evidence)."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
@@ -97,7 +99,7 @@ def demo(
         raise typer.BadParameter(f"{correction!r} is not token or sequence", param_hint="--correction")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
                        inject=inject, wandb=wandb, seed=seed, guard=guard, quarantine=quarantine,
-                       correction=correction)
+                       correction=correction, top_k=topk, audit=audit)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, screen)
     render(summarize(run_dir), screen)

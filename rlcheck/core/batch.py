@@ -9,6 +9,8 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
     tokens, tokens_train      (M,) int64   optional: sampled ids, and the ids the trainer scored
     weight_version            (N,) int64   optional: the weights version that generated each sequence
                                            (compared with `Monitor.observe(..., trainer_version=V)`)
+    topk                      TopK         optional: both sides' top-K logprobs, one row per token
+                                           (`rlcheck.core.topk`; dumps do not store it)
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
 mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
@@ -35,13 +37,11 @@ from rlcheck.core.batch_build import (
     to_numpy,
     version_array,
 )
+from rlcheck.core.limits import MAX_LOGPROB
+from rlcheck.core.topk import TopK
 from rlcheck.errors import InputError
 
-__all__ = ["MAX_LOGPROB", "StepBatch", "concat_batches", "segment_token_indices", "to_numpy"]
-
-# A logprob above this is not a logprob (a logit or a probability was passed); bf16 log-softmax can
-# land a hair above zero, so a small tolerance is allowed.
-MAX_LOGPROB = 1e-3
+__all__ = ["MAX_LOGPROB", "StepBatch", "TopK", "concat_batches", "segment_token_indices", "to_numpy"]
 
 
 def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
@@ -68,6 +68,7 @@ class StepBatch:
     prompt_tokens: tuple[np.ndarray, ...] | None = None  # N arrays of int64
     meta: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # per-sequence columns
     weight_version: np.ndarray | None = None  # (N,) int64
+    topk: TopK | None = None  # (M, K) per field
 
     def __post_init__(self) -> None:
         self._validate()
@@ -101,9 +102,11 @@ class StepBatch:
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
+        topk: TopK | None = None,
     ) -> StepBatch:
         """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets).
-        `weight_version`: the weights version that generated the sequences (one int, or one per sequence)."""
+        `weight_version`: the weights version that generated the sequences (one int, or one per sequence);
+        `topk`: both sides' top-K logprobs, one row per token."""
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
         cu = int_array(cu_seqlens, "cu_seqlens")
@@ -122,6 +125,7 @@ class StepBatch:
             else tuple(int_array(p, f"prompt_tokens[{i}]").reshape(-1) for i, p in enumerate(prompt_tokens)),
             meta=dict(meta or {}),
             weight_version=None if weight_version is None else version_array(weight_version, cu.shape[0] - 1),
+            topk=topk,
         )
 
     @classmethod
@@ -137,11 +141,13 @@ class StepBatch:
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
+        topk: TopK | None = None,
     ) -> StepBatch:
-        """From one 1-D array (or list) per sequence for each per-token field."""
+        """From one 1-D array (or list) per sequence for each per-token field (`topk`: one row per
+        token, in the same order; build it with `TopK.from_ragged`)."""
         packed = packed_from_ragged(logp_rollout, logp_train, tokens, mask, tokens_train)
         return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
-                               weight_version=weight_version, **packed)
+                               weight_version=weight_version, topk=topk, **packed)
 
     @classmethod
     def from_padded(
@@ -156,14 +162,16 @@ class StepBatch:
         prompt_tokens: Sequence[Any] | None = None,
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
+        topk: TopK | None = None,
     ) -> StepBatch:
-        """From [B, T] tensors and a [B, T] response mask (verl `response_mask`, TRL `completion_mask`).
+        """From [B, T] tensors and a [B, T] response mask (verl `response_mask`, TRL `completion_mask`);
+        `topk` has B*T rows, row b*T + t for position (b, t) (the [B, T, K] arrays reshaped).
 
         Row b becomes one sequence spanning its first to its last masked-in token; masked-out tokens
         inside that span (tool output, say) stay in the sequence as masked tokens, so positions such
         as the first divergence are counted from the start of the response.
         """
-        packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train)
+        packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train, topk)
         return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
                                weight_version=weight_version, **packed)
 
@@ -212,6 +220,8 @@ class StepBatch:
                 raise InputError(f"meta[{key!r}] has {len(col)} entries for {n} sequences")
         if self.weight_version is not None and self.weight_version.shape != (n,):
             raise InputError(f"weight_version has shape {self.weight_version.shape} for {n} sequences")
+        if self.topk is not None and self.topk.num_tokens != lr.shape[0]:
+            raise InputError(f"topk has {self.topk.num_tokens} rows for {lr.shape[0]} tokens (one row per token)")
 
     # ---- slicing -------------------------------------------------------------------------------
 
@@ -238,6 +248,7 @@ class StepBatch:
             prompt_tokens=None if self.prompt_tokens is None else tuple(self.prompt_tokens[i] for i in idx),
             meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
             weight_version=None if self.weight_version is None else self.weight_version[idx],
+            topk=None if self.topk is None else self.topk.take(tok),
         )
 
     # ---- joining -------------------------------------------------------------------------------
@@ -247,7 +258,7 @@ class StepBatch:
         """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
         indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
         A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
-        tokens, prompts, meta columns and weight versions are kept when every batch has them; request ids must stay
+        tokens, prompts, meta columns, weight versions and top-k are kept when every batch has them; request ids must stay
         unique across the batches. One batch is returned as it is."""
         if not batches:
             raise InputError("concat_batches needs at least one batch")
@@ -271,6 +282,7 @@ class StepBatch:
             prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
             meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
             weight_version=cat("weight_version"),
+            topk=None if any(b.topk is None for b in batches) else TopK.concat([b.topk for b in batches]),
         )
 
 

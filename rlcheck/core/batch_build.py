@@ -160,11 +160,12 @@ def packed_from_ragged(
 
 
 def packed_from_padded(
-    logp_rollout: Any, logp_train: Any, mask: Any, tokens: Any, tokens_train: Any
-) -> dict[str, np.ndarray | None]:
+    logp_rollout: Any, logp_train: Any, mask: Any, tokens: Any, tokens_train: Any, topk: Any = None
+) -> dict[str, Any]:
     """The per-token fields of [B, T] arrays, row b kept from its first to its last masked-in token
     (masked-out tokens inside that span stay, as masked tokens), and their `cu_seqlens`: the keyword
-    arguments of `StepBatch.from_packed`, as `packed_from_ragged` returns them."""
+    arguments of `StepBatch.from_packed`, as `packed_from_ragged` returns them (and `topk`, a
+    `rlcheck.core.topk.TopK` of B*T rows, with the kept rows)."""
     lr = float_array(logp_rollout, "logp_rollout")
     lt = float_array(logp_train, "logp_train")
     m = bool_array(mask, "mask")
@@ -200,4 +201,12 @@ def packed_from_padded(
         "mask": m[keep],
         "tokens": pick(tokens, "tokens"),
         "tokens_train": pick(tokens_train, "tokens_train"),
+        "topk": None if topk is None else _padded_topk(topk, b * t, keep),
     }
+
+
+def _padded_topk(topk: Any, rows: int, keep: np.ndarray) -> Any:
+    """The kept rows of a TopK of the B*T padded positions (row-major)."""
+    if topk.num_tokens != rows:
+        raise InputError(f"topk has {topk.num_tokens} rows; from_padded takes one per [B, T] position ({rows})")
+    return topk.take(np.flatnonzero(keep.reshape(-1)))

@@ -2,3 +2,11 @@
 
 RATIO_LOG_CAP = 50.0  # d above this is capped before exp: r <= e^50 ~ 5e21
 MIN_LOGPROB = -1e4  # below this a "logprob" is a stand-in for -inf (-1e9, finfo.min): counted as non-finite
+MAX_LOGPROB = 1e-3  # above this a "logprob" is a logit or a probability; bf16 log-softmax can land a hair above 0
+FP32_ENGINE_TOL = 1e-3
+"""Max |d| (nats) of a request that two float32 passes of the same model (vLLM vs the reference, decode
+vs prefill) may differ by: they agree to ~1e-5 over thousands of requests (BENCHMARKS.md), while a
+stale or aliased state is off by 0.1 to 20 nats."""
+ENGINE_TOL = 0.5
+"""The same for lower precisions: bf16 passes agree to ~0.1-0.2; a token whose probability is off by
+e^0.5 = 1.65x is beyond precision noise."""

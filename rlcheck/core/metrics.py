@@ -2,7 +2,7 @@
 
 Groups: `token/` (per-token d = logp_train - logp_rollout), `ratio/` (importance ratio r = exp(d),
 raw, before any clipping), `seq/` (per-sequence reductions), `sig/` (statistics the signature
-detectors read).
+detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ SIG_EARLY_ANY_COUNT = "rlcheck/sig/early_any_count"  # sequences diverging (|d| 
 SIG_EARLY_ANY_EXPECTED = "rlcheck/sig/early_any_expected"  # ... expected were the diverged tokens anywhere
 SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
 SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
+
+# beyond the sampled token (StatsConfig.distribution, batches with top-k; rlcheck.core.stats.distribution)
+DIST_COUNT = "rlcheck/dist/num_tokens"  # positions scored
+DIST_KL_MEAN = "rlcheck/dist/kl_mean"  # KL(engine || trainer) over E's tokens and one tail bucket
+DIST_KL_MAX = "rlcheck/dist/kl_max"
+DIST_TOPK_OVERLAP_MEAN = "rlcheck/dist/topk_overlap_mean"  # |engine top-K ∩ trainer top-K| / K
+DIST_TOP1_AGREE_FRAC = "rlcheck/dist/top1_agree_frac"  # positions where both argmaxes agree
+DIST_TAIL_MASS_ROLLOUT_MEAN = "rlcheck/dist/tail_mass_rollout_mean"  # engine's mass outside its top-K
+DIST_TAIL_MASS_TRAIN_MEAN = "rlcheck/dist/tail_mass_train_mean"  # trainer's mass outside the engine's top-K
+DIST = (DIST_COUNT, DIST_KL_MEAN, DIST_KL_MAX, DIST_TOPK_OVERLAP_MEAN, DIST_TOP1_AGREE_FRAC,
+        DIST_TAIL_MASS_ROLLOUT_MEAN, DIST_TAIL_MASS_TRAIN_MEAN)
 
 # monitor bookkeeping
 WEIGHTS_MAX_LAG = "rlcheck/weights/max_lag"  # trainer version - oldest sequence's weight version

@@ -58,6 +58,12 @@ class DemoOptions:
     """Quarantine condemned sequences instead of halting (`rlcheck.core.quarantine`, defaults)."""
     correction: str | None = None
     """The loss's IS correction: "token" (token TIS, cap 2) or "sequence" (sequence TIS, cap 2)."""
+    top_k: int = 0
+    """Top-k distribution metrics (`rlcheck/dist/*`): the engine returns each position's top-k
+    logprobs, the trainer scores the same ids and its own top-k (`rlcheck.loop.topk_wiring`); 0: off."""
+
+    audit: bool = False
+    """The decode-prefill audit on 8 rollouts a step (`rlcheck.loop.audit.DecodePrefillAudit`)."""
 
     @property
     def fault(self) -> Fault:
@@ -96,6 +102,12 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
         from rlcheck.core.correction import CorrectionConfig
 
         cfg = dataclasses.replace(cfg, correction=CorrectionConfig(rollout_is=opts.correction))
+    if opts.audit:
+        from rlcheck.loop.audit import DecodePrefillAudit
+
+        cfg = dataclasses.replace(cfg, audit=DecodePrefillAudit())
+    if opts.top_k:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, top_logprobs=opts.top_k))
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
     with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
@@ -111,10 +123,12 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
 def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
     from rlcheck.core.quarantine import QuarantineConfig
+    from rlcheck.core.stats import StatsConfig
     from rlcheck.sinks.wandb import WandbConfig
 
     return MonitorConfig(
         run_dir=opts.run_dir,
+        stats=StatsConfig(distribution=bool(opts.top_k)),
         quarantine=QuarantineConfig() if opts.quarantine else None,
         correction=cfg.correction,
         sinks=("jsonl", "wandb") if opts.wandb else ("jsonl",),
@@ -145,8 +159,9 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                 quarantined.update({q.request_id: q.reason for q in report.quarantined})
                 held = f"  quarantined {len(quarantined)}" if opts.quarantine else ""
             reward = report.metrics.get("loop/reward_mean", float("nan"))
+            kl = f"  top-k KL {report.metrics[K.DIST_KL_MEAN]:.2g}" if K.DIST_KL_MEAN in report.metrics else ""
             progress.update(task, advance=1, description=(
-                f"mean |d| {report.metrics.get(K.ABS_DIFF_MEAN, float('nan')):.2g}  reward {reward:.3f}{skipped}{held}"))
+                f"mean |d| {report.metrics.get(K.ABS_DIFF_MEAN, float('nan')):.2g}{kl}  reward {reward:.3f}{skipped}{held}"))
 
         result = loop.run(on_step)
     found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined,

@@ -101,12 +101,15 @@ def fingerprint_llm(llm: Any):
 
 
 def score_tokens(llm: Any, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
-    """The engine's logprob of each response token after its prompt, teacher-forced (vLLM's prompt
-    logprobs, which are taken at temperature 1 whatever the sampling temperature)."""
+    """The engine's logprob of each response token after its prompt, teacher-forced: a fresh prefill of
+    prompt + response (the prefix cache not read), vLLM's prompt logprobs, which are log_softmax of the
+    unscaled logits (temperature 1, no logit processor) whatever the sampling settings."""
     from vllm import SamplingParams
 
     rows = [{"prompt_token_ids": list(map(int, p)) + list(map(int, r))} for p, r in zip(prompts, responses, strict=True)]
-    outs = llm.generate(rows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, skip_reading_prefix_cache=True,
+                            detokenize=False)
+    outs = llm.generate(rows, params, use_tqdm=False)
     scored = []
     for out, p, r in zip(outs, prompts, responses, strict=True):
         ids = list(p) + list(r)

@@ -275,10 +275,12 @@ def _build_llm(cfg: VLLMConfig):
     return LLM(**kwargs)
 
 
-def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens_train: Sequence[Any] | None = None):
+def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens_train: Sequence[Any] | None = None,
+                  topk: Any = None):
     """The monitor's `StepBatch` of these rollouts against the trainer's logprobs of the same tokens
     (one array per rollout, same order); ids, tokens and engine context travel along. `tokens_train`:
-    the ids the trainer scored, per rollout, if it tokenised on its own (checked against the sampled ids)."""
+    the ids the trainer scored, per rollout, if it tokenised on its own (checked against the sampled ids);
+    `topk`: both sides' top-K (`rlcheck.core.topk.TopK`, built by `rlcheck.loop.topk_wiring.recompute`)."""
     from rlcheck.core.batch import StepBatch
 
     if len(logp_train) != len(rollouts):
@@ -291,6 +293,7 @@ def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens
         tokens_train=None if tokens_train is None else [np.asarray(t, dtype=np.int64) for t in tokens_train],
         prompt_tokens=[np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rollouts],
         weight_version=[r.weight_version for r in rollouts],
+        topk=topk,
         meta={
             "vllm_request_id": [r.vllm_request_id for r in rollouts],
             "prompt_index": [r.prompt_index for r in rollouts],

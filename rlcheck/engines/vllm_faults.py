@@ -55,6 +55,7 @@ parallelism, speculative decoding, full CUDA graphs, models without Mamba2 layer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -143,6 +144,17 @@ class FaultHandle:
         """Restore the engine's own metadata path (idempotent)."""
         if self.active:
             del self._runner.__dict__["_build_attention_metadata"]
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """The engine's own metadata path until exit, then the fault again (an audit's own passes)."""
+        was = self.active
+        self.remove()
+        try:
+            yield self
+        finally:
+            if was:
+                self._runner._build_attention_metadata = self._build
 
     def __enter__(self) -> FaultHandle:
         return self

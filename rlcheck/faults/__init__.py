@@ -8,6 +8,7 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | skip-sync-every=K       | K >= 2       | a spike every K steps at phase 0 (periodic)            | weights_out_of_sync  |
 | stale-weights@S         | -            | mismatch growing with the steps since S (drift)        | weights_out_of_sync  |
 | temperature-mismatch=F  | factor != 1  | d follows logp_rollout (systematic slope)              | logit_processing     |
+| top-p=P                 | P in (0, 1)  | engine samples top-p, trainer does not: d < 0 (nucleus) | logit_processing    |
 | off-by-one              | -            | logp_train[t] ~ logp_rollout[t+1], token ids differ    | token_misalignment   |
 | bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
 | corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
@@ -36,6 +37,7 @@ from rlcheck.faults.zoo import (
     StaleBuffer,
     StaleWeights,
     TemperatureMismatch,
+    TopP,
 )
 
 FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
@@ -43,6 +45,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     SkipSync.name: (SkipSync, "every", int),
     StaleWeights.name: (StaleWeights, None, int),
     TemperatureMismatch.name: (TemperatureMismatch, "factor", float),
+    TopP.name: (TopP, "p", float),
     OffByOne.name: (OffByOne, None, int),
     Bf16Noise.name: (Bf16Noise, "scale", float),
     CorruptSequences.name: (CorruptSequences, "rate", float),
@@ -82,4 +85,4 @@ def _number(text: str, kind: type, message: str):
 
 
 __all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DropSync", "Fault", "IndexWrap", "OffByOne", "PerturbLayer", "SkipSync", "StaleBuffer", "StaleState",
-           "StaleWeights", "TemperatureMismatch", "parse_inject"]
+           "StaleWeights", "TemperatureMismatch", "TopP", "parse_inject"]

@@ -16,6 +16,7 @@ class Fault:
     """No fault: every hook leaves the loop alone. Subclasses override the hooks they need:
 
     - `trainer_config(cfg)`: the trainer's config as the fault leaves it (before the actors start);
+    - `rollout_config(cfg)`: the rollout engine's `VLLMConfig` as the fault leaves it (before it starts);
     - `skip_sync(step)`: True to leave out the weight sync after the update of `step`;
     - `sync_leave_out(step)`: a name pattern: that sync sends every tensor but those whose name
       contains it, and counts as done (None: send everything);
@@ -41,6 +42,9 @@ class Fault:
             raise ConfigError(f"{self.name}: the start step must be >= 0, got {self.start}")
 
     def trainer_config(self, cfg):
+        return cfg
+
+    def rollout_config(self, cfg):
         return cfg
 
     def skip_sync(self, step: int) -> bool:

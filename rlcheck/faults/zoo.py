@@ -128,6 +128,36 @@ class TemperatureMismatch(Fault):
 
 
 @dataclass(frozen=True)
+class TopP(Fault):
+    """The engine samples with nucleus (top-p) sampling while the trainer scores the full distribution,
+    from the first step: the engine's processed logprobs are renormalised over the nucleus of mass >= P.
+    Shape: d = logp_train - logp_rollout = log(nucleus mass) < 0 on every sampled token, largest
+    where the distribution is flat; beyond the sampled token, the engine's top-k misses the tail."""
+
+    p: float = 0.9
+    name = "top-p"
+    cause = "logit_processing"
+    shape = "systematic: d < 0, engine renormalised over the nucleus"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.p < 1:
+            raise ConfigError(f"top-p needs P in (0, 1) (1 keeps every token: no fault), got {self.p}")
+        if self.start:
+            raise ConfigError("top-p acts from the first step (it changes the engine's sampling config)")
+
+    def rollout_config(self, cfg):
+        return dataclasses.replace(cfg, sampling={**cfg.sampling, "top_p": self.p}, allow_logit_processing=True)
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        return batch, all_ids(batch)
+
+    def value(self) -> str:
+        return f"{self.p:g}"
+
+
+@dataclass(frozen=True)
 class OffByOne(Fault):
     """The trainer's logprobs (and the ids it scored) are read one token late: position t holds what
     belongs to t + 1. Shape: logp_train[t] matches logp_rollout[t+1]; token ids differ."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.limits import ENGINE_TOL
 from rlcheck.core.run.dump import META, SEQUENCES, read_dump
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError
@@ -32,10 +33,11 @@ from rlcheck.forensics.ranking import ReplayRecord, compare, rank, with_context
 
 DEFAULT_TAU = StatsConfig.divergence_tau
 """|d| above which a token diverges (first_divergence): the monitor's own divergence level."""
-DEFAULT_THRESHOLD = 0.5
-"""Max |d| (nats) vs the engine above which a request fails the replay. fp32 engines agree with the
-fp32 reference to ~1e-5 and bf16 ones to ~0.1-0.2 (BENCHMARKS.md); a token whose probability is off
-by e^0.5 = 1.65x is beyond precision noise, while stale state or a wrapped index is off by nats."""
+DEFAULT_THRESHOLD = ENGINE_TOL
+"""Max |d| (nats) vs the engine above which a request fails the replay (`rlcheck.core.limits.ENGINE_TOL`).
+fp32 engines agree with the fp32 reference to ~1e-5 and bf16 ones to ~0.1-0.2 (BENCHMARKS.md); a token
+whose probability is off by e^0.5 = 1.65x is beyond precision noise, while stale state or a wrapped
+index is off by nats."""
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@ its files and console table in `rlcheck.forensics.stress_report`; this module ru
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,24 +58,39 @@ __all__ = ["FAULTS", "FP32_THRESHOLD", "Progress", "StressConfig", "StressResult
 
 
 def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress: Progress | None = None,
-               scorer: Any = None) -> StressResult:
-    """Generate, trace, replay and judge (see the module docstring). `scorer`: an HFScorer of
-    `cfg.model` already loaded (a sweep shares one). `progress(phase, done, total)` as it goes."""
+               scorer: Any = None, serial_cache: dict | None = None) -> StressResult:
+    """Generate, trace, audit, replay and judge (see the module docstring). `scorer`: an HFScorer of
+    `cfg.model` already loaded (a sweep shares one); `serial_cache`: batch-invariance's serial runs,
+    shared by a sweep (`rlcheck.forensics.stress_audits.serial_run`). `progress(phase, done, total)`."""
     from rlcheck.forensics.ranking import compare
     from rlcheck.forensics.replay import load_scorer, resolve_model, score
+    from rlcheck.forensics.stress_audits import batch_invariance
 
     t0 = time.perf_counter()
-    scorer = scorer or load_scorer(resolve_model({}, cfg.model))
-    prompts = make_prompts(cfg, _allowed_ids(cfg.model, scorer))
-    rollouts, fields = _generate(cfg, prompts, progress, t0)
+    if cfg.reference:
+        scorer = scorer or load_scorer(resolve_model({}, cfg.model))
+    prompts = make_prompts(cfg, _allowed_ids(cfg.model, scorer if cfg.reference else None))
+    rollouts, fields, audited = _generate(cfg, prompts, progress, t0)
+    if audited.shuffled is not None:
+        t = time.perf_counter()
+        serial = serial_run(cfg, prompts, progress, serial_cache)
+        fields["seconds"]["audits"] += time.perf_counter() - t
+        fields["audits"]["batch_invariance"] = batch_invariance(
+            cfg, fields["request_ids"], rollouts, audited.shuffled, serial, audited.shuffled_seconds + time.perf_counter() - t)
     t1 = time.perf_counter()
-    responses = [list(r.token_ids) for r in rollouts]
-    reference = score(scorer, prompts, responses, 1.0, True,  # greedy logprobs are untempered: T = 1
-                      None if progress is None else lambda d, t: progress("replaying (tokens)", d, t))
-    records = compare(fields["request_ids"], reference, [r.logprobs for r in rollouts], tau=cfg.fail_threshold)
-    fields["seconds"]["score"] = time.perf_counter() - t1
-    result = StressResult(config=cfg, max_abs_diff=tuple(r.score for r in records),
-                          first_divergence=tuple(r.first_divergence for r in records), **fields)
+    reference, judge = audited.prefill, "decode-prefill" if audited.prefill is not None else "none"
+    if cfg.reference:
+        responses = [list(r.token_ids) for r in rollouts]
+        reference, judge = score(scorer, prompts, responses, 1.0, True,  # greedy logprobs are untempered: T = 1
+                                 None if progress is None else lambda d, t: progress("replaying (tokens)", d, t)), "reference"
+        fields["seconds"]["score"] = time.perf_counter() - t1
+    if reference is not None:
+        records = compare(fields["request_ids"], reference, [r.logprobs for r in rollouts], tau=cfg.fail_threshold)
+        fields.update(max_abs_diff=tuple(r.score for r in records),
+                      first_divergence=tuple(r.first_divergence for r in records))
+    else:
+        fields.update(max_abs_diff=(math.nan,) * len(rollouts), first_divergence=(None,) * len(rollouts))
+    result = StressResult(config=cfg, judge=judge, **fields)
     if out_dir is not None:
         from rlcheck.forensics.stress_report import write_stress
 
@@ -92,7 +109,10 @@ def make_prompts(cfg: StressConfig, allowed: np.ndarray) -> list[list[int]]:
 
 
 def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
-    """Token ids a prompt may hold: the model's vocabulary without its special tokens."""
+    """Token ids a prompt may hold: the model's vocabulary (the reference's, or the config's without
+    one) without its special tokens."""
+    from transformers import AutoConfig
+
     from rlcheck.forensics.replay import vocab_size
 
     special: set[int] = set()
@@ -102,7 +122,8 @@ def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
         special = set(AutoTokenizer.from_pretrained(model).all_special_ids)
     except (OSError, ValueError, KeyError):
         pass
-    ids = np.setdiff1d(np.arange(vocab_size(scorer.model)), np.fromiter(special, dtype=np.int64))
+    size = vocab_size(scorer.model) if scorer is not None else int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
+    ids = np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
     return ids
 
 
@@ -146,9 +167,12 @@ def inject_faults(engine: Any, cfg: StressConfig) -> tuple[Any, Any, str]:
 
 
 def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | None,
-              t0: float) -> tuple[list[Any], dict[str, Any]]:
-    """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on: the
-    rollouts, and the StressResult fields that come from the engine."""
+              t0: float) -> tuple[list[Any], dict[str, Any], Any]:
+    """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on, then the
+    audits that use the same engine (`rlcheck.forensics.stress_audits.engine_audits`): the rollouts,
+    the StressResult fields that come from the engine, and the `EngineAudits`."""
+    from rlcheck.forensics.stress_audits import engine_audits
+
     engine = start_engine(cfg)
     try:
         handle, perturb, trace = inject_faults(engine, cfg)
@@ -168,16 +192,52 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
                 fields["trace"] = f"slot trace, cut at {handle.max_events} events"
             fields.update(contexts=tuple(slot_context(handle.events, fields["request_ids"])),
                           fault_affected=handle.affected_external(), num_steps=handle.step)
-        if perturb is not None:  # every request runs through the perturbed layer
-            perturb.remove()
+        if perturb is not None:  # every request runs through the perturbed layer (the audits' passes too)
             fields["fault_affected"] = {rid: f"ran through {perturb.target} x {perturb.factor:g}"
                                         for rid in fields["request_ids"]}
         if engine.guard is not None:
             fields["guard"] = engine.guard.output()
-        return rollouts, fields
+        t2 = time.perf_counter()
+        audited = engine_audits(engine, cfg, prompts, rollouts, progress)
+        fields["audits"] = audited.audits
+        fields["seconds"]["audits"] = time.perf_counter() - t2
+        if perturb is not None:
+            perturb.remove()
+        return rollouts, fields, audited
     finally:
         engine.close()
         gc.collect()
+
+
+def serial_config(cfg: StressConfig) -> StressConfig:
+    """The settings of batch-invariance's serial run: max_num_seqs 1, no guard, no audit, and no fault
+    but a perturbed layer (a wrong weight is wrong at every concurrency; a state fault stands for one
+    that the stress load brings out)."""
+    keep = cfg.fault == "perturb-layer"
+    return replace(cfg, max_num_seqs=1, fault=cfg.fault if keep else "none", boundary=None,
+                   layer=cfg.layer if keep else None, guard=False, audits=())
+
+
+def serial_run(cfg: StressConfig, prompts: list[list[int]], progress: Progress | None,
+               cache: dict[StressConfig, Any] | None = None) -> tuple[list[Any], list[Any]]:
+    """Every prompt through an engine of `serial_config(cfg)` (from `cache` when it holds that run)."""
+    key = serial_config(cfg)
+    if cache is not None and key in cache:
+        return cache[key]
+    engine = start_engine(key)
+    try:
+        if key.fault != "none":  # a perturbed layer
+            inject_faults(engine, key)
+        bar = None if progress is None else progress_bar(
+            lambda d, t: progress("audit: max_num_seqs 1 (requests)", d, len(prompts)))
+        rollouts = engine.generate(prompts, step=2, use_tqdm=bar or False)
+    finally:
+        engine.close()
+        gc.collect()
+    out = ([r.token_ids for r in rollouts], [r.logprobs for r in rollouts])
+    if cache is not None:
+        cache[key] = out
+    return out
 
 
 def progress_bar(callback: Callable[[int, int], None]) -> type:

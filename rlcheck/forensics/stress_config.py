@@ -10,18 +10,22 @@ when built), the faults that can be injected, and the text forms of `--inject` a
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rlcheck.core.limits import ENGINE_TOL, FP32_ENGINE_TOL
 from rlcheck.errors import ConfigError
 
 FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
 SLOT_FAULTS = ("stale-state", "index-wrap")
+AUDITS = ("decode-prefill", "batch-invariance")
+"""The engine self-audits a stress run can add (`rlcheck.forensics.audits`)."""
 """The faults that act on the Mamba state slots (and need the slot trace)."""
-FP32_THRESHOLD = 1e-3
-"""Max |d| (nats) over which a request fails when the engine runs in float32: greedy fp32 vLLM agrees
-with the fp32 reference to ~1e-5 over thousands of requests (BENCHMARKS.md), while a stale or
-aliased state is off by 0.1 to 20 nats; lower-precision engines use replay's DEFAULT_THRESHOLD."""
+FP32_THRESHOLD = FP32_ENGINE_TOL
+"""Max |d| (nats) over which a request fails when the engine runs in float32 (`rlcheck.core.limits`):
+greedy fp32 vLLM agrees with the fp32 reference, and its decode with its prefill, to ~1e-5 over
+thousands of requests (BENCHMARKS.md), while a stale or aliased state is off by 0.1 to 20 nats;
+lower-precision engines use ENGINE_TOL (replay's DEFAULT_THRESHOLD)."""
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 """Binary size units of `parse_size` (and of `rlcheck.forensics.render.show_value`), by their letter."""
@@ -60,6 +64,14 @@ class StressConfig:
     """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
     guard: bool = False
     """Run the engine guard during generation (lifecycle invariants, policy "record")."""
+    audits: tuple[str, ...] = ()
+    """Engine self-audits (`rlcheck.forensics.audits.AUDITS`): "decode-prefill" re-scores every request
+    with a fresh prefill of the same engine, "batch-invariance" runs them again at max_num_seqs 1 and
+    in shuffled order. An injected state fault acts on the stress run's own generation only (a perturbed
+layer on every pass: a wrong weight is wrong in all of them)."""
+    reference: bool = True
+    """Replay every request through the HF reference; False (`--no-reference`): engine-only, judged by
+    the decode-prefill audit when it runs (nothing is judged per request otherwise)."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -80,6 +92,13 @@ class StressConfig:
         if self.max_prompt_tokens + self.max_tokens > self.max_model_len:
             raise ConfigError(f"max_prompt_tokens + max_tokens ({self.max_prompt_tokens + self.max_tokens}) "
                               f"must fit max_model_len ({self.max_model_len})")
+        if tuple(self.audits) != parse_audits(self.audits):
+            raise ConfigError(f"audits must be distinct names out of {', '.join(AUDITS)}, in that order, "
+                              f"got {self.audits!r}")
+        if "decode-prefill" in self.audits and self.max_prompt_tokens + self.max_tokens >= self.max_model_len:
+            raise ConfigError(f"the decode-prefill audit prefills prompt + response and generates one token: "
+                              f"max_prompt_tokens + max_tokens ({self.max_prompt_tokens + self.max_tokens}) must be "
+                              f"< max_model_len ({self.max_model_len})")
         if self.threshold is not None and not self.threshold > 0:
             raise ConfigError(f"threshold must be > 0, got {self.threshold}")
 
@@ -91,11 +110,18 @@ class StressConfig:
 
     @property
     def fail_threshold(self) -> float:
-        from rlcheck.forensics.replay import DEFAULT_THRESHOLD
-
         if self.threshold is not None:
             return self.threshold
-        return FP32_THRESHOLD if self.dtype == "float32" else DEFAULT_THRESHOLD
+        return FP32_THRESHOLD if self.dtype == "float32" else ENGINE_TOL
+
+
+def parse_audits(names: Sequence[str] | None) -> tuple[str, ...]:
+    """`--audit` values (repeatable, or comma-separated) as a tuple of AUDITS, in AUDITS order."""
+    picked = {n.strip() for name in names or () for n in str(name).split(",") if n.strip()}
+    unknown = sorted(picked - set(AUDITS))
+    if unknown:
+        raise ConfigError(f"unknown audit {', '.join(unknown)}; choose {' or '.join(AUDITS)}")
+    return tuple(a for a in AUDITS if a in picked)
 
 
 def parse_inject(text: str | None) -> tuple[str, int | None]:

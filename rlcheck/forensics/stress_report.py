@@ -27,11 +27,21 @@ from rlcheck.forensics.stress_results import StressResult, SweepResult, guard_di
 RESULT_FILE = "stress.json"
 SWEEP_FILE, PLOT_FILE = "sweep.json", "sweep.png"
 TRACE_COLUMNS = ("first_step", "last_step", "batch_size", "block", "block_used")
+JUDGES = {"reference": "the HF reference (rlcheck stress judges the engine against it)",
+          "decode-prefill": "the engine's own fresh prefill of prompt + response (rlcheck stress --no-reference "
+                            "--audit decode-prefill judges the decode against it)"}
+"""What the dump's `logp_train` is, by `StressResult.judge`."""
 
 
 def write_stress(out: Path, result: StressResult, prompts: list[list[int]], rollouts: list[Any],
-                 reference: list[np.ndarray]) -> StressResult:
-    """Write the dump and stress.json into `out` (replaced); the result with its `dump_dir`."""
+                 reference: list[np.ndarray] | None) -> StressResult:
+    """Write the dump and stress.json into `out` (replaced); the result with its `dump_dir`. The dump's
+    judging side (`logp_train`) is `reference`: the HF reference's logprobs, or the engine's fresh
+    prefill (`--no-reference`); without either only stress.json is written."""
+    if reference is None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
+        return result
     from rlcheck.core.batch import StepBatch
     from rlcheck.core.run.dump import write_dump
 
@@ -58,10 +68,10 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
     )
     context = {
         "model": cfg.model, "engine": "vllm", "source": "rlcheck stress",
-        "logp_train": "the HF reference (rlcheck stress judges the engine against it)",
+        "logp_train": JUDGES[result.judge],
         "sampling": {"greedy": True, "temperature": 0.0, "logprobs_mode": "raw_logprobs",
                      "max_tokens": cfg.max_tokens},  # greedy logprobs are untempered: replay at T = 1
-        "stress": {"fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,
+        "stress": {"judge": result.judge, "audits": list(cfg.audits), "fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,
                    "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                    "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace},
     }
@@ -90,8 +100,9 @@ def render_stress(result: StressResult, console: Any, top: int = 20) -> None:
         f"greedy, {cfg.dtype}); max_num_seqs {cfg.max_num_seqs}, cache {show_value('kv_cache_bytes', cfg.kv_cache_bytes)} = "
         f"{r.num_blocks} blocks; fault: {fault}; {escape(r.trace)}")
     secs = r.seconds
-    console.print(f"start {secs.get('build', 0):.1f} s (reference, engine) + generate {secs.get('generate', 0):.1f} s "
-                  f"+ replay {secs.get('score', 0):.1f} s: {r.requests_per_second:.1f} requests/s")
+    console.print(f"start {secs.get('build', 0):.1f} s ({'reference, ' if cfg.reference else ''}engine) + generate {secs.get('generate', 0):.1f} s "
+                  + (f"+ audits {secs['audits']:.1f} s " if "audits" in secs else "")
+                  + f"+ replay {secs.get('score', 0):.1f} s: {r.requests_per_second:.1f} requests/s")
     failing = r.failing
     if failing:
         t = Table(title=f"failing requests (first {min(top, len(failing))} of {len(failing)}, arrival order)",
@@ -107,12 +118,19 @@ def render_stress(result: StressResult, console: Any, top: int = 20) -> None:
                       "same block in the same step")
     wave = r.first_wave
     wave_line = "" if wave is None else f"; first wave (never-used slots): {wave[1]} of {wave[0]} fail"
-    if failing:
+    against = {"reference": "the reference", "decode-prefill": "their fresh prefill (engine only)"}.get(r.judge)
+    if against is None:
+        console.print("no per-request judge: --no-reference without --audit decode-prefill")
+    elif failing:
         console.print(f"[bold red]FAIL[/]: {len(failing)} of {r.num_requests} requests over max |d| {r.threshold:g} "
-                      f"vs the reference; first at arrival {r.first_failing_index}{wave_line}")
+                      f"vs {against}; first at arrival {r.first_failing_index}{wave_line}")
     else:
-        console.print(f"[green]OK[/]: all {r.num_requests} requests within max |d| {r.threshold:g} of the reference"
+        console.print(f"[green]OK[/]: all {r.num_requests} requests within max |d| {r.threshold:g} of {against}"
                       f"{wave_line}")
+    if r.audits:
+        from rlcheck.forensics.audits_report import render_audits
+
+        render_audits(r, console, top)
     if r.guard is not None:
         _render_guard(r, console, top)
     if r.dump_dir:
@@ -172,33 +190,62 @@ def write_sweep(result: SweepResult, out_dir: str | Path) -> tuple[Path, Path | 
 
 
 def plot_sweep(result: SweepResult, path: Path) -> Path:
-    """One panel per knob: failing fraction (bars) and first failing arrival index (dots) per value."""
+    """One panel per knob: failing fraction (bars) and first failing arrival index (dots) per value;
+    with the batch-invariance audit a second row: the fraction of requests that differ between its
+    runs (bars) and max |d| before the first differing token (dots, log scale)."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     knobs = list(dict.fromkeys(p.knob for p in result.points))
-    fig = Figure(figsize=(4.5 * len(knobs), 3.6), layout="constrained")
-    for ax, knob in zip(fig.subplots(1, len(knobs), squeeze=False)[0], knobs, strict=True):
+    invariance = any(p.requests_differing is not None for p in result.points)
+    fig = Figure(figsize=(4.5 * len(knobs), 3.6 * (1 + invariance)), layout="constrained")
+    axes = fig.subplots(1 + invariance, len(knobs), squeeze=False)
+    for col, knob in enumerate(knobs):
         pts = [p for p in result.points if p.knob == knob]
-        xs = range(len(pts))
-        bars = ax.bar(xs, [p.failing_fraction for p in pts], color="tab:red", alpha=0.7)
-        ax.bar_label(bars, [f"{p.num_failing}/{p.num_requests}" for p in pts], fontsize=8)
-        ax.set_xticks(list(xs), [show_value(knob, p.value) + (f"\n{p.num_blocks} blocks" if p.num_blocks else "")
-                                 for p in pts], fontsize=8)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel(knob)
-        ax.set_ylabel("failing fraction (bars)")
-        right = ax.twinx()
-        firsts = [(x, p.first_failing_index) for x, p in zip(xs, pts, strict=True) if p.first_failing_index is not None]
-        right.plot([x for x, _ in firsts], [f for _, f in firsts], "o", color="black")
-        right.yaxis.set_major_locator(MaxNLocator(integer=True))
-        right.set_ylim(bottom=0, top=max([f for _, f in firsts] + [1]) * 1.15)
-        right.set_ylabel("first failing request (arrival index, dots)")
+        _failing_panel(axes[0][col], knob, pts)
+        if invariance:
+            _invariance_panel(axes[1][col], knob, pts)
     b = result.base
     fig.suptitle(f"{Path(b.model).name}: fault {b.fault}" + (f" (boundary {b.boundary})" if b.boundary else "")
-                 + f", {b.num_requests} requests, {b.max_tokens} tokens", fontsize=10)
+                 + f", {b.num_requests} requests, {b.max_tokens} tokens, {b.dtype}", fontsize=10)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _knob_axis(ax: Any, knob: str, pts: list[Any]) -> range:
+    xs = range(len(pts))
+    ax.set_xticks(list(xs), [show_value(knob, p.value) + (f"\n{p.num_blocks} blocks" if p.num_blocks else "")
+                             for p in pts], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel(knob)
+    return xs
+
+
+def _failing_panel(ax: Any, knob: str, pts: list[Any]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    xs = _knob_axis(ax, knob, pts)
+    bars = ax.bar(xs, [p.failing_fraction for p in pts], color="tab:red", alpha=0.7)
+    ax.bar_label(bars, [f"{p.num_failing}/{p.num_requests}" for p in pts], fontsize=8)
+    ax.set_ylabel("failing fraction (bars)")
+    right = ax.twinx()
+    firsts = [(x, p.first_failing_index) for x, p in zip(xs, pts, strict=True) if p.first_failing_index is not None]
+    right.plot([x for x, _ in firsts], [f for _, f in firsts], "o", color="black")
+    right.yaxis.set_major_locator(MaxNLocator(integer=True))
+    right.set_ylim(bottom=0, top=max([f for _, f in firsts] + [1]) * 1.15)
+    right.set_ylabel("first failing request (arrival index, dots)")
+
+
+def _invariance_panel(ax: Any, knob: str, pts: list[Any]) -> None:
+    xs = _knob_axis(ax, knob, pts)
+    bars = ax.bar(xs, [(p.requests_differing or 0) / max(p.num_requests, 1) for p in pts], color="tab:blue", alpha=0.7)
+    ax.bar_label(bars, [f"{p.requests_differing}/{p.num_requests}" for p in pts], fontsize=8)
+    ax.set_ylabel("requests differing between runs (bars)")
+    right = ax.twinx()
+    worst = [(x, p.invariance_max_abs_diff) for x, p in zip(xs, pts, strict=True) if p.invariance_max_abs_diff]
+    right.plot([x for x, _ in worst], [w for _, w in worst], "o", color="black")
+    if worst:
+        right.set_yscale("log")
+    right.set_ylabel("max |d| before the first difference (dots)")
 
 
 def render_sweep(result: SweepResult, console: Any) -> None:
@@ -208,15 +255,22 @@ def render_sweep(result: SweepResult, console: Any) -> None:
 
     t = Table(title="one knob at a time, the others at the base", title_justify="left", box=box.SIMPLE_HEAD,
               pad_edge=False, collapse_padding=True)
-    for col in ("knob", "value", "blocks", "reqs", "fail", "frac", "1st fail", "wave", "s"):
+    audited = [name for name, attr in (("dp fail", "decode_prefill_failing"), ("differ", "requests_differing"),
+                                       ("outputs", "distinct_outputs"), ("max |d| inv", "invariance_max_abs_diff"))
+               if any(getattr(p, attr) is not None for p in result.points)]
+    for col in ("knob", "value", "blocks", "reqs", "fail", "frac", "1st fail", "wave", *audited, "s"):
         t.add_column(col, no_wrap=True)
     for i, p in enumerate(result.points):
         knob = p.knob if i == 0 or result.points[i - 1].knob != p.knob else ""
         wave = "-" if p.first_wave is None else f"{p.first_wave_failing}/{p.first_wave}"
         first = "-" if p.first_failing_index is None else str(p.first_failing_index)
+        audit_cells = {"dp fail": str(p.decode_prefill_failing), "differ": str(p.requests_differing),
+                       "outputs": str(p.distinct_outputs), "max |d| inv": f"{p.invariance_max_abs_diff or 0:.3g}"}
         t.add_row(knob, show_value(p.knob, p.value), str(p.num_blocks or "-"), str(p.num_requests),
-                  str(p.num_failing), f"{p.failing_fraction:.1%}", first, wave, f"{p.seconds:.1f}",
-                  style="red" if p.num_failing else None)
+                  str(p.num_failing), f"{p.failing_fraction:.1%}", first, wave, *(audit_cells[c] for c in audited),
+                  f"{p.seconds:.1f}", style="red" if p.num_failing or p.decode_prefill_failing or p.requests_differing else None)
     console.print(t)
     console.print("1st fail: arrival index of the first failing request; wave: failing / size of the first wave "
-                  "(requests given a never-used state slot)")
+                  "(requests given a never-used state slot)" + ("; dp fail: decode-prefill audit failures; differ, "
+                  "outputs, max |d| inv: the batch-invariance audit's requests differing, most distinct outputs, max |d| "
+                  "before the first differing token" if audited else ""))

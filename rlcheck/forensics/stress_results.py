@@ -18,7 +18,7 @@ from rlcheck.forensics.stress_config import StressConfig
 class StressResult:
     config: StressConfig
     request_ids: tuple[str, ...]  # vLLM's request ids, arrival order
-    max_abs_diff: tuple[float, ...]  # per request, vs the reference (inf: non-finite)
+    max_abs_diff: tuple[float, ...]  # per request, vs the judge (inf: non-finite; nan: no judge)
     first_divergence: tuple[int | None, ...]  # first response token over the threshold
     contexts: tuple[SlotContext, ...]
     fault_affected: dict[str, str]  # the injected fault's own account of whom it touched
@@ -28,6 +28,8 @@ class StressResult:
     seconds: dict[str, float] = field(default_factory=dict)  # build, generate, score
     dump_dir: str | None = None
     guard: Any = None  # the engine guard's `GuardOutput` (summary, violations, trace) with cfg.guard
+    judge: str = "reference"  # what max_abs_diff is against: "reference", "decode-prefill" or "none"
+    audits: dict[str, Any] = field(default_factory=dict)  # "decode_prefill", "batch_invariance" (audits.py)
 
     @cached_property
     def guard_checks(self) -> dict[str, list[str]]:
@@ -36,6 +38,12 @@ class StressResult:
         for v in self.guard.violations if self.guard is not None else ():
             out.setdefault(v.request_id, []).append(v.check)
         return out
+
+    @property
+    def audit_failed(self) -> bool:
+        """An audit found a request whose engine outputs disagree (decode vs prefill, or between runs)."""
+        dp, bi = self.audits.get("decode_prefill"), self.audits.get("batch_invariance")
+        return bool((dp is not None and dp.failing) or (bi is not None and bi.requests_differing))
 
     @property
     def threshold(self) -> float:
@@ -93,7 +101,8 @@ class StressResult:
             "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace},
             "seconds": self.seconds, "requests_per_second": self.requests_per_second,
             "config": asdict(self.config), "dump_dir": self.dump_dir, "failing": failing,
-            "guard": None if self.guard is None else guard_dict(self.guard),
+            "guard": None if self.guard is None else guard_dict(self.guard), "judge": self.judge,
+            "audits": {name: audit.to_dict() for name, audit in self.audits.items()},
         })
 
 
@@ -119,13 +128,20 @@ class SweepPoint:
     num_blocks: int | None
     seconds: float
     failing_request_ids: tuple[str, ...]
+    decode_prefill_failing: int | None = None  # with the decode-prefill audit: requests over its threshold
+    requests_differing: int | None = None  # with the batch-invariance audit: requests that differ between runs
+    distinct_outputs: int | None = None  # ...the most distinct outputs of one request
+    invariance_max_abs_diff: float | None = None  # ...max |d| before the first differing token
 
     @classmethod
     def of(cls, knob: str, value: int, r: StressResult) -> SweepPoint:
         wave = r.first_wave
+        dp, bi = r.audits.get("decode_prefill"), r.audits.get("batch_invariance")
         return cls(knob, value, r.num_requests, len(r.failing), r.failing_fraction, r.first_failing_index,
                    None if wave is None else wave[0], None if wave is None else wave[1], r.num_blocks,
-                   sum(r.seconds.values()), tuple(r.failing_request_ids))
+                   sum(r.seconds.values()), tuple(r.failing_request_ids),
+                   None if dp is None else len(dp.failing), None if bi is None else bi.requests_differing,
+                   None if bi is None else bi.distinct_outputs, None if bi is None else max(bi.max_abs_diff, default=0.0))
 
 
 @dataclass(frozen=True)

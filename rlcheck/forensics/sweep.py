@@ -8,7 +8,10 @@ when and where failures appear, the failure's shape (design.md, background/).
 
 Every value of every knob is one `rlcheck stress` run on the base settings with that knob changed
 (the others stay at the base); per value: failures, the arrival index of the first failing request,
-the failing fraction and how many of the first wave (requests given a never-used state slot) fail.
+the failing fraction and how many of the first wave (requests given a never-used state slot) fail;
+with `audits`, per value also the decode-prefill failures and the requests that differ between the
+batch-invariance runs (`--audit batch-invariance --knob max_num_seqs=...`: how batch invariance
+changes with concurrency; the max_num_seqs 1 run they are compared with is made once).
 The two Mamba faults read apart this way: stale state never touches the first wave and grows as
 memory shrinks (fewer slots, more reuse); a wrapped index appears once concurrency pushes block ids
 past its boundary and vanishes when memory is cut, the misleading lever of the original bug.
@@ -76,13 +79,15 @@ def run_sweep(base: StressConfig, knobs: list[Knob], *, progress: Progress | Non
     if not knobs:
         raise ConfigError("sweep needs at least one --knob NAME=V1,V2,...")
     base = replace(base, boundary=base.fault_boundary)  # the wrap boundary stays put while max_num_seqs moves
-    scorer = scorer or load_scorer(resolve_model({}, base.model))
+    if base.reference:
+        scorer = scorer or load_scorer(resolve_model({}, base.model))
+    serial: dict = {}  # batch-invariance's max_num_seqs 1 runs, one per distinct setting
     total = sum(len(k.values) for k in knobs)
     points: list[SweepPoint] = []
     for knob in knobs:
         for value in knob.values:
             label = f"{knob.name}={value} ({len(points) + 1}/{total})"
             report = None if progress is None else (lambda phase, d, t, label=label: progress(f"{label} {phase}", d, t))
-            result = run_stress(knob_config(base, knob.name, value), progress=report, scorer=scorer)
+            result = run_stress(knob_config(base, knob.name, value), progress=report, scorer=scorer, serial_cache=serial)
             points.append(SweepPoint.of(knob.name, value, result))
     return SweepResult(base, tuple(points))

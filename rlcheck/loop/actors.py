@@ -51,6 +51,16 @@ class RolloutWorker:
 
         return score_tokens(self.engine.llm, prompts, responses)
 
+    def rescore(self, prompts: list[list[int]], responses: list[list[int]]) -> list:
+        """The engine's logprobs of its own rollouts from a fresh prefill (the decode-prefill audit,
+        `rlcheck.loop.audit`); a state fault injected for a self-test is suspended meanwhile."""
+        from contextlib import nullcontext
+
+        from rlcheck.engines.fingerprint import score_tokens
+
+        with getattr(self.fault, "suspended", nullcontext)():
+            return score_tokens(self.engine.llm, prompts, responses)
+
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -101,6 +111,9 @@ class TrainerWorker:
 
     def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None):
         return self.trainer.logprobs(seqs, plan, temperature)
+
+    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int):
+        return self.trainer.topk_logprobs(seqs, plan, top_k)
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
         return self.trainer.train_step(seqs, plan)

@@ -19,6 +19,7 @@ from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import ActorDiedError, ConfigError
 from rlcheck.faults import Fault
+from rlcheck.loop.audit import DecodePrefillAudit
 from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import EngineRestart
@@ -58,6 +59,11 @@ class LoopConfig:
     surrogate is weighted by `StepReport.correction`'s weight, the rejected tokens dropped. The
     sequences the Monitor quarantines (`MonitorConfig.quarantine`) leave the loss either way; None:
     no IS weight."""
+    audit: DecodePrefillAudit | None = None
+    """Re-score a sample of each step's rollouts with a fresh prefill of the rollout engine and compare
+    with their decode logprobs (`rlcheck.loop.audit`): a rollout past the threshold is an alarm of the
+    step (critical by default), from the engine alone, before the trainer recomputes. Needs rollouts
+    sampled at temperature 1 without logit processing. None: off."""
     keep_reports: int = 10_000
     """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
@@ -84,6 +90,13 @@ class LoopConfig:
             raise ConfigError("need max_engine_restarts >= 0, call_timeout_s > 0 and collective_timeout_s > 0")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
+        if self.audit is not None:
+            from rlcheck.loop.audit import check_sampling
+
+            if not isinstance(self.audit, DecodePrefillAudit):
+                raise ConfigError(f"audit must be a rlcheck.loop.audit.DecodePrefillAudit or None, got "
+                                  f"{type(self.audit).__name__}")
+            check_sampling(self.rollout)
         if self.keep_reports < 1:
             raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:

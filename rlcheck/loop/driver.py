@@ -42,9 +42,11 @@ from rlcheck.core.monitor import Monitor
 from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import to_step_batch
 from rlcheck.errors import ActorDiedError, MismatchHalt
+from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
+from rlcheck.loop.topk_wiring import recompute
 from rlcheck.trainers import Sequences, group_advantages
 
 CORRECTION_LOGGED = ("rollout_is_mean", "rollout_is_max", "rollout_is_ratio_fraction_high",
@@ -67,7 +69,8 @@ class GRPOLoop:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         from rlcheck.loop.guarding import with_run_dir
 
-        self.engine = RolloutSupervisor(with_run_dir(cfg.rollout, monitor.run_dir), cfg.placement, cfg.fault.engine_fault(),
+        self.rollout_cfg = cfg.fault.rollout_config(with_run_dir(cfg.rollout, monitor.run_dir))
+        self.engine = RolloutSupervisor(self.rollout_cfg, cfg.placement, cfg.fault.engine_fault(),
                                         cfg.max_engine_restarts, cfg.call_timeout_s)
         try:
             self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement,
@@ -146,10 +149,14 @@ class GRPOLoop:
 
             found, extra = step_alarms(self.engine, step)
             guard_alarms, guard_extra = guard_alarms + found, {**guard_extra, **extra}
+        if cfg.audit is not None:  # engine-only evidence, before the trainer (rlcheck.loop.audit)
+            with t("audit"):
+                found, extra = audit_step(self.engine, rollouts, step, cfg.audit, cfg.rollout.dtype, cfg.rollout.seed)
+            guard_alarms, guard_extra = guard_alarms + found, {**guard_extra, **extra}
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
         plan = self.group.plan(seqs)
-        with t("recompute"):
-            logp_train = self.group.logprobs(seqs, plan)
+        with t("recompute"):  # with the engine's top-k on, also both sides' top-k (rlcheck.loop.topk_wiring)
+            logp_train, topk = recompute(self.group, seqs, plan, rollouts, self.rollout_cfg.top_logprobs)
         rewards = np.array([reward(r.text, items[r.prompt_index][1]) for r in rollouts])
         extra = {
             "loop/reward_mean": float(rewards.mean()),
@@ -158,7 +165,7 @@ class GRPOLoop:
             **self.engine.metrics(step),
             **guard_extra,
         }
-        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses))
+        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses, topk=topk))
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it

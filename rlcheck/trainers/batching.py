@@ -34,6 +34,9 @@ class Sequences:
     monitor's keep mask and importance-sampling correction (`StepReport.correction`). None: all 1."""
     loss_tokens: int | None = None
     """The tokens the loss averages over (those a correction's mask keeps); None: every response token."""
+    topk_ids: tuple[np.ndarray, ...] | None = None
+    """Per sequence, (L_i, K) int64 ids (the engine's top-K of each response token, -1 = padding) the
+    trainer's logprobs are also asked at (`PolicyTrainer.topk_logprobs`); None: not asked."""
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.responses) or not self.prompts:
@@ -51,6 +54,12 @@ class Sequences:
             bad = [i for i, (w, r) in enumerate(zip(self.weights, self.responses, strict=True)) if len(w) != len(r)]
             if len(self.weights) != len(self.prompts) or bad:
                 raise InputError(f"loss weights must match the response lengths (sequences {bad[:5]})")
+        if self.topk_ids is not None:
+            bad = [i for i, (x, r) in enumerate(zip(self.topk_ids, self.responses, strict=False))
+                   if x.ndim != 2 or x.shape[0] != len(r)]
+            if len(self.topk_ids) != len(self.prompts) or bad or len({x.shape[-1] for x in self.topk_ids}) > 1:
+                raise InputError(f"topk_ids must be one (L_i, K) array per sequence, the same K for all "
+                                 f"(sequences {bad[:5]} differ from their response length)")
 
     @classmethod
     def build(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

@@ -4,8 +4,11 @@ weight, `chunk_size` rows of logits at a time, forward and backward.
 `chunked_token_logprobs(hidden, weight, targets)` equals the naive float32 log-softmax + gather (its
 docstring states the formula) but never holds the [tokens, vocab] logits: a `torch.autograd.Function`
 loops over chunks of rows, and its backward recomputes each chunk's logits instead of keeping them.
-The model's logit transform (scale, Gemma-style softcap, temperature) is applied per chunk. torch is
-the only dependency; running it inside a model's forward is `rlcheck.trainers.logprobs.token_logprobs`.
+The model's logit transform (scale, Gemma-style softcap, temperature) is applied per chunk. The same
+pass can also give, without gradient, each row's logprobs at given ids (the engine's top-K) and its
+own top-K ids (`top_k`, `topk_ids`: `TokenLogprobs.topk`), so that no [tokens, vocab] tensor is kept
+for the top-k distribution metrics either. torch is the only dependency; running it inside a model's
+forward is `rlcheck.trainers.logprobs.token_logprobs`.
 """
 
 from __future__ import annotations
@@ -23,11 +26,23 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 MIN_CHUNK_ROWS = 16
 
 
+class TopKScores(NamedTuple):
+    """Beyond the target token, from the same chunked pass (no gradient)."""
+
+    logp_at: torch.Tensor | None
+    """(N, K) float32 log-probability of each given id (`topk_ids`: the engine's top-K); -inf where
+    the id is padding (-1); None unless ids were given."""
+    ids: torch.Tensor | None
+    """(N, K) int64: this distribution's own top-K ids, most probable first; None unless `top_k` > 0."""
+
+
 class TokenLogprobs(NamedTuple):
     logp: torch.Tensor
     """float32 log-probability of each target token."""
     entropy: torch.Tensor | None
     """float32 entropy (nats) of each position's distribution; None unless asked for."""
+    topk: TopKScores | None = None
+    """Log-probabilities at given ids and the own top-K ids (`top_k`, `topk_ids`); None unless asked for."""
 
 
 def default_chunk_size(vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -70,38 +85,66 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias, tf: _Transform) -
     return tf.apply_(x if x.dtype == torch.float32 else x.float())
 
 
-def _chunk_forward(z: torch.Tensor, t: torch.Tensor, with_entropy: bool):
-    """(logp, lse, entropy | None) of one chunk; overwrites z. `log_softmax` works row by row in
-    cache, faster than whole-chunk passes (max, subtract, exp, sum) over a chunk that is not."""
+def _chunk_topk(lp: torch.Tensor, ids: torch.Tensor | None, top_k: int):
+    """(logp at `ids` (c, K) with -inf at padding ids (-1), own top-`top_k` ids (c, k)) of one
+    chunk's log-softmax `lp` (c, V); either is None when not asked for."""
+    at = None
+    if ids is not None:
+        pad = ids < 0
+        at = lp.gather(1, ids.clamp(min=0)).masked_fill_(pad, -math.inf)  # (c, K)
+    own = lp.topk(top_k, dim=1, sorted=True).indices if top_k else None  # (c, k)
+    return at, own
+
+
+def _chunk_forward(z: torch.Tensor, t: torch.Tensor, with_entropy: bool, topk=None):
+    """(logp, lse, entropy | None, top-k scores) of one chunk; overwrites z. `log_softmax` works row
+    by row in cache, faster than whole-chunk passes (max, subtract, exp, sum) over a chunk that is not.
+    `topk`: (ids (c, K) or None, top_k) for `_chunk_topk`, or None."""
     target = z.gather(1, t[:, None]).squeeze(1)  # (c,)
     lp = z.log_softmax(dim=1)  # (c, V)
     logp = lp.gather(1, t[:, None]).squeeze(1)
+    scores = (None, None) if topk is None else _chunk_topk(lp, *topk)
     if not with_entropy:
-        return logp, target - logp, None
+        return logp, target - logp, None, scores
     p = torch.exp(lp, out=z)
     neg_ent = torch.bmm(p[:, None, :], lp[:, :, None]).view(-1)  # (c,) sum p log p, no (c, V) temporary
-    return logp, target - logp, neg_ent.neg_()
+    return logp, target - logp, neg_ent.neg_(), scores
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k):
+        """Outputs: logp (N,), then entropy (N,) if asked, logp at `topk_ids` (N, K) if given, own
+        top-`top_k` ids (N, k) if top_k > 0; the last two are non-differentiable."""
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
+        at = None if topk_ids is None else logp.new_empty(topk_ids.shape)  # (N, K)
+        own = None if not top_k else torch.empty(n, top_k, dtype=torch.int64, device=hidden.device)  # (N, k)
+        want_topk = at is not None or own is not None
         for a in range(0, n, chunk_size):
-            z = _chunk_logits(hidden[a : a + chunk_size], weight, bias, tf)
-            lp, ls, en = _chunk_forward(z, targets[a : a + chunk_size], with_entropy)
-            logp[a : a + chunk_size], lse[a : a + chunk_size] = lp, ls
+            s = slice(a, a + chunk_size)
+            z = _chunk_logits(hidden[s], weight, bias, tf)
+            ids = None if topk_ids is None else topk_ids[s]
+            lp, ls, en, (at_c, own_c) = _chunk_forward(z, targets[s], with_entropy, (ids, top_k) if want_topk else None)
+            logp[s], lse[s] = lp, ls
             if with_entropy:
-                ent[a : a + chunk_size] = en
+                ent[s] = en
+            if at is not None:
+                at[s] = at_c
+            if own is not None:
+                own[s] = own_c
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.tf, ctx.chunk_size = tf, chunk_size
-        return (logp, ent) if with_entropy else logp
+        ctx.tf, ctx.chunk_size, ctx.with_entropy = tf, chunk_size, with_entropy
+        extra = tuple(x for x in (at, own) if x is not None)
+        ctx.mark_non_differentiable(*extra)
+        out = (logp, ent, *extra) if with_entropy else (logp, *extra)
+        return out if len(out) > 1 else logp
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_ent=None):
+    def backward(ctx, grad_logp, *grads):
+        grad_ent = grads[0] if ctx.with_entropy else None  # the top-k outputs have no gradient
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -131,7 +174,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_b.add_(gz.sum(dim=0))
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _chunk_grad(h, weight, bias, tf: _Transform, t, lse, g_logp, entropy_and_grad) -> torch.Tensor:
@@ -164,6 +207,8 @@ def chunked_token_logprobs(
     logit_softcap: float | None = None,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    top_k: int = 0,
+    topk_ids: torch.Tensor | None = None,
 ) -> TokenLogprobs:
     """Log-probabilities of `targets` under the logits `hidden @ weight.T (+ bias)`, chunked over tokens.
 
@@ -175,6 +220,8 @@ def chunked_token_logprobs(
     logps = (x / temperature).log_softmax(-1)                            # (N, V) float32
     logp = logps.gather(-1, targets[:, None]).squeeze(-1)                # (N,)
     entropy = -(logps.exp() * logps).sum(-1)                             # (N,)
+    logp_at = logps.gather(-1, topk_ids.clamp(min=0)).masked_fill(topk_ids < 0, -inf)  # (N, K)
+    ids = logps.topk(top_k, dim=-1).indices                              # (N, top_k)
     ```
 
     but only `chunk_size` rows of logits exist at a time, in the forward and in the backward (which
@@ -190,9 +237,12 @@ def chunked_token_logprobs(
         logit_softcap: Gemma-style `final_logit_softcapping`, applied after the scale; None for none.
         chunk_size: rows per chunk; default `default_chunk_size(V)` (64 MiB of float32 logits).
         with_entropy: also return each row's entropy.
+        top_k: also return each row's own `top_k` most probable ids (0: no).
+        topk_ids: (N, K) int64 ids (the engine's top-K, -1 = padding) to return the logprobs of.
 
     Returns:
-        `TokenLogprobs(logp, entropy)`: float32 (N,) tensors; entropy is None unless asked for.
+        `TokenLogprobs(logp, entropy, topk)`: float32 (N,) tensors; entropy is None unless asked for;
+        `topk` is `TopKScores(logp_at, ids)` (no gradient) when `top_k` or `topk_ids` is given, else None.
     """
     check_temperature(temperature)
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -206,7 +256,27 @@ def chunked_token_logprobs(
             "weight is a sharded DTensor: pass the FSDP-wrapped model to token_logprobs, "
             "which runs this inside the model's forward where the weight is unsharded"
         )
+    ids = _check_topk(top_k, topk_ids, hidden.shape[0], weight.shape[0])
+    ids = None if ids is None else ids.to(hidden.device)
     tf = _Transform(float(logit_scale), logit_softcap, float(temperature))
     chunk = chunk_size or default_chunk_size(weight.shape[0])
-    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy)
-    return TokenLogprobs(*out) if with_entropy else TokenLogprobs(out, None)
+    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy, ids, top_k)
+    out = list(out) if isinstance(out, tuple) else [out]
+    logp, ent = out.pop(0), out.pop(0) if with_entropy else None
+    if ids is None and not top_k:
+        return TokenLogprobs(logp, ent)
+    at = out.pop(0) if ids is not None else None
+    return TokenLogprobs(logp, ent, TopKScores(at, out.pop(0) if top_k else None))
+
+
+def _check_topk(top_k: int, topk_ids: torch.Tensor | None, n: int, vocab: int) -> torch.Tensor | None:
+    """`topk_ids` as int64 after checking `top_k` in [0, V] and the ids (N, K) in [-1, V)."""
+    if not (isinstance(top_k, int) and 0 <= top_k <= vocab):
+        raise ConfigError(f"top_k must be an integer in [0, vocab size {vocab}], got {top_k!r}")
+    if topk_ids is None:
+        return None
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n:
+        raise InputError(f"topk_ids must be (N, K) with N = {n} scored rows, got {tuple(topk_ids.shape)}")
+    if topk_ids.numel() and (int(topk_ids.max()) >= vocab or int(topk_ids.min()) < -1):
+        raise InputError(f"topk_ids must hold token ids in [0, {vocab}) or -1 for padding")
+    return topk_ids.long()

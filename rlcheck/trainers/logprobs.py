@@ -28,13 +28,14 @@ from rlcheck.trainers.chunked_logprobs import (
     DEFAULT_CHUNK_BYTES,
     MIN_CHUNK_ROWS,
     TokenLogprobs,
+    TopKScores,
     check_temperature,
     chunked_token_logprobs,
     default_chunk_size,
 )
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "chunked_token_logprobs", "default_chunk_size",
-           "logit_transform", "token_logprobs"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "TopKScores", "chunked_token_logprobs",
+           "default_chunk_size", "logit_transform", "token_logprobs"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -108,6 +109,8 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    top_k: int = 0,
+    topk_ids: torch.Tensor | None = None,
 ) -> TokenLogprobs:
     """Token logprobs of a causal LM (plain, FSDP2 `fully_shard`-ed or a DeepSpeed engine), equal to
     `log_softmax(model(input_ids).logits.float() / temperature)` gathered at the targets, without the
@@ -122,6 +125,11 @@ def token_logprobs(
       each sequence; returns (T - num_seqs,): each sequence's L - 1 logprobs, concatenated.
     With `cu_seqlens`, `position_ids` default to restarting at every sequence (HF then masks attention
     between packed sequences); `attention_mask` must then be None.
+
+    Beyond the target token, from the same chunked pass and without gradient (`TokenLogprobs.topk`):
+    `topk_ids`, shaped as the returned logprobs + (K,) (e.g. (B, T-1, K), or (T - num_seqs, K)
+    packed; -1 = padding), gives each position's logprobs at those ids (the engine's top-K), -inf at
+    padding; `top_k` > 0 gives each position's own top-`top_k` ids; both shaped as the output + (K,).
     """
     check_temperature(temperature)
     hf = unwrap(model)
@@ -133,6 +141,7 @@ def token_logprobs(
         if position_ids is None:
             position_ids = _positions_from_cu_seqlens(cu_seqlens, input_ids.device)
     rows, tgt, shape = _scored_rows(input_ids, targets, cu_seqlens)
+    flat_ids = None if topk_ids is None else _flat_topk_ids(topk_ids, tgt.shape[0], shape)
     lm_head, decoder = hf.get_output_embeddings(), hf.get_decoder()
     if lm_head is None or decoder is hf:
         raise InputError(
@@ -143,19 +152,20 @@ def token_logprobs(
 
     def head_forward(hidden):  # runs as lm_head(hidden): weight gathered by the wrapper's hooks
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
-        return tuple(
-            chunked_token_logprobs(
-                flat if rows is None else flat[rows],
-                lm_head.weight,
-                tgt,
-                bias=lm_head.bias,
-                temperature=temperature,
-                logit_scale=scale,
-                logit_softcap=softcap,
-                chunk_size=chunk_size,
-                with_entropy=with_entropy,
-            )
-        )[: 1 + with_entropy]
+        out = chunked_token_logprobs(
+            flat if rows is None else flat[rows],
+            lm_head.weight,
+            tgt,
+            bias=lm_head.bias,
+            temperature=temperature,
+            logit_scale=scale,
+            logit_softcap=softcap,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            top_k=top_k,
+            topk_ids=flat_ids,
+        )
+        return (out.logp, *(x for x in (out.entropy, *(out.topk or ())) if x is not None))  # tensors only
 
     def model_forward(input_ids, attention_mask=None, position_ids=None):
         out = decoder(
@@ -164,5 +174,18 @@ def token_logprobs(
         return lm_head(out.last_hidden_state)
 
     with _forward_swapped(lm_head, head_forward), _forward_swapped(hf, model_forward):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return TokenLogprobs(out[0].view(shape), out[1].view(shape) if with_entropy else None)
+        out = list(model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
+    logp, ent = out.pop(0).view(shape), out.pop(0).view(shape) if with_entropy else None
+    if topk_ids is None and not top_k:
+        return TokenLogprobs(logp, ent)
+    at = out.pop(0).view(*shape, flat_ids.shape[1]) if flat_ids is not None else None
+    return TokenLogprobs(logp, ent, TopKScores(at, out.pop(0).view(*shape, top_k) if top_k else None))
+
+
+def _flat_topk_ids(topk_ids: torch.Tensor, n: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """`topk_ids` (output shape + (K,)) as (N, K) rows in the scored order (InputError if misshapen)."""
+    if topk_ids.dim() < 2 or topk_ids.reshape(-1, topk_ids.shape[-1]).shape[0] != n or (
+            shape != (-1,) and tuple(topk_ids.shape[:-1]) != shape):
+        what = f"{shape} + (K,)" if shape != (-1,) else f"({n}, K)"
+        raise InputError(f"topk_ids must be shaped as the scored logprobs + (K,): {what}, got {tuple(topk_ids.shape)}")
+    return topk_ids.reshape(n, topk_ids.shape[-1])

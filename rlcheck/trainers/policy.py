@@ -40,13 +40,22 @@ class PolicyTrainer:
     def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None) -> dict[int, np.ndarray]:
         """This rank's share of the plan: sequence index -> float32 logprobs of its response tokens
         (at the config's temperature, or `temperature`: the sync check's probe scores at 1)."""
-        out: dict[int, np.ndarray] = {}
+        return {i: s[0] for i, s in self._score_share(seqs, plan, temperature).items()}
+
+    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int) -> dict[int, tuple]:
+        """As `logprobs`, with more from the same chunked pass: sequence index -> (logp (L,) float32,
+        logprobs at `seqs.topk_ids` (L, K) float32, -inf at padding, or None without them, this
+        distribution's own top-`top_k` ids (L, top_k) int64, or None if top_k is 0)."""
+        return self._score_share(seqs, plan, None, top_k)
+
+    def _score_share(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None, top_k: int = 0):
+        out: dict[int, tuple] = {}
         self.backend.module.eval()
         with torch.no_grad():
             for mb in self._my_batches(plan):
-                logps = self._forward(seqs, mb, temperature)  # also when empty (a dummy): a collective
-                for i, lp in zip(mb, logps if mb else [], strict=True):
-                    out[i] = lp.float().cpu().numpy()
+                scored = self._scores(seqs, mb, temperature, top_k)  # also when empty (a dummy): a collective
+                for i, parts in zip(mb, scored if mb else [], strict=True):
+                    out[i] = tuple(None if x is None else x.cpu().numpy() for x in parts)
         return out
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
@@ -104,24 +113,50 @@ class PolicyTrainer:
 
     def _forward(self, seqs: Sequences, mb: tuple[int, ...], temperature: float | None = None) -> list[torch.Tensor]:
         """Response-token logprobs of each sequence of the micro-batch (a 2-token dummy if empty)."""
+        return [parts[0] for parts in self._scores(seqs, mb, temperature)]
+
+    def _scores(self, seqs: Sequences, mb: tuple[int, ...], temperature: float | None = None, top_k: int = 0):
+        """Per sequence of the micro-batch (a 2-token dummy if empty): (logp (L,), logp at its
+        `seqs.topk_ids` (L, K) or None, own top-`top_k` ids (L, top_k) or None)."""
         rows = [list(seqs.prompts[i]) + list(seqs.responses[i]) for i in mb] or [[self.pad_id, self.pad_id]]
         resp = [len(seqs.responses[i]) for i in mb] or [1]
+        ids = None
+        if seqs.topk_ids is not None:
+            ids = [torch.from_numpy(seqs.topk_ids[i]) for i in mb] or [torch.full((1, seqs.topk_ids[0].shape[1]), -1)]
         t = self.cfg.temperature if temperature is None else temperature
         if self.packed and len(rows) > 1:
-            return self._packed(rows, resp, t)
-        return self._padded(rows, resp, t)
+            return self._packed(rows, resp, t, ids, top_k)
+        return self._padded(rows, resp, t, ids, top_k)
 
-    def _packed(self, rows: list[list[int]], resp: list[int], temperature: float) -> list[torch.Tensor]:
+    def _packed(self, rows: list[list[int]], resp: list[int], temperature: float, ids, top_k: int) -> list[tuple]:
         device = self.cfg.device
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)[None]  # (1, T)
+        tokens = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)[None]  # (1, T)
         lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
         cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
-        flat = token_logprobs(self.backend.module, ids, cu_seqlens=cu.to(device), temperature=temperature).logp
-        per_seq = torch.split(flat, (lens - 1).tolist())  # each sequence's L - 1 logprobs
-        return [lp[-n:] for lp, n in zip(per_seq, resp, strict=True)]
+        scored = (lens - 1).tolist()  # each sequence's L - 1 logprobs
+        topk_ids = None
+        if ids is not None:  # (T - num_seqs, K): each sequence's ids at its last (response) positions
+            topk_ids = torch.full((sum(scored), ids[0].shape[1]), -1, dtype=torch.long)
+            for end, n, x in zip(torch.cumsum(lens - 1, 0).tolist(), resp, ids, strict=True):
+                topk_ids[end - n : end] = x
+            topk_ids = topk_ids.to(device)
+        out = token_logprobs(self.backend.module, tokens, cu_seqlens=cu.to(device), temperature=temperature,
+                             top_k=top_k, topk_ids=topk_ids)
+        parts = [out.logp, *(out.topk or (None, None))]
+        split = [None if x is None else torch.split(x, scored) for x in parts]
+        return [tuple(None if x is None else x[j][-n:] for x in split) for j, n in enumerate(resp)]
 
-    def _padded(self, rows: list[list[int]], resp: list[int], temperature: float) -> list[torch.Tensor]:
-        ids = right_padded(rows, self.pad_id)  # (B, W)
-        logp = token_logprobs(self.backend.module, ids.to(self.cfg.device), temperature=temperature).logp  # (B, W-1)
-        return [logp[b, len(r) - n - 1 : len(r) - 1] for b, (r, n) in enumerate(zip(rows, resp, strict=True))]
+    def _padded(self, rows: list[list[int]], resp: list[int], temperature: float, ids, top_k: int) -> list[tuple]:
+        tokens = right_padded(rows, self.pad_id)  # (B, W)
+        spans = [slice(len(r) - n - 1, len(r) - 1) for r, n in zip(rows, resp, strict=True)]
+        topk_ids = None
+        if ids is not None:  # (B, W-1, K)
+            topk_ids = torch.full((*tokens.shape[:1], tokens.shape[1] - 1, ids[0].shape[1]), -1, dtype=torch.long)
+            for b, (span, x) in enumerate(zip(spans, ids, strict=True)):
+                topk_ids[b, span] = x
+            topk_ids = topk_ids.to(self.cfg.device)
+        out = token_logprobs(self.backend.module, tokens.to(self.cfg.device), temperature=temperature,
+                             top_k=top_k, topk_ids=topk_ids)  # (B, W-1) and (B, W-1, K)
+        parts = [out.logp, *(out.topk or (None, None))]
+        return [tuple(None if x is None else x[b, span] for x in parts) for b, span in enumerate(spans)]

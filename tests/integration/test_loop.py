@@ -7,6 +7,7 @@ weights synced into vLLM through the object store after every update.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from rlcheck.core.types import KINDS
 from rlcheck.faults import SkipSync
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import GRPOLoop, run_grpo
+from rlcheck.loop.audit import AUDIT_FAILING, AUDIT_MAX, DecodePrefillAudit
 from rlcheck.loop.presets import tiny_cpu
 
 
@@ -28,8 +30,10 @@ def _lines(path):
 @pytest.mark.timeout(600)
 class TestGRPOLoop:
     def test_clean_run_has_no_alarm(self, tiny_model, ray_local, tmp_path):
-        """40 synced steps (past every detector's warm-up) under FSDP2: no alarm, fp32 agreement, learning happens."""
-        cfg = tiny_cpu(tiny_model("hybrid"), trainer="fsdp2", world_size=2, steps=40)
+        """40 synced steps (past every detector's warm-up) under FSDP2: no alarm, fp32 agreement, learning
+        happens; the decode-prefill audit re-scores 8 rollouts a step and finds the engine agreeing with itself."""
+        cfg = replace(tiny_cpu(tiny_model("hybrid"), trainer="fsdp2", world_size=2, steps=40),
+                      audit=DecodePrefillAudit(sample=8))
         with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
             result = run_grpo(cfg, mon)
         assert not result.halted and result.steps_run == 40
@@ -38,6 +42,7 @@ class TestGRPOLoop:
         assert [r["step"] for r in records] == list(range(40))
         assert max(r["metrics"][K.ABS_DIFF_MEAN] for r in records) < 1e-4  # fp32 vLLM vs trainer: ~2e-6
         assert all(r["metrics"]["loop/weights_behind"] == 0 for r in records)
+        assert all(r["metrics"][AUDIT_FAILING] == 0 and r["metrics"][AUDIT_MAX] < 1e-4 for r in records)
         # the engine's load and every sync checked: its fingerprints equal the sum of the two FSDP2
         # shards'; the probe batch every 10th sync, within fp32 noise
         assert all(r["metrics"]["sync/fingerprint_differs"] == 0 for r in records)

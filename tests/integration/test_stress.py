@@ -8,7 +8,11 @@ the tiny Mamba2 model, against the HF reference.
 - the sweep's shapes: index-wrap fails only at max_num_seqs > 4 and vanishes when the cache is cut to
   4 usable blocks; stale-state spares the first wave, whose size follows memory, and fails more
   often with less memory;
-- the CLI: --json, exit code 1 on failures, diagnose on its output.
+- the CLI: --json, exit code 1 on failures, diagnose on its output (an engine-only run:
+  --no-reference --audit decode-prefill);
+- the engine self-audits: decode vs prefill fails exactly the requests the reference fails (clean:
+  none), without the reference too; batch invariance: a clean fp32 run is invariant, a wrapped
+  index makes requests differ, and a sweep of max_num_seqs shows where.
 Short generations keep each engine pass to seconds; the clean run is the long one (13 s on a quiet
 machine, ~1 min when other jobs load the cores)."""
 
@@ -53,9 +57,12 @@ def small(model, **kw) -> StressConfig:
 class TestStressClean:
     def test_thousand_requests_zero_failures(self, model, scorer, tmp_path):
         """1,024 greedy requests, 64 live at a time, each replayed through HF: none over 1e-3 nats."""
-        cfg = StressConfig(model=model, num_requests=1024, samples_per_prompt=8, max_tokens=8, max_num_seqs=64)
+        cfg = StressConfig(model=model, num_requests=1024, samples_per_prompt=8, max_tokens=8, max_num_seqs=64,
+                           audits=("decode-prefill",))
         res = run_stress(cfg, tmp_path / "clean", scorer=scorer)
         assert res.num_requests == 1024 and res.failing_request_ids == [] and res.fault_affected == {}
+        audit = res.audits["decode_prefill"]  # the engine agrees with itself: decode = a fresh prefill
+        assert audit.failing == [] and max(audit.max_abs_diff) < 1e-4 and len(audit.request_ids) == 1024
         assert max(res.max_abs_diff) < 1e-4 and res.trace == "slot trace"
         assert all(c.first_step is not None for c in res.contexts)  # every request is in the trace
         assert not any(c.shared_with or c.block_used != c.block for c in res.contexts)  # no aliasing in vLLM
@@ -65,21 +72,25 @@ class TestStressClean:
 class TestStressFaults:
     def test_stale_state_names_exactly_the_affected(self, model, scorer, tmp_path):
         """Every request that reused a block fails from its first token and none of the first wave
-        does; the ids are the fault's own; a rerun with the same seed fails the same ids."""
-        res = run_stress(small(model, fault="stale-state"), tmp_path / "stale", scorer=scorer)
+        does; the ids are the fault's own, and the decode-prefill audit's; a rerun with the same seed,
+        engine only (no reference, the audit judges), fails the same ids."""
+        res = run_stress(small(model, fault="stale-state", audits=("decode-prefill",)), tmp_path / "stale", scorer=scorer)
         assert res.failing_request_ids and set(res.failing_request_ids) == set(res.fault_affected)
+        assert res.audits["decode_prefill"].failing_request_ids == res.failing_request_ids
         assert res.first_wave == (8, 0) and res.first_failing_index == 8
         assert all(res.contexts[i].slot_reused and res.first_divergence[i] == 0 for i in res.failing)
-        again = run_stress(small(model, fault="stale-state"), scorer=scorer)
-        assert again.failing_request_ids == res.failing_request_ids
+        again = run_stress(small(model, fault="stale-state", audits=("decode-prefill",), reference=False))
+        assert again.judge == "decode-prefill" and again.failing_request_ids == res.failing_request_ids
         verdict = diagnose(res.dump_dir).verdict
         assert verdict.cause == "stale_state" and verdict.affected_request_ids == res.failing_request_ids[:50]
 
     def test_index_wrap_names_exactly_the_affected(self, model, scorer, tmp_path):
         """8 live requests on blocks 1..8 with boundary 4: the wrapped ones and the ones they alias fail,
         exactly the fault's affected ids; diagnose names index aliasing."""
-        res = run_stress(small(model, fault="index-wrap", boundary=4), tmp_path / "wrap", scorer=scorer)
+        res = run_stress(small(model, fault="index-wrap", boundary=4, audits=("decode-prefill",)), tmp_path / "wrap",
+                         scorer=scorer)
         assert res.failing_request_ids and set(res.failing_request_ids) == set(res.fault_affected)
+        assert res.audits["decode_prefill"].failing_request_ids == res.failing_request_ids
         assert any(c.block_used != c.block for c in res.contexts)
         assert diagnose(res.dump_dir).verdict.cause == "index_aliasing"
 
@@ -110,16 +121,32 @@ class TestSweepShapes:
 class TestCLI:
     def test_json_exit_code_and_diagnose(self, model, tmp_path):
         """`rlcheck stress --json` prints failing_request_ids and num_requests and exits 1 on failures;
-        `rlcheck diagnose` on its output names index aliasing."""
+        engine only (--no-reference --audit decode-prefill) the audit judges, and `rlcheck diagnose`
+        on its output names index aliasing from the slot context."""
         env = dict(os.environ, COLUMNS="160")
         out = tmp_path / "cli"
         args = [RLCHECK, "stress", "--model", model, "--requests", "24", "--samples", "4", "--max-num-seqs", "8",
-                "--inject", "index-wrap=4", "--out", str(out), "--json"]
+                "--inject", "index-wrap=4", "--out", str(out), "--json", "--no-reference", "--audit", "decode-prefill"]
         run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 1, run.stderr[-2000:]
         data = json.loads(run.stdout)
-        assert data["num_requests"] == 24 and data["failing_request_ids"]
+        assert data["num_requests"] == 24 and data["failing_request_ids"] and data["judge"] == "decode-prefill"
         assert set(data["failing_request_ids"]) == set(data["fault"]["affected_request_ids"])
+        assert data["audits"]["decode_prefill"]["failing_request_ids"] == data["failing_request_ids"]
         diag = subprocess.run([RLCHECK, "diagnose", str(out), "--json"], capture_output=True, text=True, env=env,
                               timeout=300)
         assert diag.returncode == 1 and json.loads(diag.stdout)["verdict"]["cause"] == "index_aliasing"
+
+
+class TestBatchInvariance:
+    def test_clean_is_invariant_and_a_wrapped_index_is_not(self, model):
+        """Engine only, max_num_seqs 2 and 8 (index-wrap at boundary 4): at 2 every request gets the same
+        tokens and logprobs (to 1e-3) at max_num_seqs 2, 1 and 2 shuffled; at 8 the aliased requests
+        differ, and the decode-prefill audit fails them too."""
+        base = small(model, num_requests=32, fault="index-wrap", boundary=4, reference=False,
+                     audits=("decode-prefill", "batch-invariance"))
+        res = run_sweep(base, [parse_knob("max_num_seqs=2,8")])
+        low, high = res.points
+        assert (low.requests_differing, low.decode_prefill_failing, low.distinct_outputs) == (0, 0, 1)
+        assert low.invariance_max_abs_diff < 1e-3
+        assert high.requests_differing > 0 and high.decode_prefill_failing > 0

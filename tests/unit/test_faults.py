@@ -19,6 +19,7 @@ from rlcheck.faults import (
     SkipSync,
     StaleWeights,
     TemperatureMismatch,
+    TopP,
     parse_inject,
 )
 from rlcheck.faults.zoo import BF16_EPS
@@ -39,6 +40,7 @@ SPECS = [
     "skip-sync-every=3", "skip-sync-every=5@10",
     "stale-weights", "stale-weights@40",
     "temperature-mismatch=1.1", "temperature-mismatch=0.8",
+    "top-p=0.9", "top-p=0.5",
     "off-by-one", "off-by-one@7",
     "bf16-noise=2", "bf16-noise=0.5@3",
     "corrupt-seqs=1", "corrupt-seqs=0.02@40",
@@ -100,6 +102,11 @@ class TestParseInject:
         ("temperature-mismatch=0", "factor > 0"),
         ("temperature-mismatch=-1.1", "factor > 0"),
         ("temperature-mismatch", "a number"),
+        ("top-p=1", r"\(0, 1\)"),
+        ("top-p=0", r"\(0, 1\)"),
+        ("top-p=nan", r"\(0, 1\)"),
+        ("top-p", "a number"),
+        ("top-p=0.9@2", "first step"),
         ("corrupt-seqs=0", r"\(0, 1\]"),
         ("corrupt-seqs=1.5", r"\(0, 1\]"),
         ("corrupt-seqs=-0.1", r"\(0, 1\]"),
@@ -206,6 +213,24 @@ class TestTemperatureMismatch:
         batch = synthetic_batch(SMALL, 0)
         out, hit = TemperatureMismatch(factor=0.9).apply(0, batch)
         assert out is batch and hit == list(batch.request_ids)
+
+
+class TestTopP:
+    def test_rollout_config_samples_the_nucleus(self):
+        """The engine's config gets top_p and allow_logit_processing; its other sampling fields stay;
+        the trainer's config is left alone."""
+        from rlcheck.engines.vllm import VLLMConfig
+
+        cfg = TopP(p=0.8).rollout_config(VLLMConfig(model="m", sampling={"stop": ["\\n"]}))
+        assert cfg.sampling == {"stop": ["\\n"], "top_p": 0.8} and cfg.allow_logit_processing
+        assert TopP().trainer_config(Sampling()) == Sampling()
+        assert Fault().rollout_config(cfg) is cfg
+
+    def test_cause_and_touched(self):
+        """Diagnose should name logit processing; every request of the step counts as touched."""
+        batch = synthetic_batch(SMALL, 0)
+        out, hit = parse_inject("top-p=0.9").apply(0, batch)
+        assert TopP.cause == "logit_processing" and out is batch and hit == list(batch.request_ids)
 
 
 def ragged_with_tokens(lengths):

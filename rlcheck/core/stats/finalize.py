@@ -12,6 +12,7 @@ import math
 
 from rlcheck.core import histogram as H
 from rlcheck.core import metrics as K
+from rlcheck.core.stats.distribution import distribution_metrics
 from rlcheck.core.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
 
 
@@ -53,6 +54,7 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
     if s["tok_n"] > 0:
         out[K.SIG_TOKEN_MISMATCH_COUNT] = s["tok_mismatch"]
         out[K.SIG_TOKEN_MISMATCH_FRAC] = s["tok_mismatch"] / s["tok_n"]
+    out.update(distribution_metrics(s, mx))
     return out, p.offenders
 
 

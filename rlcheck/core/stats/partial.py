@@ -13,6 +13,7 @@ import numpy as np
 
 from rlcheck.core import histogram as H
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats.distribution import distribution_stats
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
@@ -139,6 +140,8 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
 
     offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
     signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
+    if cfg.distribution:
+        distribution_stats(batch.topk, batch.mask, sums, maxima)
     return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k,
                         versions=version_counts(batch))
 

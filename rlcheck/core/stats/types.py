@@ -52,6 +52,13 @@ class StatsConfig:
     """Offenders kept per step (sequences with the largest max |d|)."""
     shift_window: int = 32
     """Leading tokens of each sequence used by the shift-by-one statistic."""
+    distribution: bool = False
+    """Compare the next-token distributions beyond the sampled token (`rlcheck/dist/*`: top-K overlap,
+    argmax agreement, tail masses and KL(engine || trainer) over the engine's top-K plus one tail
+    bucket, a lower bound on the full KL; `rlcheck.core.stats.distribution`) on batches that carry
+    `StepBatch.topk`. Costs a sort of 2K ids per token on the CPU (about 2 s per million tokens at
+    K = 20), on top of the engine returning K logprobs and the trainer scoring them; off, or without
+    topk, no `dist/` key is logged."""
 
     def __post_init__(self) -> None:
         if any(not (t > 0 and math.isfinite(t)) for t in self.thresholds):
