@@ -101,10 +101,12 @@ def _prompt_tokens(output: Mapping[str, Any]) -> list[np.ndarray] | None:
 
 
 def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: Any = None,
-                  meta: Mapping[str, Sequence[Any]] | None = None, weight_version: int | None = None) -> StepBatch:
+                  meta: Mapping[str, Sequence[Any]] | None = None, weight_version: int | None = None,
+                  topk: Any = None) -> StepBatch:
     """The `StepBatch` of one process's TRL step output: vLLM's sampling logprobs against the trainer's
     raw `old_per_token_logps` (or `logp_train`) on the response mask, one sequence per row;
-    `weight_version`: the step vLLM's weights were last synced at (every row's)."""
+    `weight_version`: the step vLLM's weights were last synced at (every row's); `topk`: a
+    `rlcheck.core.topk.TopK` of B*C rows, row b*C + t for completion position (b, t)."""
     rollout = output.get(ROLLOUT_KEY)
     if rollout is None:
         raise InputError(
@@ -124,6 +126,7 @@ def to_step_batch(output: Mapping[str, Any], ids: Sequence[str], *, logp_train: 
         prompt_tokens=_prompt_tokens(output),
         meta=meta,
         weight_version=weight_version,
+        topk=topk,
     )
 
 

@@ -64,10 +64,18 @@ class TRLOptions:
     """With the Monitor's quarantine on (`MonitorConfig.quarantine`): zero the `completion_mask` rows
     of the quarantined sequences, so TRL's loss leaves them out. False: the Monitor judges the step
     without them, but TRL still trains on them (a dry run of quarantine)."""
+    top_logprobs: int | None = None
+    """Top-k distribution metrics (`rlcheck/dist/*`, `rlcheck.integrations._trl_topk`): TRL's vLLM returns
+    K logprobs per completion position and the trainer scores the same ids in one more no-grad forward
+    per generation. None: K = 20 when the Monitor's `StatsConfig(distribution=True)`, off otherwise;
+    0: off; K > 0: on (a MonitorConfig rlcheck opens gets distribution=True)."""
 
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:
             raise ConfigError(f"vllm_sync must be one of {METHODS}, got {self.vllm_sync!r}")
+        k = self.top_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ConfigError(f"top_logprobs must be None or an integer >= 0, got {k!r}")
         if isinstance(self.trainer_metrics, str) or isinstance(self.forward_prefixes, str):
             raise ConfigError("trainer_metrics and forward_prefixes are tuples of strings")
 

@@ -20,6 +20,10 @@ from the trainer's (top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1) ar
 attaching, each GRPOConfig field named (`TRLOptions.allow_logit_processing` to go on; see
 `rlcheck.integrations._trl_config`).
 
+Beyond the sampled token (`TRLOptions(top_logprobs=20)`, or `StatsConfig(distribution=True)`): vLLM returns its
+top-K logprobs per completion position, the trainer scores the same ids in one more no-grad forward per
+generation, and the Monitor logs `rlcheck/dist/*` (`rlcheck.integrations._trl_topk`).
+
 Quarantine (`MonitorConfig(quarantine=QuarantineConfig())`): the sequences the Monitor condemns leave
 TRL's loss; their rows of the step's `completion_mask` are zeroed (`TRLOptions.mask_quarantined`) and
 their tokens taken out of `num_items_in_batch`, so the loss is normalised as if they had never been
@@ -72,6 +76,7 @@ from rlcheck.integrations._trl_config import (
     trl_context,
 )
 from rlcheck.integrations._trl_sync import WeightSync
+from rlcheck.integrations._trl_topk import attach_topk, build_step_topk
 
 HALTED_KEY = "rlcheck/halted"
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -96,6 +101,8 @@ class RLCheckHook:
         if self._owned:
             monitor = dataclasses.replace(monitor, context={**trl_context(trainer), **monitor.context})
         self.monitor_config = monitor if self._owned else monitor.cfg
+        self.monitor_config, self.engine_topk = attach_topk(trainer, self.monitor_config, self.options.top_logprobs,
+                                                            self._owned)  # with top-k on: captures vLLM's
         self._monitor = None if self._owned else monitor
         self.rank = trainer.accelerator.process_index
         self.world_size = trainer.accelerator.num_processes
@@ -128,17 +135,20 @@ class RLCheckHook:
         mode = "train" if self.trainer.model.training else "eval"
         before = {k: len(v) for k, v in self.trainer._metrics[mode].items()}
         output = generate(inputs)
+        rows = self.engine_topk.take() if self.engine_topk is not None else None  # eval's too: forget them
         if mode == "train":
-            self.observe(output, new_scalars(before, self.trainer._metrics[mode], self.options.forward_prefixes))
+            self.observe(output, new_scalars(before, self.trainer._metrics[mode], self.options.forward_prefixes),
+                         topk_rows=rows)
         return output
 
-    def observe(self, output: dict, extra: dict[str, float] | None = None) -> StepReport | None:
+    def observe(self, output: dict, extra: dict[str, float] | None = None, topk_rows=None) -> StepReport | None:
         """Compare one generation's logprobs; the step's report (on every rank). A generation whose
         completion tokens are all masked out (`mask_truncated_completions`) is logged by the Monitor
         as an empty step, with a warning, and skipped by its detectors. With quarantine on, the
-        quarantined sequences' rows of `output["completion_mask"]` are zeroed."""
+        quarantined sequences' rows of `output["completion_mask"]` are zeroed. With top-k on,
+        `topk_rows` are vLLM's top-k of the generation's completions (`EngineTopK.take()`)."""
         step = self.trainer.state.global_step
-        batch, _ = self.fault.apply(step, self._batch(step, output))
+        batch, _ = self.fault.apply(step, self._batch(step, output, topk_rows))
         try:
             report = self._observe(step, batch, extra)
         except MismatchHalt as halt:
@@ -154,12 +164,18 @@ class RLCheckHook:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _batch(self, step: int, output: dict):
+    def _batch(self, step: int, output: dict, topk_rows=None):
         rows = output["completion_mask"].shape[0]
         meta = row_meta(self.rank, rows, self.trainer.num_generations, self.sync.synced_step)
         train = None if output.get("old_per_token_logps") is not None else self._recompute(output)
         return to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train, meta=meta,
-                             weight_version=self.sync.synced_step)
+                             weight_version=self.sync.synced_step, topk=self._topk(output, topk_rows))
+
+    def _topk(self, output: dict, rows):
+        """The step's `TopK` with top-k on (`TRLOptions.top_logprobs`): one more no-grad forward; None when off."""
+        if self.engine_topk is None:
+            return None
+        return build_step_topk(self.trainer, output, rows, self.engine_topk.k)
 
     def _recompute(self, output: dict):
         """The trainer's logprobs of the sampled tokens, when TRL did not compute them (importance

@@ -224,13 +224,15 @@ class TestRLCheckGRPOTrainer:
 @pytest.mark.timeout(300)
 class TestAttachMonitor:
     def test_fp32_run_on_a_plain_trainer_is_clean(self, tiny_model, tmp_path, monkeypatch):
-        """attach_monitor on a plain GRPOTrainer, float32 on both sides (vLLM told dtype=float32):
-        two real steps observed, mean |d| at float32 noise, no alarm."""
+        """attach_monitor on a plain GRPOTrainer, float32 on both sides (vLLM told dtype=float32),
+        top-k on: two real steps observed, mean |d| at float32 noise (TRL still got the sampled
+        token's logprob from vLLM's top-20 lists), no alarm, and the distributions beyond the sampled
+        token agree (KL ~0, the same top-20 sets)."""
         import trl.generation.vllm_generation as vg
         from trl import GRPOTrainer
 
         from rlcheck.core.monitor import MonitorConfig
-        from rlcheck.integrations.trl import attach_monitor
+        from rlcheck.integrations.trl import TRLOptions, attach_monitor
 
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM sizes its cache from the machine's RAM
@@ -238,13 +240,18 @@ class TestAttachMonitor:
         monkeypatch.setattr(vg, "LLM", lambda **kw: llm(**{"dtype": "float32", **kw}))
         trainer = GRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
                               args=_grpo_args(tmp_path, 2, 1e-3, fp32=True), train_dataset=_dataset())
-        hook = attach_monitor(trainer, MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)))
+        hook = attach_monitor(trainer, MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
+                              TRLOptions(top_logprobs=20))
         trainer.train()
         lines = _metrics_lines(tmp_path / "rlcheck")
-        print("fp32 mean |d| per step:", [f"{line['metrics'][K.ABS_DIFF_MEAN]:.3g}" for line in lines])
+        print("fp32 mean |d|, top-20 KL per step:",
+              [f"{line['metrics'][K.ABS_DIFF_MEAN]:.3g}, {line['metrics'][K.DIST_KL_MEAN]:.3g}" for line in lines])
         assert [line["step"] for line in lines] == [0, 1]
         assert all(line["metrics"][K.ABS_DIFF_MEAN] < 1e-5 and not line["alarms"] for line in lines)
         assert all(line["metrics"]["sync/fingerprint_differs"] == 0 for line in lines)
+        for m in (line["metrics"] for line in lines):
+            assert m[K.DIST_COUNT] == m[K.TOKEN_COUNT] > 0
+            assert m[K.DIST_KL_MEAN] < 1e-6 and m[K.DIST_TOPK_OVERLAP_MEAN] > 0.99 and m[K.DIST_TOP1_AGREE_FRAC] == 1
         assert hook.halt is None and trainer.rlcheck is hook
 
     def test_a_sync_that_left_tensors_out_halts_naming_the_layers(self, tiny_model, tmp_path, monkeypatch):

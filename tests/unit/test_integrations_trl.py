@@ -1,6 +1,7 @@
 """The TRL integration's pure logic: TRL's padded step tensors to a StepBatch, request ids and row meta,
-TRL's scalars, the options, the sampling settings and faults it accepts, the weight-sync wrapper, and
-quarantined rows leaving TRL's loss mask (the hook on a stand-in trainer, a real Monitor)."""
+TRL's scalars, the options, the sampling settings and faults it accepts, the weight-sync wrapper,
+quarantined rows leaving TRL's loss mask (the hook on a stand-in trainer, a real Monitor), and vLLM's
+top-k lists split for TRL and rlcheck, lined up with the trainer's extra forward."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from rlcheck.integrations._trl_batch import (
 from rlcheck.integrations._trl_config import check_fault as _fault
 from rlcheck.integrations._trl_config import check_sampling, logit_processing, trl_context
 from rlcheck.integrations._trl_sync import WeightSync, resolve_method
+from rlcheck.integrations._trl_topk import (
+    DEFAULT_TOP_K,
+    EngineTopK,
+    check_topk,
+    padded_engine_topk,
+    resolve_top_k,
+    split_sampled,
+    step_topk,
+)
 from rlcheck.integrations.trl import TRLOptions
 
 
@@ -381,3 +391,155 @@ class TestQuarantineInTheLoss:
         mask = out["completion_mask"]
         h.observe(out)
         assert out["completion_mask"] is mask and "rlcheck/trl/dropped_tokens" not in h.trainer._metrics["train"]
+
+
+# ---- top-k: vLLM's per-position lists, the trainer's extra forward ---------------------------------
+
+def _rank_lists(logp: np.ndarray, sampled: int, k: int) -> tuple[list[int], list[float]]:
+    """One position as TRL's VLLMGeneration returns it with logprobs=k: the top-k ids by rank, then the
+    sampled token if it is not among them, and their logprobs."""
+    ids = [int(i) for i in np.argsort(-logp, kind="stable")[:k]]
+    if sampled not in ids:
+        ids.append(sampled)
+    return ids, [float(logp[i]) for i in ids]
+
+
+class _TopKGeneration(_Generation):
+    """TRL's VLLMGeneration for top-k: `logprobs` and a `generate` returning fixed per-position lists."""
+
+    def __init__(self, completions, lists):
+        super().__init__("server")
+        self.logprobs, self.generation_kwargs, self.completions, self.lists = 0, {}, completions, lists
+
+    def generate(self, prompts=None, images=None, num_generations=1, profiler=None):
+        ids = [[i for i, _ in seq] for seq in self.lists]
+        lps = [[lp for _, lp in seq] for seq in self.lists]
+        return [[1]] * len(self.completions), self.completions, lps, ids
+
+
+class TestSplitSampled:
+    def test_trl_gets_the_sampled_tokens_logprob_and_rlcheck_the_top_k(self):
+        """lp[0] of what TRL gets back is the sampled token's logprob, also when it is not the top-1
+        or sits past the top-k (vLLM's extra entry, dropped from the top-k); NaN (None) stays None."""
+        sampled_lp, sampled_ids, tops = split_sampled(
+            [[5, 7, 6]], [[[-0.1, -2.0, -3.0], [-0.5, -1.0, -4.0], [None, -0.2]]], [[[5, 6, 9], [6, 8, 7], [6, 4]]], 2)
+        assert sampled_lp == [[[-0.1], [-4.0], [None]]] and sampled_ids == [[[5], [7], [6]]]
+        ids, lp = tops[0]
+        assert ids.tolist() == [[5, 6], [6, 8], [4, -1]]
+        np.testing.assert_allclose(lp, [[-0.1, -2.0], [-0.5, -1.0], [-0.2, -np.inf]])
+
+
+class TestEngineTopK:
+    def test_wraps_generate_and_forgets_after_take(self):
+        """Installing sets logprobs=K and wraps generate; take() gives the last call's rows once;
+        uninstall restores TRL's generate and logprobs=0."""
+        gen = _TopKGeneration([[3]], [[([3, 1], [-0.3, -1.5])]])
+        topk = EngineTopK(gen, 2)
+        assert gen.logprobs == 2
+        _, _, lps, _ = gen.generate()
+        assert lps == [[[-0.3]]]
+        assert topk.take()[0][0].tolist() == [[3, 1]] and topk.take() is None
+        topk.uninstall()
+        assert gen.generate.__func__ is _TopKGeneration.generate and gen.logprobs == 0
+
+
+class TestStepTopK:
+    def test_padded_rows_line_up_with_completion_positions(self):
+        """Row b*C + t of the step's TopK is completion position (b, t); to_step_batch keeps the rows
+        of each completion's tokens, in order."""
+        out = trl_output()  # completions of 4, 2 and 3 tokens, C = 4
+        rows = [(np.arange(n * 2).reshape(n, 2) + 10 * b, np.full((n, 2), -1.0, np.float32) - b)
+                for b, n in enumerate([4, 2, 3])]
+        ids, lp = padded_engine_topk(rows, 4, 2)
+        assert ids.shape == (3, 4, 2) and ids[1, 2:].tolist() == [[-1, -1]] * 2 and np.isinf(lp[1, 2:]).all()
+        topk = step_topk(ids, lp, np.where(ids >= 0, -2.0, -np.inf), ids[..., ::-1])
+        assert topk.num_tokens == 12
+        batch = to_step_batch(out, request_ids(0, 0, 3), topk=topk)
+        kept = np.concatenate([r[0] for r in rows])
+        np.testing.assert_array_equal(batch.topk.ids_rollout, kept)
+        np.testing.assert_array_equal(batch.topk.logp_rollout[:, 0], np.repeat([-1.0, -2.0, -3.0], [4, 2, 3]))
+
+    def test_more_top_k_rows_than_columns_is_an_input_error(self):
+        """A completion longer than TRL's padded tensor means the rows do not belong to this step."""
+        with pytest.raises(InputError, match="completion 0"):
+            padded_engine_topk([(np.zeros((5, 1), np.int64), np.zeros((5, 1), np.float32))], 4, 1)
+
+
+class TestTopKOptions:
+    def test_top_k_follows_the_distribution_stats_unless_given(self):
+        """None: K=20 with StatsConfig(distribution=True), off without; an explicit K wins; negatives refused."""
+        assert resolve_top_k(None, True) == DEFAULT_TOP_K and resolve_top_k(None, False) == 0
+        assert resolve_top_k(0, True) == 0 and resolve_top_k(5, False) == 5
+        with pytest.raises(ConfigError, match="top_logprobs"):
+            TRLOptions(top_logprobs=-1)
+
+    @pytest.mark.parametrize("attr, value, match", [
+        ("rollout_func", lambda p, t: None, "rollout_func"), ("tools", [print], "tools"),
+        ("generation_kwargs", {"logprobs": 5}, "generation_kwargs")])
+    def test_refused_generation_paths_are_named(self, attr, value, match):
+        """rollout_func, tools and a logprobs entry in generation_kwargs cannot give the top-k: ConfigError."""
+        trainer = stand_in_trainer()
+        trainer.vllm_generation.generation_kwargs = {}
+        setattr(trainer.vllm_generation if attr == "generation_kwargs" else trainer, attr, value)
+        with pytest.raises(ConfigError, match=match):
+            check_topk(trainer, 20)
+
+    def test_k_over_the_engines_max_logprobs_is_refused(self):
+        """Colocate: vLLM returns at most its max_logprobs (20 by default) per position."""
+        from types import SimpleNamespace
+
+        trainer = stand_in_trainer()
+        config = SimpleNamespace(model_config=SimpleNamespace(max_logprobs=20))
+        trainer.vllm_generation.llm = SimpleNamespace(llm_engine=config)
+        check_topk(trainer, 20)
+        with pytest.raises(ConfigError, match="max_logprobs=20"):
+            check_topk(trainer, 21)
+
+    def test_a_monitor_without_distribution_stats_is_refused(self, hook):
+        """A Monitor passed in with distribution=False would drop the top-k: ConfigError, not silence."""
+        with pytest.raises(ConfigError, match="distribution=False"):
+            hook(quarantine=False, top_logprobs=4)
+
+
+class TestTopKThroughTheHook:
+    def test_engine_equal_to_the_trainer_logs_zero_kl(self, tmp_path, monkeypatch):
+        """An engine whose top-k lists come from the trainer's own model at TRL's temperature: the
+        extra forward scores the same ids at the same positions (left-padded prompts, padded
+        completions), so the step's KL is ~0, the top-k sets agree, and the sampled-token logprob
+        handed to TRL is the sampled token's."""
+        from contextlib import nullcontext
+
+        from rlcheck.core import metrics as K
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.integrations import trl
+        from rlcheck.synthetic.streams import tiny_causal_lm
+
+        out, k, temperature = trl_output(), 3, 0.7
+        out["completion_ids"] = out["completion_ids"] % 64  # the tiny model's vocabulary
+        model = tiny_causal_lm("llama", vocab_size=64).eval()
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)  # (B, P+C)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad():
+            logp = (model(ids, attention_mask=attention).logits.float() / temperature).log_softmax(-1)[:, 2:-1]
+        sampled = logp.gather(-1, out["completion_ids"][..., None])[..., 0] * out["completion_mask"]  # (B, C)
+        out["sampling_per_token_logps"], out["old_per_token_logps"] = sampled, sampled.clone()
+        completions = [row[: int(m.sum())].tolist() for row, m in zip(out["completion_ids"], out["completion_mask"], strict=True)]
+        lists = [[_rank_lists(logp[b, t].numpy(), tok, k) for t, tok in enumerate(seq)]
+                 for b, seq in enumerate(completions)]
+        trainer = stand_in_trainer()
+        trainer.vllm_generation = _TopKGeneration(completions, lists)
+        trainer.model, trainer.temperature = model, temperature
+        trainer.args.per_device_train_batch_size = 2  # two chunks of rows
+        trainer.accelerator.autocast = nullcontext
+        monkeypatch.setattr(trl, "trl_context", lambda trainer: {})  # the stand-in has no GRPOConfig
+        h = trl.RLCheckHook(trainer, MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",)), TRLOptions(top_logprobs=k))
+        try:
+            _, _, lps, _ = trainer.vllm_generation.generate()
+            for b, seq in enumerate(completions):
+                np.testing.assert_allclose([lp[0] for lp in lps[b]], logp[b, range(len(seq)), seq], rtol=1e-6)
+            report = h.observe(out, topk_rows=h.engine_topk.take())
+        finally:
+            h.close()
+        m = report.metrics
+        assert h.monitor_config.stats.distribution and m[K.DIST_COUNT] == 9
+        assert m[K.DIST_KL_MEAN] < 1e-6 and m[K.DIST_TOPK_OVERLAP_MEAN] == 1.0 and m[K.DIST_TOP1_AGREE_FRAC] == 1.0
