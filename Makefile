@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rlcheck demo
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

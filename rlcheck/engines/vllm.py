@@ -143,8 +143,23 @@ class VLLMEngine:
             max_tokens=self.cfg.max_tokens,
             logprobs=self.cfg.top_logprobs,
             seed=seed,
+            **({"detokenize": False} if self._decode_here else {}),
             **self.cfg.sampling,
         )
+
+    @property
+    def _decode_here(self) -> bool:
+        """With top-k logprobs (and no stop strings, which need vLLM's text) the response is decoded
+        here, once: vLLM 0.32 would decode every top-k entry of every position (BENCHMARKS.md, "Beyond
+        the sampled token")."""
+        return bool(self.cfg.top_logprobs) and not {"stop", "detokenize"} & set(self.cfg.sampling)
+
+    def _text(self, c: Any, ids: tuple[int, ...]) -> str:
+        """vLLM's text of a completion, or the same from its ids: vLLM holds back a trailing partial
+        UTF-8 character, which a whole decode shows as U+FFFD."""
+        if not self._decode_here:
+            return c.text
+        return self.llm.get_tokenizer().decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
 
     def generate(
         self,
@@ -208,7 +223,7 @@ class VLLMEngine:
                 token_ids=ids,
                 logprobs=lp,
                 top_logprobs=top,
-                text=c.text,
+                text=self._text(c, ids),
                 finish_reason=c.finish_reason,
                 weight_version=self.weight_version,
                 step=step,

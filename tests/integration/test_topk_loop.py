@@ -1,7 +1,8 @@
 """Top-k distribution metrics in the real loop (vLLM returning its top-20, the hf trainer scoring the
-same ids in its recompute pass): a clean run's KL estimate sits at the float32 floor with full top-k
-overlap; the engine sampling top-p while the trainer does not moves it far above, with the sampled
-tokens' d < 0 (BENCHMARKS.md, "Beyond the sampled token")."""
+same ids in its recompute pass): the engine sampling top-p while the trainer does not moves the KL
+estimate far above the float32 floor, with the sampled tokens' d < 0 (BENCHMARKS.md, "Beyond the
+sampled token"). A clean step's floor is checked in tests/integration/test_audit_loop.py, whose first
+step is clean (one loop run fewer)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,6 @@ def _run(model, tmp_path, spec: str | None, steps: int = 2) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 class TestTopKInTheLoop:
-    def test_clean_run_at_the_floor(self, tiny_model, ray_local, tmp_path):
-        """Clean: every token scored, KL at the float32 floor, the two top-k sets the same."""
-        for m in _run(tiny_model("hybrid"), tmp_path, None):
-            assert m[K.DIST_COUNT] == m[K.TOKEN_COUNT] > 0
-            assert m[K.DIST_KL_MEAN] < CLEAN_KL_MAX and m[K.DIST_KL_MAX] < 100 * CLEAN_KL_MAX
-            assert m[K.DIST_TOPK_OVERLAP_MEAN] > 0.999 and m[K.DIST_TOP1_AGREE_FRAC] == 1.0
-
     def test_top_p_fault_shows_beyond_the_sampled_token(self, tiny_model, ray_local, tmp_path):
         """top-p=0.9 on the engine only: KL far above the floor, and the sampled tokens' d < 0."""
         for m in _run(tiny_model("hybrid"), tmp_path, "top-p=0.9"):
