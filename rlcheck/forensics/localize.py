@@ -149,7 +149,7 @@ def stress_config(dump: Path, model_dir: Path) -> Any:
         return None
     try:
         config = json.loads((dump / RESULT_FILE).read_text())["config"]
-        return replace(StressConfig(**config), model=str(model_dir), guard=False)
+        return replace(StressConfig(**config), model=str(model_dir), guard=False, audits=())
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{dump / RESULT_FILE} does not hold a stress run's settings ({exc}); "
                          "is it rlcheck stress output?") from exc

@@ -92,7 +92,8 @@ layer on every pass: a wrong weight is wrong in all of them)."""
         if self.max_prompt_tokens + self.max_tokens > self.max_model_len:
             raise ConfigError(f"max_prompt_tokens + max_tokens ({self.max_prompt_tokens + self.max_tokens}) "
                               f"must fit max_model_len ({self.max_model_len})")
-        if tuple(self.audits) != parse_audits(self.audits):
+        object.__setattr__(self, "audits", tuple(self.audits))  # a list from stress.json, hashable again
+        if self.audits != parse_audits(self.audits):
             raise ConfigError(f"audits must be distinct names out of {', '.join(AUDITS)}, in that order, "
                               f"got {self.audits!r}")
         if "decode-prefill" in self.audits and self.max_prompt_tokens + self.max_tokens >= self.max_model_len:

@@ -197,7 +197,7 @@ def plot_sweep(result: SweepResult, path: Path) -> Path:
 
     knobs = list(dict.fromkeys(p.knob for p in result.points))
     invariance = any(p.requests_differing is not None for p in result.points)
-    fig = Figure(figsize=(4.5 * len(knobs), 3.6 * (1 + invariance)), layout="constrained")
+    fig = Figure(figsize=(max(6.0, 4.5 * len(knobs)), 3.6 * (1 + invariance)), layout="constrained")
     axes = fig.subplots(1 + invariance, len(knobs), squeeze=False)
     for col, knob in enumerate(knobs):
         pts = [p for p in result.points if p.knob == knob]
@@ -212,11 +212,14 @@ def plot_sweep(result: SweepResult, path: Path) -> Path:
 
 
 def _knob_axis(ax: Any, knob: str, pts: list[Any]) -> range:
+    """Ticks at the knob's values, with each value's state blocks when they differ (else in the label)."""
     xs = range(len(pts))
-    ax.set_xticks(list(xs), [show_value(knob, p.value) + (f"\n{p.num_blocks} blocks" if p.num_blocks else "")
+    blocks = {p.num_blocks for p in pts}
+    each = len(blocks) > 1
+    ax.set_xticks(list(xs), [show_value(knob, p.value) + (f"\n{p.num_blocks} blocks" if each and p.num_blocks else "")
                              for p in pts], fontsize=8)
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel(knob)
+    ax.set_xlabel(knob + ("" if each or None in blocks else f" ({blocks.pop()} blocks)"))
     return xs
 
 
