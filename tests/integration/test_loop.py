@@ -51,6 +51,7 @@ class TestGRPOLoop:
         loop_log = _lines(tmp_path / "loop.jsonl")
         assert len(loop_log) == 40 and not any(s["sync_skipped"] for s in loop_log)
         assert sum(s["train"]["grad_norm"] > 0 for s in loop_log) > 30  # the policy is really updated
+        assert diagnose(tmp_path).verdict.cause == "healthy"
 
     def test_weights_reach_vllm(self, tiny_model, ray_local, tmp_path):
         """After each update the rollout engine holds the trainer's new weight version (DeepSpeed ZeRO-3)."""
@@ -86,7 +87,7 @@ class TestGRPOLoop:
         """With the weights check kept from halting, skipping the sync every 3rd update still ends in a
         periodic alarm of period 3 (the shape alone), a halt with a dump, and stopped actors; the weights
         alarm came at every stale step, each at once."""
-        cfg = tiny_cpu(tiny_model("hybrid"), trainer="deepspeed", world_size=2, steps=80, fault=SkipSync(3))
+        cfg = tiny_cpu(tiny_model("hybrid"), trainer="hf", steps=80, fault=SkipSync(3))  # the shape, not the backend
         shape_only = HaltConfig(kinds=tuple(k for k in KINDS if k != "weights"))
         with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), halt=shape_only)) as mon:
             loop = GRPOLoop(cfg, mon)
