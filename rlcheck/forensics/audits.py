@@ -70,11 +70,10 @@ class DecodePrefill:
     @classmethod
     def of(cls, request_ids: Sequence[str], prefill: Sequence[np.ndarray], decode: Sequence[np.ndarray], *,
            threshold: float, seconds: float = 0.0) -> DecodePrefill:
-        from rlcheck.forensics.ranking import compare
+        from rlcheck.core.stats.sequences import request_divergence
 
-        records = compare(list(request_ids), list(prefill), list(decode), tau=threshold)
-        return cls(tuple(map(str, request_ids)), tuple(r.score for r in records),
-                   tuple(r.first_divergence for r in records), threshold, seconds)
+        scores, first = request_divergence(prefill, decode, threshold)
+        return cls(tuple(map(str, request_ids)), tuple(map(float, scores)), tuple(first), threshold, seconds)
 
     @property
     def failing(self) -> list[int]:

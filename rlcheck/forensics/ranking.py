@@ -17,8 +17,13 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.run.journal import to_jsonable
-from rlcheck.core.stats import MIN_LOGPROB
-from rlcheck.core.stats.sequences import divergence, first_positions, segment_max
+from rlcheck.core.stats.sequences import (
+    divergence,
+    first_positions,
+    log_diff,
+    packed,
+    segment_max,
+)
 
 CONTEXT_TOKENS = 4
 """Tokens shown on each side of the divergent one."""
@@ -67,21 +72,6 @@ class ReplayRecord:
         if self.context is not None:
             out["context"]["marked"] = self.context.marked
         return to_jsonable(out)
-
-
-def packed(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(M,) float64 concatenation of per-sequence arrays and their (N+1,) int64 boundaries."""
-    cu = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([a.shape[0] for a in arrays], out=cu[1:])
-    flat = np.concatenate(arrays).astype(np.float64) if arrays else np.zeros(0)
-    return flat, cu
-
-
-def log_diff(reference: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """(M,) reference - other, NaN where either side is non-finite or a sentinel (< MIN_LOGPROB)."""
-    d = reference - other
-    bad = ~np.isfinite(d) | (reference < MIN_LOGPROB) | (other < MIN_LOGPROB)
-    return np.where(bad, np.nan, d)
 
 
 def compare(

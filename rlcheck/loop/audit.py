@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.limits import ENGINE_TOL, FP32_ENGINE_TOL
+from rlcheck.core.stats.sequences import request_divergence
 from rlcheck.core.types import SEVERITIES, Alarm
 from rlcheck.errors import ConfigError
 
@@ -78,15 +79,15 @@ def audit_step(engine: Any, rollouts: list[Any], step: int, cfg: DecodePrefillAu
     responses = [list(r.token_ids) for r in chosen]
     prefill = engine.call(lambda actor: actor.rescore.remote(prompts, responses))
     threshold = cfg.limit(engine_dtype)
-    diffs = [_abs_diff(p, r.logprobs) for p, r in zip(prefill, chosen, strict=True)]  # (L_i,) each
-    worst_of = [float(d.max()) if d.size else 0.0 for d in diffs]
+    scores, first_of = request_divergence(prefill, [r.logprobs for r in chosen], threshold)  # (S,), S
+    worst_of = [float(x) for x in scores]
     failing = [i for i, w in enumerate(worst_of) if w > threshold]
     worst = max(worst_of, default=0.0)
     extra = {AUDIT_FAILING: float(len(failing)), AUDIT_MAX: float(worst), AUDIT_SEQUENCES: float(len(chosen))}
     if not failing:
         return [], extra
     ids = [chosen[i].request_id for i in failing]
-    first = int(np.argmax(diffs[failing[0]] > threshold))
+    first = first_of[failing[0]]
     return [Alarm("signature", AUDIT_FAILING, step, cfg.severity, (
         f"decode-prefill audit: {len(ids)} of {len(chosen)} re-scored rollouts differ from a fresh prefill of the "
         f"same engine by more than {threshold:g} nats (max {worst:.3g}; first {ids[0]}, from token "
@@ -94,12 +95,5 @@ def audit_step(engine: Any, rollouts: list[Any], step: int, cfg: DecodePrefillAu
         "signature": SIGNATURE, "request_ids": ids[:50], "num_failing": len(ids), "num_audited": len(chosen),
         "max_abs_diff": worst, "threshold": threshold,
         "failing": [{"request_id": chosen[i].request_id, "max_abs_diff": worst_of[i],
-                     "first_divergence": int(np.argmax(diffs[i] > threshold))} for i in failing[:20]]})], extra
+                     "first_divergence": first_of[i]} for i in failing[:20]]})], extra
 
-
-def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a - b| per token, inf where exactly one side is non-finite (NaN counts as inf)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a - b)
-    return np.where(np.isnan(d) | (np.isfinite(a) != np.isfinite(b)), np.inf, np.where(np.isfinite(d), d, 0.0))

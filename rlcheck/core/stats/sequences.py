@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from rlcheck.core import histogram as H
 from rlcheck.core.batch import segment_token_indices
+from rlcheck.core.limits import MIN_LOGPROB
 from rlcheck.core.types import Offender, rank_offenders
 
 
@@ -52,6 +54,32 @@ def divergence(d: np.ndarray, cu: np.ndarray, tau: float) -> tuple[np.ndarray, l
     for s, p in zip(*first_positions((ad > tau) | bad, cu), strict=True):
         first[int(s)] = int(p)
     return segment_max(ad, cu), first
+
+
+def packed(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(M,) float64 concatenation of per-sequence arrays and their (N+1,) int64 boundaries."""
+    cu = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in arrays], out=cu[1:])
+    flat = np.concatenate(arrays).astype(np.float64) if arrays else np.zeros(0)
+    return flat, cu
+
+
+def log_diff(reference: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """(M,) reference - other, NaN where either side is non-finite or a sentinel (< MIN_LOGPROB)."""
+    d = reference - other
+    bad = ~np.isfinite(d) | (reference < MIN_LOGPROB) | (other < MIN_LOGPROB)
+    return np.where(bad, np.nan, d)
+
+
+def request_divergence(reference: Sequence[np.ndarray], other: Sequence[np.ndarray],
+                       tau: float) -> tuple[np.ndarray, list[int | None]]:
+    """Per request (one (L_i,) array a side): (N,) max |reference - other|, inf where a token is
+    non-finite or a sentinel on either side, and the first token over `tau` (or non-finite)."""
+    ref, cu = packed(list(reference))
+    d = log_diff(ref, packed(list(other))[0])  # (M,)
+    seq_max, first = divergence(d, cu, tau)
+    nonfinite = segment_max(np.isnan(d).astype(np.float64), cu) > 0
+    return np.where(nonfinite, np.inf, seq_max), first
 
 
 def catastrophic_sequences(ad: np.ndarray, cu: np.ndarray, counts: np.ndarray, cfg) -> np.ndarray:
