@@ -24,7 +24,6 @@ from that step on: it belonged to a timeline the run abandoned.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 
 from rlcheck.core import metrics as K
 from rlcheck.core.detect.base import SEVERITIES, Alarm, Detector
+from rlcheck.core.detect.folds import passing_folds
 from rlcheck.core.detect.rolling import RollingBaseline
 from rlcheck.errors import ConfigError
 
@@ -191,42 +191,7 @@ class PeriodicDetector(Detector):
         clipped at clip * s, so a series whose z-scores spread wider than the MAD promises
         (autocorrelated, heavy-tailed: s ~ 1.6 on the field streams) keeps the power of a unit-spread
         one, and a clean one (s ~ 1) is scored as before. `cfg`: the tier's (default: this one's)."""
-        cfg = cfg or self.cfg
-        seen = ~np.isnan(rz)
-        raw = np.where(seen, rz, 0.0)
-        rz = np.clip(raw, -cfg.clip, cfg.clip)
-        csum, csum2, ccount = np.cumsum(rz), np.cumsum(rz * rz), np.cumsum(seen)  # over the last L steps
-        out = []
-        for period in range(cfg.min_period, cfg.max_period + 1):
-            fold, fraw, fseen = rz[::period], raw[::period], seen[::period]  # same phase, newest first
-            fsum, fsum2, fcount = np.cumsum(fold), np.cumsum(fold * fold), np.cumsum(fseen)
-
-            def other(span: int, period=period, fsum=fsum, fsum2=fsum2, fcount=fcount) -> tuple[float, float, int]:
-                """Sum, sum of squares and count of the other-phase z-scores in the last `span` steps."""
-                j = -(-span // period) - 1
-                return (csum[span - 1] - fsum[j], csum2[span - 1] - fsum2[j],
-                        int(ccount[span - 1] - fcount[j]))
-
-            for k in cfg.folds:
-                span = max(k * period, cfg.min_other)
-                if fold.shape[0] < k or rz.shape[0] < span:
-                    continue
-                k_seen = int(fcount[k - 1])
-                s1, _, n_other = other(span)
-                if k_seen < min(cfg.folds) or n_other < cfg.min_other // 2:
-                    continue
-                other_mean = s1 / n_other
-                v1, v2, n_var = other(min(max(span, cfg.min_var_span), rz.shape[0]))
-                spread = math.sqrt(max(v2 / n_var - (v1 / n_var) ** 2, 1.0))
-                occ = np.clip(fraw[:k][fseen[:k]], -cfg.clip * spread, cfg.clip * spread)
-                score = (occ.sum() - k_seen * other_mean) / (spread * math.sqrt(k_seen + k_seen**2 / n_other))
-                if score < cfg.threshold:
-                    continue
-                hits = int(np.count_nonzero(occ > other_mean + cfg.hit_z * spread))
-                halves_agree = occ[::2].mean() - occ[1::2].mean() <= cfg.harmonic_gap * spread
-                if k_seen - hits <= int(k_seen * (1.0 - cfg.min_hit_frac)) and halves_agree:
-                    out.append((period, k, float(score), hits))
-        return out
+        return passing_folds(rz, cfg or self.cfg)
 
     def _alarm(self, m: str, step: int, x: float, stride: int, rz: np.ndarray, severity: str,
                period: int, k: int, score: float, hits: int) -> Alarm:
