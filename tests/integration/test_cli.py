@@ -141,22 +141,16 @@ class TestRealDemo:
             assert history[r["step"]]["rlcheck/token/abs_diff_mean"] == pytest.approx(r["metrics"]["rlcheck/token/abs_diff_mean"])
             assert history[r["step"]]["loop/reward_mean"] == pytest.approx(r["metrics"]["loop/reward_mean"])
 
-    def test_demo_builds_its_model(self, tmp_path):
-        """With no model folder yet, the demo builds the tiny hybrid model first (one step, hf trainer, no W&B)."""
-        out = rlcheck("demo", "--run-dir", str(tmp_path / "d"), "--model", str(tmp_path / "m"), "--steps", "1",
-                      "--trainer", "hf", "--no-wandb")
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "d" / "metrics.jsonl").is_file()
-
-    def test_demo_quarantines_instead_of_halting(self, tmp_path, tiny_model):
+    def test_demo_quarantines_instead_of_halting(self, tmp_path):
         """`rlcheck demo --quarantine --inject corrupt-seqs=0.1 --correction token`: 3 steps, no halt, each
         step's corrupted sequences (6 of 64) quarantined, no other (the random model finds gibberish
-        improbable)."""
+        improbable). With no model folder yet, the demo builds the tiny random hybrid there first."""
         run = tmp_path / "d"
-        out = rlcheck("demo", "--run-dir", str(run), "--model", str(tiny_model("hybrid")), "--steps", "3",
+        out = rlcheck("demo", "--run-dir", str(run), "--model", str(tmp_path / "m"), "--steps", "3",
                       "--trainer", "hf", "--no-wandb", "--quarantine", "--inject", "corrupt-seqs=0.1",
                       "--correction", "token")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert (tmp_path / "m" / "config.json").is_file()
         text = " ".join(out.stdout.split())
         lines = [json.loads(x) for x in (run / "loop.jsonl").read_text().splitlines()]
         assert all({q["request_id"] for q in x["quarantined"]} == set(x["fault_touched"]) and "correction" in x
