@@ -22,9 +22,11 @@ Run dirs go to a tmpfs (/dev/shm) so that the Monitor's fsyncs do not time the d
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -47,6 +49,25 @@ ANCHORS = (
     ("verl probs diff > 0.01", K.PROB_ABS_DIFF_MEAN, 0.01),
 )
 
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch_dir() -> str:
+    """A run directory on the tmpfs; the one before is removed (a run's results are read by then), and
+    the last when the benchmark exits: left behind, a sweep's run dirs (up to ~40 MB each) filled
+    10 GB of the machine's memory."""
+    _remove_scratch()
+    path = tempfile.mkdtemp(dir="/dev/shm")
+    _SCRATCH.append(path)
+    return path
+
+
+@atexit.register
+def _remove_scratch() -> None:
+    while _SCRATCH:
+        shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
 
 def legacy_config(run_dir):
     """The defaults before issue 14, as far as they still exist: catastrophic = max |d| >= 2, NeMo-RL's
@@ -90,7 +111,7 @@ def healthy_rows(names: list[str], seeds: tuple[int, ...], config) -> list[dict]
         anchors = Counter()
         t0 = time.perf_counter()
         for seed in seeds:
-            r = run_scenario(s, seed, tempfile.mkdtemp(dir="/dev/shm"), monitor_config=config, keep_metrics=True)
+            r = run_scenario(s, seed, scratch_dir(), monitor_config=config, keep_metrics=True)
             obs += len(r.steps)
             warn += r.warn_steps
             halts += len(r.halts)
@@ -110,7 +131,7 @@ def fault_rows(seed: int, after: int, config) -> list[dict]:
     for base in FAULT_BASELINES:
         for fault in FAULTS:
             s = dataclasses.replace(SCENARIOS[base], num_steps=fault.onset + after)
-            r = run_scenario(s, seed, tempfile.mkdtemp(dir="/dev/shm"), fault=fault, monitor_config=config,
+            r = run_scenario(s, seed, scratch_dir(), fault=fault, monitor_config=config,
                              stop_on_halt=True, keep_metrics=True)
             on = r.onset_observation if r.onset_observation is not None else fault.onset
             first, crit = r.first_alarm(on), r.first_alarm(on, "critical")
@@ -155,7 +176,7 @@ def real_rows(root, config) -> list[dict]:
 
     rows = []
     for path in sorted(p for p in Path(root).iterdir() if (p / "tokens.npz").is_file()):
-        run_dir = tempfile.mkdtemp(dir="/dev/shm")
+        run_dir = scratch_dir()
         cfg = (config or (lambda d: MonitorConfig(run_dir=d, sinks=("jsonl",))))(run_dir)
         obs = warn = halts = 0
         kinds: Counter = Counter()

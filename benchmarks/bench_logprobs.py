@@ -3,13 +3,17 @@ and `rlcheck.trainers.logprobs.chunked_token_logprobs`, forward only and forward
 
     .venv/bin/python benchmarks/bench_logprobs.py                 # the BENCHMARKS.md table
     .venv/bin/python benchmarks/bench_logprobs.py --vocab 32768 --tokens 4096 --hidden 128
+    .venv/bin/python benchmarks/bench_logprobs.py --modes fwd+bwd --methods naive rlcheck rlcheck:0
+
+Methods: `naive`, `trl`, `rlcheck` (default `keep_bytes`), `rlcheck:B` (`keep_bytes=B`: B bytes per
+logit of kept logits; `rlcheck:0` recomputes every chunk's logits in the backward).
 
 Every (vocab, dtype, method, mode) case runs in its own subprocess: a warm-up call on tiny inputs,
 inputs allocated, the RSS high-water mark (VmHWM) reset to the current RSS through
-/proc/self/clear_refs, then the case runs `--repeats` times; peak = VmHWM after - before (the memory the computation needed beyond its
-inputs; gradients of hidden and weight included in forward + backward). Time is the best of the runs,
-wall (`time.perf_counter`) and CPU (`time.process_time`, less moved by other processes). of the 3 runs (`time.perf_counter`).
-"""
+/proc/self/clear_refs, then the case runs `--repeats` times; peak = VmHWM after - before (the memory
+the computation needed beyond its inputs; gradients of hidden and weight included in forward +
+backward). Time is the best of the runs, wall (`time.perf_counter`) and CPU (`time.process_time`,
+less moved by other processes)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import sys
 import time
 
 METHODS = ("naive", "trl", "rlcheck")
+MODES = ("fwd", "fwd+bwd")
 
 
 def _logp(method: str, hidden, weight, targets):
@@ -32,7 +37,8 @@ def _logp(method: str, hidden, weight, targets):
         return selective_log_softmax(hidden @ weight.T, targets)
     from rlcheck.trainers.logprobs import chunked_token_logprobs
 
-    return chunked_token_logprobs(hidden, weight, targets).logp
+    kw = {"keep_bytes": float(method.split(":")[1])} if ":" in method else {}
+    return chunked_token_logprobs(hidden, weight, targets, **kw).logp
 
 
 def _warm_up(method: str, dtype) -> None:
@@ -104,6 +110,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), help="naive, trl, rlcheck, rlcheck:B")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--repeats", type=int, default=3, help="runs per case; time is the best")
     p.add_argument("--case", nargs=7, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -118,10 +126,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in a.vocab:
         for dtype in a.dtypes:
-            for bwd in ("0", "1"):
+            for bwd in ("1" if mode == "fwd+bwd" else "0" for mode in a.modes):
                 res = {
                     m: _subprocess([str(v), str(a.tokens), str(a.hidden), dtype, m, bwd, str(a.repeats)])
-                    for m in METHODS
+                    for m in dict.fromkeys(["naive", *a.methods])
                 }
                 ref = res["naive"]
                 for m, r in res.items():

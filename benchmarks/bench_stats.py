@@ -4,7 +4,11 @@ For each (tokens, sequences) case it builds one synthetic float32 step (heavy-ta
 lengths, logp_train = logp_rollout + N(0, 1e-3) plus a few outliers) and reports, best of --repeat:
 
     validate   StepBatch.from_packed (validation) on the prebuilt arrays
-    rlcheck    rlcheck.core.stats.compute on the prebuilt StepBatch
+    rlcheck    rlcheck.core.stats.compute on the prebuilt StepBatch, numpy path (StatsConfig(backend="numpy"))
+    backends   the same per --backend (rlcheck.core.stats.backend): numpy, torch-eager (torch on the
+               CPU, the numpy arrays read zero-copy), torch (token pass through torch.compile; the first
+               call, compilation included, reported apart), cuda (the batch built from CUDA tensors,
+               StepBatch.device_tensors; when a GPU is present); each with its ratio to subtract
     subtract   one numpy pass over both arrays, np.subtract(logp_train, logp_rollout): the floor
     padded     the verl/TRL way in torch on CPU: the batch padded to [B, max_len] with a response
                mask, masked means over the padded tensors, torch.quantile on the masked values
@@ -12,6 +16,7 @@ lengths, logp_train = logp_rollout + N(0, 1e-3) plus a few outliers) and reports
     memory     peak of rlcheck.core.stats.compute: tracemalloc (numpy allocations) and the ru_maxrss rise
 
 Run:  .venv/bin/python benchmarks/bench_stats.py [--tokens 4e6,16e6] [--seqs 1000,16000] [--out x.json]
+      [--backend numpy,torch-eager,torch,cuda]
 """
 
 from __future__ import annotations
@@ -143,7 +148,7 @@ def peak_memory(fn) -> tuple[float, float | None]:
 def run_case(num_tokens: int, num_seqs: int, args) -> dict:
     lr, lt, cu = make_step(num_tokens, num_seqs, args.sigma)
     ids = [f"req-{i}" for i in range(num_seqs)]
-    cfg = StatsConfig()
+    cfg = StatsConfig(backend="numpy")
     batch = StepBatch.from_packed(lr, lt, cu, ids)
     row = {"tokens": num_tokens, "seqs": num_seqs, "max_len": int(np.diff(cu).max())}
     row["pad_factor"] = num_seqs * row["max_len"] / num_tokens
@@ -152,9 +157,14 @@ def run_case(num_tokens: int, num_seqs: int, args) -> dict:
     row["subtract_s"] = best_of(args.repeat, lambda: np.subtract(lt, lr))
     row["ratio_rlcheck_subtract"] = row["rlcheck_s"] / row["subtract_s"]
     row["tracemalloc_peak_mib"], row["maxrss_rise_mib"] = peak_memory(lambda: compute(batch, cfg))
+    row["backends"] = {name: time_backend(name, batch, lr, lt, cu, ids, row["subtract_s"], args)
+                       for name in args.backend.split(",") if name}
 
     need_gib = num_seqs * row["max_len"] * PAD_BYTES_PER_ELEMENT / 2**30
     row["padded_need_gib"] = need_gib
+    if args.no_padded:
+        row["padded"] = "skipped (--no-padded)"
+        return row
     if need_gib > args.pad_budget_gib:
         row["padded"] = f"skipped (memory): needs ~{need_gib:.1f} GiB > budget {args.pad_budget_gib:g} GiB"
         return row
@@ -167,6 +177,39 @@ def run_case(num_tokens: int, num_seqs: int, args) -> dict:
     row["check_abs_diff_mean_rel"] = abs(theirs["abs_diff_mean"] / ours["rlcheck/token/abs_diff_mean"] - 1)
     row["check_p99_rel"] = abs(theirs["p99"] / ours["rlcheck/token/abs_diff_p99"] - 1)
     return row
+
+
+def time_backend(name: str, batch, lr, lt, cu, ids, subtract_s: float, args) -> dict:
+    """{"first_s", "best_s", "ratio_subtract"} of compute() through one backend ("cuda": the batch's
+    tensors on the GPU; compute returns host floats, so the timing includes the device sync)."""
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            return {"skipped": "no CUDA device"}
+        dev = [torch.from_numpy(x).cuda() for x in (lr, lt, cu)]
+        batch = StepBatch.from_packed(*dev, ids)
+        cfg = StatsConfig(backend="torch-eager")
+    else:
+        cfg = StatsConfig(backend=name)
+    t0 = time.perf_counter()
+    got = compute(batch, cfg)[0]
+    first = time.perf_counter() - t0
+    best = best_of(args.repeat, lambda: compute(batch, cfg))
+    ref = compute(batch, StatsConfig(backend="numpy"))[0]
+    worst = max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in ref.items())  # against the numpy path
+    return {"first_s": first, "best_s": best, "ratio_subtract": best / subtract_s, "max_rel_diff_numpy": worst}
+
+
+def backend_table(rows: list[dict]) -> str:
+    lines = ["| tokens | seqs | backend | ms | x subtract | first call s | max rel diff to numpy |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, b in r.get("backends", {}).items():
+            if "skipped" in b:
+                lines.append(f"| {r['tokens'] / 1e6:g}M | {r['seqs']} | {name} | {b['skipped']} | – | – | – |")
+                continue
+            lines.append(f"| {r['tokens'] / 1e6:g}M | {r['seqs']} | {name} | {b['best_s'] * 1e3:.1f} "
+                         f"| {b['ratio_subtract']:.1f}x | {b['first_s']:.2f} | {b['max_rel_diff_numpy']:.1e} |")
+    return "\n".join(lines)
 
 
 def _fmt(row: dict, key: str, unit: float = 1e3, spec: str = ".0f") -> str:
@@ -199,6 +242,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per timing; the fastest is reported")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the sequence lengths")
     ap.add_argument("--pad-budget-gib", type=float, default=8.0, help="skip padded cases needing more")
+    ap.add_argument("--backend", default="numpy,torch-eager,torch,cuda",
+                    help="comma-separated stats backends to time (numpy, torch-eager, torch, cuda)")
+    ap.add_argument("--no-padded", action="store_true", help="skip the padded (verl/TRL) rows")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     rows = []
@@ -207,6 +253,8 @@ def main() -> None:
             rows.append(run_case(tokens, seqs, args))
             gc.collect()
     print(table(rows))
+    print()
+    print(backend_table(rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

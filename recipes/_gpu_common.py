@@ -10,13 +10,14 @@ import os
 import sys
 import time
 
+from _cluster import add_cluster_args, placement, ray_address
 from grpo_tiny import monitor_config, print_step, print_summary
 
 from rlcheck.core.monitor import Monitor
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import ConfigError, RLCheckError
 from rlcheck.faults import parse_inject
-from rlcheck.loop import AdditionTask, LoopConfig, Placement, ray_session, run_grpo
+from rlcheck.loop import AdditionTask, LoopConfig, ray_session, run_grpo
 from rlcheck.trainers import TrainerConfig
 
 
@@ -26,9 +27,6 @@ def parser(doc: str) -> argparse.ArgumentParser:
     arg = ap.add_argument
     arg("--model", required=True, help="local HF model directory, the same path on every node "
         "(e.g. `hf download Qwen/Qwen2.5-0.5B --local-dir /shared/qwen2.5-0.5b`)")
-    arg("--ray-address", default="auto",
-        help='Ray cluster to join: "auto" (the one `ray start` set up), HOST:PORT, or "local" to start one '
-             "(default: %(default)s)")
     arg("--world-size", type=int, default=2, help="trainer ranks, one GPU each (default: %(default)s)")
     arg("--tp", type=int, default=1, help="vLLM tensor_parallel_size: GPUs of the rollout actor (default: %(default)s)")
     arg("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -48,13 +46,15 @@ def parser(doc: str) -> argparse.ArgumentParser:
     arg("--inject", help="a fault to inject, as NAME=VALUE, e.g. skip-sync-every=4")
     arg("--wandb", choices=("online", "offline"), help="also log to W&B, online or offline")
     arg("--wandb-project", default="rlcheck", help="W&B project (default: %(default)s)")
+    add_cluster_args(ap, address="auto")  # the cluster `ray start` set up; see recipes/_cluster.py
     return ap
 
 
 def loop_config(args: argparse.Namespace, backend: str, zero_stage: int = 3) -> LoopConfig:
-    temperature = 1.0
+    temperature, fault = 1.0, parse_inject(args.inject)
+    model = os.path.abspath(args.model)  # the actors resolve it on their own nodes, in their own cwd
     rollout = VLLMConfig(
-        model=args.model,
+        model=model,
         dtype=args.dtype,
         seed=0,
         engine_id="r0",
@@ -63,13 +63,14 @@ def loop_config(args: argparse.Namespace, backend: str, zero_stage: int = 3) -> 
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,  # the KV/Mamba cache gets what weights leave
         enforce_eager=args.enforce_eager,
+        hookable=fault.engine_fault() is not None,  # an engine fault: eager, the V1 model runner (said on stderr)
         tensor_parallel_size=args.tp,
         # tp > 1: vLLM's worker processes are children of the rollout actor, on the GPUs Ray gave it
         # (see the recipe's docstring for why "mp" and not "ray")
         engine_kwargs={"distributed_executor_backend": "mp"} if args.tp > 1 else {},
     )
     trainer = TrainerConfig(
-        model=args.model,
+        model=model,
         backend=backend,
         zero_stage=zero_stage,
         dtype=args.dtype,
@@ -89,8 +90,8 @@ def loop_config(args: argparse.Namespace, backend: str, zero_stage: int = 3) -> 
         steps=args.steps,
         group_size=args.group_size,
         task=AdditionTask(max_operand=999, num_prompts=args.prompts, seed=0),
-        placement=Placement(trainer_cpus=1, trainer_gpus=1, rollout_cpus=1, rollout_gpus=args.tp),
-        fault=parse_inject(args.inject),
+        placement=placement(args, trainer_cpus=1, trainer_gpus=1, rollout_cpus=1, rollout_gpus=args.tp),
+        fault=fault,
     )
 
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace, recipe: str, backend: str, zero_stage: int = 3
     """Run the recipe; 0 when it ran to the end, 1 when the monitor halted it, 2 on a bad setting."""
     if args.run_dir is None:
         args.run_dir = os.path.join("runs", time.strftime(f"{recipe}-%Y%m%d-%H%M%S"))
-    address = None if args.ray_address == "local" else args.ray_address
+    address = ray_address(args)
     try:
         if not os.path.isdir(args.model):
             raise ConfigError(f"--model {args.model!r} is not a local directory; download the model first")

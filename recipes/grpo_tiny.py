@@ -32,6 +32,8 @@ import statistics
 import sys
 import time
 
+from _cluster import add_cluster_args, placement, ray_address
+
 from rlcheck.core import metrics as K
 from rlcheck.core.detect import DetectorsConfig
 from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig, StepReport
@@ -39,7 +41,7 @@ from rlcheck.core.stats import StatsConfig
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import RLCheckError
 from rlcheck.faults import parse_inject
-from rlcheck.loop import PHASES, AdditionTask, LoopConfig, LoopResult, Placement, ray_session, run_grpo
+from rlcheck.loop import PHASES, AdditionTask, LoopConfig, LoopResult, ray_session, run_grpo
 from rlcheck.sinks import WandbConfig
 from rlcheck.trainers import BACKENDS, TrainerConfig
 
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--inject", help="a fault to inject, as NAME=VALUE, e.g. skip-sync-every=4")
     arg("--wandb", nargs="?", const="offline", choices=("offline", "online"),
         help="also log to W&B: offline (the bare flag) or online")
+    add_cluster_args(ap, address="local")  # a private Ray here; `auto` or HOST:PORT joins a cluster
     args = ap.parse_args(argv)
     if args.world_size is None:
         args.world_size = 1 if args.trainer == "hf" else 2
@@ -69,13 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ensure_model(path: str) -> str:
     """The model directory, built when it holds no model yet (`rlcheck.modelzoo.ensure_model`):
-    trained on the task for a folder named `<arch>-trained`, else the random tiny hybrid."""
+    trained on the task for a folder named `<arch>-trained`, else the random tiny hybrid. Absolute:
+    the actors resolve it in their own working directory, on their own node."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         from rlcheck.modelzoo import ensure_model as build_missing
 
         print(f"building the tiny model into {path} (a trained one takes a few CPU minutes, once)", flush=True)
         build_missing(path)
-    return path
+    return os.path.abspath(path)
 
 
 def loop_config(args: argparse.Namespace, model: str) -> LoopConfig:
@@ -112,7 +116,7 @@ def loop_config(args: argparse.Namespace, model: str) -> LoopConfig:
         steps=args.steps,
         group_size=8,
         task=AdditionTask(max_operand=99, num_prompts=8, seed=0),
-        placement=Placement(trainer_cpus=1, rollout_cpus=1),
+        placement=placement(args, trainer_cpus=1, rollout_cpus=1),
         fault=parse_inject(args.inject),
     )
 
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = loop_config(args, ensure_model(args.model))
-        with ray_session(num_cpus=4), Monitor(monitor_config(args.run_dir, cfg, "grpo_tiny", args.wandb)) as monitor:
+        with ray_session(address=ray_address(args), num_cpus=4), \
+                Monitor(monitor_config(args.run_dir, cfg, "grpo_tiny", args.wandb)) as monitor:
             result = run_grpo(cfg, monitor, print_step)
     except RLCheckError as exc:
         print(f"grpo_tiny: error: {exc}", file=sys.stderr)

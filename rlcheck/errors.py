@@ -18,6 +18,13 @@ class ConfigError(RLCheckError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class ClusterResourcesError(ConfigError):
+    """The Ray cluster cannot hold the loop's actors (`rlcheck.loop.Placement`): fewer CPUs, GPUs or
+    custom resources than the trainer ranks and the rollout engine ask for, in total or on any one
+    node, or the ranks' placement group still unplaced after `Placement.schedule_timeout_s`. The
+    message names what was asked and what the cluster has."""
+
+
 class UnsupportedVLLMError(ConfigError):
     """The installed vLLM (or the engine's setup) is not one rlcheck's engine faults know how to hook."""
 

@@ -66,6 +66,7 @@ def demo(
     correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2) or sequence (sequence TIS, cap 2)."),
     topk: int = typer.Option(0, "--topk", min=0, help="Top-k distribution metrics (rlcheck/dist/*: top-k overlap, KL estimate): the engine returns K logprobs per position and the trainer scores the same ids; 0: off (20 is the usual K)."),
     audit: bool = typer.Option(False, "--audit", help="The decode-prefill audit: 8 rollouts a step re-scored by a fresh prefill of the rollout engine; a rollout whose decode logprobs differ halts the step (engine-only evidence)."),
+    weight_sync: str = typer.Option("object-store", help="How the weights reach vLLM after each update: object-store (Ray's) or collective (trainer rank 0 broadcasts them over a gloo group, in 512 MB buckets)."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
@@ -97,9 +98,13 @@ def demo(
         raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
     if correction not in (None, "token", "sequence"):
         raise typer.BadParameter(f"{correction!r} is not token or sequence", param_hint="--correction")
+    from rlcheck.loop.weight_sync import METHODS
+
+    if weight_sync not in METHODS:
+        raise typer.BadParameter(f"{weight_sync!r} is not one of {', '.join(METHODS)}", param_hint="--weight-sync")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
                        inject=inject, wandb=wandb, seed=seed, guard=guard, quarantine=quarantine,
-                       correction=correction, top_k=topk, audit=audit)
+                       correction=correction, top_k=topk, audit=audit, weight_sync=weight_sync)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, screen)
     render(summarize(run_dir), screen)

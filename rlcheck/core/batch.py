@@ -11,6 +11,8 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
                                            (compared with `Monitor.observe(..., trainer_version=V)`)
     topk                      TopK         optional: both sides' top-K logprobs, one row per token
                                            (`rlcheck.core.topk`; dumps do not store it)
+    device_tensors            dict or None the packed fields as torch tensors on the caller's GPU
+                                           (`rlcheck.core.batch_torch`; the statistics read them)
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
 mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
@@ -37,6 +39,7 @@ from rlcheck.core.batch_build import (
     to_numpy,
     version_array,
 )
+from rlcheck.core.batch_torch import device_packed, device_padded, host_copies
 from rlcheck.core.limits import MAX_LOGPROB
 from rlcheck.core.topk import TopK
 from rlcheck.errors import InputError
@@ -69,6 +72,10 @@ class StepBatch:
     meta: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # per-sequence columns
     weight_version: np.ndarray | None = None  # (N,) int64
     topk: TopK | None = None  # (M, K) per field
+    device_tensors: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
+    """The packed fields as torch tensors on the device the caller's tensors were on (a GPU), which the
+    statistics read instead of the numpy fields; None for host data. Set by `from_padded` and
+    `from_packed` only: a batch derived from this one (`dataclasses.replace`, `select`) has none."""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -107,12 +114,13 @@ class StepBatch:
         """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets).
         `weight_version`: the weights version that generated the sequences (one int, or one per sequence);
         `topk`: both sides' top-K logprobs, one row per token."""
+        tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
         cu = int_array(cu_seqlens, "cu_seqlens")
         if cu.ndim != 1 or cu.shape[0] < 1:
             raise InputError("cu_seqlens: expected a 1-D array of N+1 sequence offsets")
-        return cls(
+        batch = cls(
             logp_rollout=lr,
             logp_train=lt,
             cu_seqlens=cu,
@@ -127,6 +135,8 @@ class StepBatch:
             weight_version=None if weight_version is None else version_array(weight_version, cu.shape[0] - 1),
             topk=topk,
         )
+        object.__setattr__(batch, "device_tensors", tensors)
+        return batch
 
     @classmethod
     def from_ragged(
@@ -169,11 +179,18 @@ class StepBatch:
 
         Row b becomes one sequence spanning its first to its last masked-in token; masked-out tokens
         inside that span (tool output, say) stay in the sequence as masked tokens, so positions such
-        as the first divergence are counted from the start of the response.
+        as the first divergence are counted from the start of the response. Tensors on a GPU are packed
+        there (`rlcheck.core.batch_torch`): only the packed tokens are copied to the host.
         """
-        packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train, topk)
-        return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
-                               weight_version=weight_version, **packed)
+        tensors = None if topk is not None else device_padded(logp_rollout, logp_train, mask, tokens, tokens_train)
+        if tensors is None:
+            packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train, topk)
+        else:
+            packed = host_copies(tensors)
+        batch = cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
+                                weight_version=weight_version, **packed)
+        object.__setattr__(batch, "device_tensors", tensors)
+        return batch
 
     # ---- validation ----------------------------------------------------------------------------
 

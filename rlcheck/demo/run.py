@@ -64,6 +64,8 @@ class DemoOptions:
 
     audit: bool = False
     """The decode-prefill audit on 8 rollouts a step (`rlcheck.loop.audit.DecodePrefillAudit`)."""
+    weight_sync: str = "object-store"
+    """How the weights reach vLLM after each update (`rlcheck.loop.weight_sync`): "object-store" or "collective"."""
 
     @property
     def fault(self) -> Fault:
@@ -108,6 +110,10 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
         cfg = dataclasses.replace(cfg, audit=DecodePrefillAudit())
     if opts.top_k:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, top_logprobs=opts.top_k))
+    if opts.weight_sync != "object-store":
+        from rlcheck.loop.weight_sync import WeightSyncConfig
+
+        cfg = dataclasses.replace(cfg, weight_sync=WeightSyncConfig(opts.weight_sync))
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
     with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "

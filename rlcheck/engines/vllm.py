@@ -75,6 +75,9 @@ class VLLMConfig:
     guard: GuardConfig | None = None
     """The engine guard (`rlcheck.engines.guard.GuardConfig`), installed when the engine starts; None: off
     (unless RLCHECK_BREAK_ON is set, which installs one with the default config)."""
+    hookable: bool = False
+    """Build it for an engine fault (`rlcheck.engines.vllm_faults`): eager, vLLM's V1 model runner
+    (`vllm_faults.hookable_settings`, said on stderr). A guard implies it."""
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROB_MODES:
@@ -234,18 +237,14 @@ class VLLMEngine:
         """Load new weights in place (`reload_weights`), bring the Mamba conv buffers that vLLM 0.32's
         CPU backend leaves on the old weights up to date (`vllm_sync.refresh_mamba_conv_weights`, a no-op
         elsewhere; docs/mamba-conv-sync.md) and drop every cache computed with the old weights (prefix
-        cache); rollouts generated afterwards carry `version`."""
-        from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
+        cache); rollouts generated afterwards carry `version`. A collective sync passes `Buckets`, loaded
+        one by one as they arrive (`rlcheck.engines.vllm_collective`), through any fault's wrap of this."""
+        from rlcheck.engines.vllm_collective import Buckets, load_buckets
 
-        if version <= self.weight_version:
-            raise InputError(f"weight version must increase: {version} after {self.weight_version}")
+        if isinstance(named_tensors, Buckets):
+            return load_buckets(self, named_tensors, version)
         weights = [(name, t.detach().cpu() if hasattr(t, "detach") else t) for name, t in named_tensors]
-        if not weights:
-            raise InputError("sync_weights got no tensors")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        refresh_mamba_conv_weights(self.llm)
-        self.llm.reset_prefix_cache()
-        self.weight_version = version
+        load_buckets(self, [weights], version)
 
     def close(self) -> None:
         """Release the engine (memory and threads); the guard's files are flushed first."""
@@ -278,15 +277,15 @@ def _build_llm(cfg: VLLMConfig):
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "max_logprobs": max(cfg.top_logprobs, 20),
     }
-    optional = {
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "kv_cache_memory_bytes": cfg.kv_cache_bytes,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "block_size": cfg.block_size,
-    }
+    optional = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "kv_cache_memory_bytes": cfg.kv_cache_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                "block_size": cfg.block_size}
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(cfg.engine_kwargs)
+    if cfg.hookable or cfg.guard is not None or os.environ.get("RLCHECK_BREAK_ON"):
+        from rlcheck.engines.vllm_faults import hookable_kwargs
+
+        kwargs = hookable_kwargs(kwargs)
     return LLM(**kwargs)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -45,7 +45,9 @@ class Fault:
         return cfg
 
     def rollout_config(self, cfg):
-        return cfg
+        """An engine fault hooks vLLM's model runner: its engine is built hookable (eager, the V1
+        runner; `VLLMConfig.hookable`, a no-op on the CPU backend)."""
+        return replace(cfg, hookable=True) if self.engine_fault() is not None else cfg
 
     def skip_sync(self, step: int) -> bool:
         return False

@@ -16,6 +16,11 @@ class RolloutWorker:
     """Generates rollouts with vLLM and takes weight syncs."""
 
     def __init__(self, cfg: VLLMConfig, engine_fault: tuple[str, dict[str, Any]] | None = None):
+        from rlcheck.loop.resources import visible_devices
+
+        visible = visible_devices(_gpu_ids(), os.environ)  # vLLM takes the first visible GPUs: make them Ray's
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.engine = VLLMEngine(cfg)
         self.fault = None
         if engine_fault is not None and engine_fault[0] == "stale-buffer":  # a self-test of the sync check
@@ -38,6 +43,20 @@ class RolloutWorker:
             weights = [(n, t) for n, t in weights if leave_out not in n]
         self.engine.sync_weights(weights, version)
         return version
+
+    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join a weight-sync group with trainer rank 0 (`rlcheck.loop.weight_sync`), replacing any before."""
+        from rlcheck.engines.vllm_collective import SyncGroup
+
+        self.sync_group = None
+        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s)
+
+    def receive_weights(self, version: int, leave_out: str | None = None) -> dict[str, float]:
+        """Take rank 0's broadcast weights as `version`, bucket by bucket (`leave_out`: as `sync_weights`);
+        the bytes, the seconds waiting for buckets and loading them."""
+        from rlcheck.engines.vllm_collective import receive_into
+
+        return receive_into(self.engine, self.sync_group, version, leave_out)
 
     def fingerprint(self) -> dict[str, tuple[float, float, float]]:
         """The engine's side of the sync check (`rlcheck.engines.fingerprint`)."""
@@ -98,10 +117,15 @@ class TrainerWorker:
         import torch
         import torch.distributed as dist
 
+        from rlcheck.loop.resources import device_index
+
+        # the GPU Ray assigned this rank: cuda:0 when Ray set CUDA_VISIBLE_DEVICES, its id when told not
+        # to; LOCAL_RANK too, as DeepSpeed sets its device from that
+        index = device_index(_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          LOCAL_RANK="0", WORLD_SIZE=str(self.world_size))
+                          LOCAL_RANK=str(index), WORLD_SIZE=str(self.world_size))
         if self.cfg.device.startswith("cuda"):
-            torch.cuda.set_device(0)  # Ray gives each trainer actor its own visible GPU
+            torch.cuda.set_device(index)
         if self.cfg.backend != "hf":
             dist.init_process_group("nccl" if self.cfg.device.startswith("cuda") else "gloo",
                                     rank=self.rank, world_size=self.world_size,
@@ -135,12 +159,36 @@ class TrainerWorker:
         weights, self._weights = self._weights, None
         return weights
 
+    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0: serve a weight-sync group with the engines (`rlcheck.loop.weight_sync`), replacing any before."""
+        from rlcheck.engines.vllm_collective import SyncGroup
+
+        self.sync_group = None  # the old store's port is freed before the new group is waited for
+        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s)
+
+    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Rank 0: broadcast the last `gather_weights` to the engines in buckets, handed over once."""
+        from rlcheck.engines.vllm_collective import send_weights
+
+        weights, self._weights = self._weights, None
+        return send_weights(self.sync_group, weights, bucket_bytes)
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         self.trainer = None
+
+
+def _gpu_ids() -> list:
+    """The GPU ids Ray assigned this actor ([] outside Ray, or with no GPU)."""
+    try:
+        import ray
+
+        return ray.get_gpu_ids() if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return []
 
 
 def _node_ip() -> str:

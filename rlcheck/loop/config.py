@@ -24,6 +24,7 @@ from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOU
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import EngineRestart
 from rlcheck.loop.task import AdditionTask
+from rlcheck.loop.weight_sync import WeightSyncConfig
 from rlcheck.trainers import TrainerConfig
 
 PHASES = ("generate", "recompute", "monitor", "update", "sync", "sync_check")
@@ -64,6 +65,10 @@ class LoopConfig:
     with their decode logprobs (`rlcheck.loop.audit`): a rollout past the threshold is an alarm of the
     step (critical by default), from the engine alone, before the trainer recomputes. Needs rollouts
     sampled at temperature 1 without logit processing. None: off."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the weights reach the engine after each update (`rlcheck.loop.weight_sync`): Ray's object
+    store (the default), or `WeightSyncConfig("collective", bucket_mb=512)`: rank 0 broadcasts them to
+    the engine over a gloo group of their own, in buckets (BENCHMARKS.md, "Weight sync scaling")."""
     keep_reports: int = 10_000
     """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
@@ -97,6 +102,8 @@ class LoopConfig:
                 raise ConfigError(f"audit must be a rlcheck.loop.audit.DecodePrefillAudit or None, got "
                                   f"{type(self.audit).__name__}")
             check_sampling(self.rollout)
+        if not isinstance(self.weight_sync, WeightSyncConfig):
+            raise ConfigError(f"weight_sync must be a rlcheck.loop.weight_sync.WeightSyncConfig, got {self.weight_sync!r}")
         if self.keep_reports < 1:
             raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:

@@ -64,7 +64,9 @@ class GRPOLoop:
 
         from rlcheck.loop.group import TrainerGroup
         from rlcheck.loop.recovery import RolloutSupervisor
+        from rlcheck.loop.resources import check_cluster
 
+        check_cluster(cfg.placement, cfg.world_size)  # ClusterResourcesError now, not a wait forever
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         from rlcheck.loop.guarding import with_run_dir
@@ -79,6 +81,9 @@ class GRPOLoop:
         except BaseException:
             self.engine.kill()
             raise
+        from rlcheck.loop.weight_sync import make_sync
+
+        self.send_weights = make_sync(cfg.weight_sync, self.group, self.engine, cfg.collective_timeout_s)
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
         self.spoiled = False  # the last sync was spoiled by the fault (self-tests' ground truth)
@@ -219,12 +224,15 @@ class GRPOLoop:
                 self._restart_engine(lost, step)
 
     def _sync(self, step: int) -> None:
-        """The trainer's weights into the engine; a lost engine is replaced (the fresh one gets them)."""
-        ref, leave_out = self.group.full_state_dict_ref(), self.cfg.fault.sync_leave_out(step)
+        """The trainer's weights into the engine (`LoopConfig.weight_sync`); a lost engine is replaced
+        (the fresh one gets them), a lost trainer rank stops the run."""
+        leave_out = self.cfg.fault.sync_leave_out(step)
         try:
-            self.engine.call(lambda actor: actor.sync_weights.remote(ref, self.version, leave_out))
+            self.send_weights(self.version, leave_out)
             self.spoiled = bool(leave_out) or self.cfg.fault.spoils_syncs
         except ActorLost as lost:
+            if lost.actor != self.engine.name:
+                raise  # a trainer rank, lost while gathering or sending the weights
             self._restart_engine(lost, step)
         self.synced = self.version
 

@@ -11,6 +11,7 @@ import numpy as np
 from rlcheck.errors import ConfigError
 from rlcheck.loop.placement import Placement
 from rlcheck.loop.recovery import join, kill_actors, start_rollout
+from rlcheck.loop.resources import wait_placed
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
 
 __all__ = ["TrainerGroup", "start_rollout"]
@@ -38,13 +39,12 @@ class TrainerGroup:
         p = placement or Placement()
         self.cfg, self.world_size, self.timeout_s = cfg, world_size, call_timeout_s
         self.names = [f"trainer rank {r}/{world_size}" for r in range(world_size)]
-        bundle = {"CPU": p.trainer_cpus} | ({"GPU": p.trainer_gpus} if p.trainer_gpus else {})
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=p.strategy)
-        ray.get(self.pg.ready())
+        self.pg = placement_group([p.trainer_bundle() for _ in range(world_size)], strategy=p.strategy)
+        wait_placed(self.pg, p, world_size)  # a clear error, not a wait forever, when it cannot be placed
         cls = ray.remote(TrainerWorker)
         self.workers = [
             cls.options(
-                num_cpus=p.trainer_cpus, num_gpus=p.trainer_gpus,
+                num_cpus=p.trainer_cpus, num_gpus=p.trainer_gpus, resources=dict(p.trainer_resources),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
                 runtime_env={"env_vars": p.actor_env(cfg.device)},
             ).remote(cfg, r, world_size)
@@ -110,10 +110,14 @@ class TrainerGroup:
         other = meanwhile() if meanwhile is not None else None
         return merge_fingerprints(join(refs, self.names, self.timeout_s)), other
 
-    def full_state_dict_ref(self) -> Any:
-        """An object ref to rank 0's gathered weights (every rank takes part in the gather; the driver
-        joins on small answers, the weights go from rank 0 to whoever gets the ref)."""
+    def gather_weights(self) -> None:
+        """Every rank takes part in gathering the full weights; rank 0 keeps them (for `take_weights`
+        or a collective send, `rlcheck.loop.weight_sync`). The driver joins on small answers."""
         self._all(lambda w: w.gather_weights.remote())
+
+    def full_state_dict_ref(self) -> Any:
+        """An object ref to rank 0's gathered weights (the weights go from rank 0 to whoever gets the ref)."""
+        self.gather_weights()
         return self.workers[0].take_weights.remote()
 
     def shutdown(self, graceful: bool = True) -> None:

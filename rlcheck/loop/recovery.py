@@ -118,7 +118,7 @@ def start_rollout(cfg: VLLMConfig, placement: Placement | None = None, engine_fa
 
     p = placement or Placement()
     actor = ray.remote(RolloutWorker).options(
-        num_cpus=p.rollout_cpus, num_gpus=p.rollout_gpus,
+        num_cpus=p.rollout_cpus, num_gpus=p.rollout_gpus, resources=dict(p.rollout_resources),
         runtime_env={"env_vars": p.actor_env("cuda" if p.rollout_gpus else "cpu")},
     ).remote(cfg, engine_fault)
     try:

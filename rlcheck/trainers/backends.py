@@ -65,21 +65,37 @@ class PlainBackend:
 
 
 class FSDP2Backend(PlainBackend):
-    """`fully_shard` on every decoder layer, then the root (embeddings, final norm, LM head)."""
+    """`fully_shard` on every decoder layer, then the root (embeddings, final norm, LM head).
+
+    With a bfloat16 `cfg.dtype` the shards AdamW updates are float32 master weights, and
+    `MixedPrecisionPolicy` gathers them in bfloat16 for the forward and backward (the logprobs are
+    computed as a bfloat16 model computes them) and reduces gradients in float32: DeepSpeed's bf16 mode.
+    AdamW on bfloat16 parameters rounds most updates away: at lr 1e-6 a step moves a weight by ~1e-6,
+    under half its bf16 spacing (6e-5 at |w| = 0.02), so 10 steps change 2% of the weights, against
+    99.99% in float32 (BENCHMARKS.md, "bf16 master weights"). Synced weights go out in the dtype they
+    were loaded in (the engine's).
+    """
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        self.sync_dtypes = {n: t.dtype for n, t in model.state_dict().items()}
+        mp_policy = MixedPrecisionPolicy()
+        if self.cfg.dtype != "float32":
+            model.float()  # the master weights: the loaded values, exactly
+            mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.dtype), reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
         return model
 
     def full_state_dict(self) -> Weights | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return list(full.items()) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return [(n, t.to(self.sync_dtypes.get(n, t.dtype))) for n, t in full.items()]
 
 
 class DeepSpeedBackend(PlainBackend):
@@ -133,15 +149,44 @@ class DeepSpeedBackend(PlainBackend):
         return float(norm) if norm is not None else math.nan
 
     def full_state_dict(self) -> Weights | None:
-        import deepspeed
-
         module = self.engine.module
-        if self.cfg.zero_stage == 3:
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                full = [(n, t.detach().cpu().clone()) for n, t in module.state_dict().items()]
-        else:
-            full = [(n, t.detach().cpu().clone()) for n, t in module.state_dict().items()]
-        return full if self.rank == 0 else None
+        entries = zero3_state_dict(module) if self.cfg.zero_stage == 3 else module.state_dict().items()
+        if self.rank != 0:
+            for _ in entries:  # take part in every gather, keep nothing
+                pass
+            return None
+        return [(n, t.detach().cpu().clone()) for n, t in entries]
 
 
 BACKEND_TYPES = {"hf": PlainBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}
+
+GATHER_NUMEL = 2**26
+"""ZeRO-3 `full_state_dict` gathers parameters in groups of at most this many elements (a larger one
+alone): each rank holds one group unsharded at a time, never the whole model."""
+
+
+def zero3_state_dict(module: torch.nn.Module, max_numel: int = GATHER_NUMEL):
+    """(name, tensor) for every entry of `module.state_dict()` (parameters and buffers, in its order),
+    each ZeRO-3 parameter gathered while it is yielded: valid until the next item, so copy it. A
+    collective: every rank iterates it to the end."""
+    import deepspeed
+
+    for group in _gather_groups(list(module.state_dict(keep_vars=True).items()), max_numel):
+        params = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # a tied weight once
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield from ((n, t.detach()) for n, t in group)
+
+
+def _gather_groups(entries: list[tuple[str, torch.Tensor]], max_numel: int):
+    """Consecutive runs of `entries` whose ZeRO-3 parameters hold at most `max_numel` elements together."""
+    group, numel = [], 0
+    for name, t in entries:
+        n = getattr(t, "ds_numel", 0)
+        if group and numel + n > max_numel:
+            yield group
+            group, numel = [], 0
+        group.append((name, t))
+        numel += n
+    if group:
+        yield group
+

@@ -2,8 +2,9 @@
 weight, `chunk_size` rows of logits at a time, forward and backward.
 
 `chunked_token_logprobs(hidden, weight, targets)` equals the naive float32 log-softmax + gather (its
-docstring states the formula) but never holds the [tokens, vocab] logits: a `torch.autograd.Function`
-loops over chunks of rows, and its backward recomputes each chunk's logits instead of keeping them.
+docstring states the formula) but never holds the float32 [tokens, vocab] logits: a
+`torch.autograd.Function` loops over chunks of rows; the backward recomputes the logits of the chunks
+that the forward did not keep (`keep_bytes` per logit: by default all bf16 chunks, half of float32).
 The model's logit transform (scale, Gemma-style softcap, temperature) is applied per chunk. The same
 pass can also give, without gradient, each row's logprobs at given ids (the engine's top-K) and its
 own top-K ids (`top_k`, `topk_ids`: `TokenLogprobs.topk`), so that no [tokens, vocab] tensor is kept
@@ -24,6 +25,10 @@ from rlcheck.errors import ConfigError, InputError
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Default budget for one chunk's float32 logits; `chunk_size = budget // (4 * vocab)` rows."""
 MIN_CHUNK_ROWS = 16
+DEFAULT_KEEP_BYTES = 2.0
+"""Default `keep_bytes`: bytes per logit that the forward may spend keeping chunks' logits for the
+backward. 2 keeps every chunk of bfloat16 logits and half of float32 ones: at most 1/6 of the naive
+forward + backward's >= 12 bytes per logit (float32 logits, log-softmax and gradient)."""
 
 
 class TopKScores(NamedTuple):
@@ -72,17 +77,37 @@ class _Transform(NamedTuple):
             z.div_(self.temperature)
         return z
 
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None and self.temperature == 1.0
+
     def grad_(self, grad_z: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """dL/dx from dL/dz (in place), z the transformed logits."""
         if self.softcap is not None:  # d tanh(u)/du = 1 - tanh(u)^2, tanh(u) = z * T / c
             grad_z.mul_(z.mul(self.temperature / self.softcap).square_().neg_().add_(1.0))
-        return grad_z.mul_(self.scale / self.temperature)
+        return grad_z if self.scale == self.temperature else grad_z.mul_(self.scale / self.temperature)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias, tf: _Transform) -> torch.Tensor:
-    """Transformed float32 logits of one chunk, (c, V): matmul in the weight dtype, like the model."""
+def _chunk_logits(h: torch.Tensor, weight, bias, tf: _Transform, keep: bool = False, overwritten: bool = True):
+    """(transformed float32 logits of one chunk (c, V), the raw matmul output (c, V) if `keep` else
+    None): matmul in the weight dtype, like the model. A kept float32 output is copied first unless
+    nothing writes into the logits (no transform, `overwritten` False: the caller only reads them)."""
     x = F.linear(h.to(weight.dtype), weight, bias)  # (c, V)
+    if x.dtype != torch.float32:
+        return tf.apply_(x.float()), (x if keep else None)
+    copy = keep and (overwritten or not tf.is_identity)
+    return tf.apply_(x.clone() if copy else x), (x if keep else None)
+
+
+def _kept_logits(x: torch.Tensor, tf: _Transform) -> torch.Tensor:
+    """`_chunk_logits`' transformed logits from its kept raw output `x` (overwritten if float32)."""
     return tf.apply_(x if x.dtype == torch.float32 else x.float())
+
+
+def _num_kept(keep_bytes: float, itemsize: int, num_chunks: int) -> int:
+    """How many chunks (the first ones) keep their logits for the backward within `keep_bytes` per
+    logit of `itemsize` bytes (rounded down: never above the budget)."""
+    return min(num_chunks, math.floor(keep_bytes / itemsize * num_chunks + 1e-9))
 
 
 def _chunk_topk(lp: torch.Tensor, ids: torch.Tensor | None, top_k: int):
@@ -113,7 +138,7 @@ def _chunk_forward(z: torch.Tensor, t: torch.Tensor, with_entropy: bool, topk=No
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k):
+    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k, keep_bytes):
         """Outputs: logp (N,), then entropy (N,) if asked, logp at `topk_ids` (N, K) if given, own
         top-`top_k` ids (N, k) if top_k > 0; the last two are non-differentiable."""
         n = hidden.shape[0]
@@ -123,9 +148,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         at = None if topk_ids is None else logp.new_empty(topk_ids.shape)  # (N, K)
         own = None if not top_k else torch.empty(n, top_k, dtype=torch.int64, device=hidden.device)  # (N, k)
         want_topk = at is not None or own is not None
-        for a in range(0, n, chunk_size):
+        num_chunks = -(-n // chunk_size)
+        num_kept = _num_kept(keep_bytes, weight.element_size(), num_chunks) if any(ctx.needs_input_grad[:3]) else 0
+        kept = []  # raw logits of the first `num_kept` chunks, in the weight dtype
+        for i, a in enumerate(range(0, n, chunk_size)):
             s = slice(a, a + chunk_size)
-            z = _chunk_logits(hidden[s], weight, bias, tf)
+            z, x = _chunk_logits(hidden[s], weight, bias, tf, keep=i < num_kept, overwritten=with_entropy)
+            if x is not None:
+                kept.append(x)
             ids = None if topk_ids is None else topk_ids[s]
             lp, ls, en, (at_c, own_c) = _chunk_forward(z, targets[s], with_entropy, (ids, top_k) if want_topk else None)
             logp[s], lse[s] = lp, ls
@@ -136,7 +166,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if own is not None:
                 own[s] = own_c
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.tf, ctx.chunk_size, ctx.with_entropy = tf, chunk_size, with_entropy
+        ctx.tf, ctx.chunk_size, ctx.with_entropy, ctx.kept = tf, chunk_size, with_entropy, kept
         extra = tuple(x for x in (at, own) if x is not None)
         ctx.mark_non_differentiable(*extra)
         out = (logp, ent, *extra) if with_entropy else (logp, *extra)
@@ -150,19 +180,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        for a in range(0, hidden.shape[0], ctx.chunk_size):
+        for i, a in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             s = slice(a, a + ctx.chunk_size)
             h = hidden[s].to(weight.dtype)
-            gz = _chunk_grad(
-                h,
-                weight,
-                bias,
-                ctx.tf,
-                targets[s],
-                lse[s],
-                grad_logp[s],
-                None if grad_ent is None else (ent[s], grad_ent[s]),
-            )
+            if i < len(ctx.kept) and ctx.kept[i] is not None:  # consumed: a second backward recomputes
+                z, ctx.kept[i] = _kept_logits(ctx.kept[i], ctx.tf), None
+            else:
+                z = _chunk_logits(h, weight, bias, ctx.tf)[0]
+            g_ent = None if grad_ent is None else (ent[s], grad_ent[s])
+            gz = _chunk_grad(z, ctx.tf, targets[s], lse[s], grad_logp[s], g_ent)
             gx = gz.to(weight.dtype)  # (c, V)
             if need_h:
                 grad_h[s] = gx @ weight
@@ -174,15 +200,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_b.add_(gz.sum(dim=0))
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def _chunk_grad(h, weight, bias, tf: _Transform, t, lse, g_logp, entropy_and_grad) -> torch.Tensor:
-    """dL/dx of one chunk, (c, V) float32, x the raw logits: recomputed, never stored.
+def _chunk_grad(z, tf: _Transform, t, lse, g_logp, entropy_and_grad) -> torch.Tensor:
+    """dL/dx of one chunk, (c, V) float32, x the raw logits, from its transformed logits z (recomputed
+    or kept; overwritten).
 
     dlogp_t/dz_k = [k = t] - p_k;  dH/dz_k = -p_k (log p_k + H).
     """
-    z = _chunk_logits(h, weight, bias, tf)
     dz = None if tf.softcap is None else z.clone()
     if entropy_and_grad is None:
         gz = torch.softmax(z, dim=1).mul_(-g_logp[:, None])  # row-fused, like the forward
@@ -209,6 +235,7 @@ def chunked_token_logprobs(
     with_entropy: bool = False,
     top_k: int = 0,
     topk_ids: torch.Tensor | None = None,
+    keep_bytes: float = DEFAULT_KEEP_BYTES,
 ) -> TokenLogprobs:
     """Log-probabilities of `targets` under the logits `hidden @ weight.T (+ bias)`, chunked over tokens.
 
@@ -239,12 +266,19 @@ def chunked_token_logprobs(
         with_entropy: also return each row's entropy.
         top_k: also return each row's own `top_k` most probable ids (0: no).
         topk_ids: (N, K) int64 ids (the engine's top-K, -1 = padding) to return the logprobs of.
+        keep_bytes: memory for time: bytes per logit (N x V of them) that the forward may spend
+            keeping the first chunks' raw logits (in `weight`'s dtype) for the backward, which then
+            skips their recomputation (one matmul of the four per chunk). Default 2: all chunks of
+            bfloat16 logits, half of float32 ones; 0 recomputes all. Same results either way;
+            nothing is kept without grad.
 
     Returns:
         `TokenLogprobs(logp, entropy, topk)`: float32 (N,) tensors; entropy is None unless asked for;
         `topk` is `TopKScores(logp_at, ids)` (no gradient) when `top_k` or `topk_ids` is given, else None.
     """
     check_temperature(temperature)
+    if not (isinstance(keep_bytes, (int, float)) and math.isfinite(keep_bytes) and keep_bytes >= 0):
+        raise ConfigError(f"keep_bytes must be a number of bytes per logit >= 0, got {keep_bytes!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise InputError(
             f"need hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -260,7 +294,8 @@ def chunked_token_logprobs(
     ids = None if ids is None else ids.to(hidden.device)
     tf = _Transform(float(logit_scale), logit_softcap, float(temperature))
     chunk = chunk_size or default_chunk_size(weight.shape[0])
-    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy, ids, top_k)
+    keep = float(keep_bytes) if torch.is_grad_enabled() else 0.0
+    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy, ids, top_k, keep)
     out = list(out) if isinstance(out, tuple) else [out]
     logp, ent = out.pop(0), out.pop(0) if with_entropy else None
     if ids is None and not top_k:

@@ -3,8 +3,9 @@
 The usual trainer code, `(hidden @ W.T).float().log_softmax(-1).gather(-1, targets)`, holds the
 logits and a float32 copy of the log-softmax for every token at once: 8k tokens x 128k vocab is
 4 GiB per [tokens, vocab] float32 tensor. Here the tokens are processed in chunks, from the final
-hidden states and the LM head weight, so only one chunk's logits exist at a time; the backward
-recomputes each chunk's logits instead of keeping them.
+hidden states and the LM head weight, so only one chunk's float32 logits exist at a time; the
+backward recomputes the logits of the chunks the forward did not keep (`keep_bytes` per logit: by
+default all of bfloat16 logits, half of float32 ones: 1/6 of the naive's 12 bytes per logit).
 
     logp, _ = chunked_token_logprobs(hidden, lm_head.weight, targets)              # (N,)
     logp, ent = token_logprobs(model, input_ids, temperature=0.7, with_entropy=True)  # (B, T-1)
@@ -26,6 +27,7 @@ import torch
 from rlcheck.errors import InputError
 from rlcheck.trainers.chunked_logprobs import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_KEEP_BYTES,
     MIN_CHUNK_ROWS,
     TokenLogprobs,
     TopKScores,
@@ -34,7 +36,7 @@ from rlcheck.trainers.chunked_logprobs import (
     default_chunk_size,
 )
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "TopKScores", "chunked_token_logprobs",
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_KEEP_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "TopKScores", "chunked_token_logprobs",
            "default_chunk_size", "logit_transform", "token_logprobs"]
 
 
@@ -111,6 +113,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     top_k: int = 0,
     topk_ids: torch.Tensor | None = None,
+    keep_bytes: float = DEFAULT_KEEP_BYTES,
 ) -> TokenLogprobs:
     """Token logprobs of a causal LM (plain, FSDP2 `fully_shard`-ed or a DeepSpeed engine), equal to
     `log_softmax(model(input_ids).logits.float() / temperature)` gathered at the targets, without the
@@ -130,6 +133,7 @@ def token_logprobs(
     `topk_ids`, shaped as the returned logprobs + (K,) (e.g. (B, T-1, K), or (T - num_seqs, K)
     packed; -1 = padding), gives each position's logprobs at those ids (the engine's top-K), -inf at
     padding; `top_k` > 0 gives each position's own top-`top_k` ids; both shaped as the output + (K,).
+    `chunk_size` and `keep_bytes` (memory for time in the backward) are `chunked_token_logprobs`'.
     """
     check_temperature(temperature)
     hf = unwrap(model)
@@ -164,6 +168,7 @@ def token_logprobs(
             with_entropy=with_entropy,
             top_k=top_k,
             topk_ids=flat_ids,
+            keep_bytes=keep_bytes,
         )
         return (out.logp, *(x for x in (out.entropy, *(out.topk or ())) if x is not None))  # tensors only
 

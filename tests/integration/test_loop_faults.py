@@ -21,6 +21,7 @@ from rlcheck.forensics.diagnose import RESTART_AGE, diagnose
 from rlcheck.loop import GRPOLoop, LoopResult
 from rlcheck.loop.presets import tiny_cpu
 from rlcheck.loop.recovery import ENGINE_RESTARTS, STEPS_SINCE_RESTART
+from rlcheck.loop.weight_sync import CollectiveSync, WeightSyncConfig
 from rlcheck.sinks import Sink
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
@@ -83,16 +84,23 @@ def _assert_files_whole(run_dir, steps: list[int]) -> None:
 class TestEngineRestart:
     def test_killed_engine_is_replaced_with_the_trainers_weights(self, tiny_model, ray_local, tmp_path):
         """The rollout actor killed during step 1's generate: a fresh engine with weight version 1 takes
-        over, the restart is logged at step 1, and the run finishes its 4 steps without an alarm."""
-        cfg = tiny_cpu(tiny_model("hybrid"), trainer="hf", steps=4)
+        over, the restart is logged at step 1, and the run finishes its 4 steps without an alarm. The
+        syncs go through the collective (`WeightSyncConfig("collective")`, small buckets): the fresh
+        engine gets its first weights through the object store, and step 1's sync opens a fresh group
+        with it (the restart with object-store syncs: test_engine_lost_past_the_bound_halts_cleanly)."""
+        cfg = replace(tiny_cpu(tiny_model("hybrid"), trainer="hf", steps=4),
+                      weight_sync=WeightSyncConfig("collective", bucket_mb=0.25))  # ~6 MB of fp32: many buckets
         with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
             loop = GRPOLoop(cfg, mon)
-            first = loop.rollout
+            first, sync = loop.rollout, loop.send_weights
+            assert isinstance(sync, CollectiveSync)
             try:
                 result = loop.run(Killer(kill(ray_local, lambda: loop.rollout), after=(0,), delay=0.1))
                 assert ray_local.get(loop.rollout.weight_version.remote()) == loop.version == 4
+                assert sync.peer is loop.rollout  # the fresh engine's group
             finally:
                 loop.close()
+        assert sync.last["buckets"] > 1 and sync.last["bytes"] > 1e6
         assert not result.halted and result.steps_run == 4 and result.error is None
         (restart,) = result.restarts
         assert (restart.step, restart.phase, restart.weight_version) == (1, "generate", 1)

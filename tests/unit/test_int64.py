@@ -37,6 +37,14 @@ ALLOWED = {
     # |d| binning reads the exponent and top mantissa bits of the float32 bit pattern: a view of
     # float bits, never an offset or a count.
     ("core/histogram.py", "abs_histogram", "np.uint32"),
+    ("core/stats/torch_kernels.py", "abs_histogram", "torch.int32"),  # the same bit view, in torch
+    # a 0/1 response mask as bytes, for argmax (the first masked-in position; the result is int64)
+    ("core/batch_torch.py", "device_padded", "torch.uint8"),
+    # the collective weight sync's byte buffers: tensors viewed as bytes, offsets are Python ints
+    ("engines/vllm_collective.py", "flatten", "torch.uint8"),
+    ("engines/vllm_collective.py", "send_weights", "torch.uint8"),
+    ("engines/vllm_collective.py", "receive_buckets", "torch.uint8"),
+    ("engines/vllm_collective.py", "_broadcast_text", "torch.uint8"),
 }
 
 

@@ -5,8 +5,19 @@
     metrics, offenders = finalize(partial, cfg)
 
 `compute(batch, cfg)` does all three for one process. Everything is vectorised over tokens (segment
-reductions with `np.*.reduceat`, no Python loop over sequences). With d = logp_train - logp_rollout,
-r = exp(d) and n valid tokens, the token metrics are
+reductions, no Python loop over sequences), in one of two implementations that give the same
+PartialStats (`StatsConfig.backend`, or RLCHECK_STATS_BACKEND=numpy|torch|torch-eager; the choice is
+`rlcheck.core.stats.backend`):
+
+    torch  (`torch_partial`, `torch_kernels`, `torch_sequences`, `torch_distribution`) on a batch
+           built from GPU tensors (`StepBatch.device_tensors`): on their device, two small
+           device-to-host copies per batch; on any batch when asked for ("torch-eager", or "torch":
+           the token pass through torch.compile), a numpy batch read zero-copy
+    numpy  (`partial`, `sequences`, `signatures`, `distribution`: `np.*.reduceat`) on every host
+           batch by default (faster than eager torch on a CPU at every size measured); `import rlcheck`
+           never imports torch, the torch path imports it on first use
+
+With d = logp_train - logp_rollout, r = exp(d) and n valid tokens, the token metrics are
 
     kl_k1 = mean(-d)   kl_k2 = mean(d^2 / 2)   kl_k3 = mean(r - 1 - d)   chi2 = mean(r^2) - 1
     mult_prob_error = mean(exp|d|)             prob_abs_diff = |exp(logp_train) - exp(logp_rollout)|

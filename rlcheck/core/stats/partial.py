@@ -13,6 +13,7 @@ import numpy as np
 
 from rlcheck.core import histogram as H
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats.backend import choose
 from rlcheck.core.stats.distribution import distribution_stats
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
@@ -81,6 +82,11 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     cfg = cfg or StatsConfig()
     if batch.num_tokens == 0:
         return replace(empty_partial(cfg, batch.num_sequences), versions=version_counts(batch))
+    backend = choose(batch, cfg.backend)
+    if backend != "numpy":
+        from rlcheck.core.stats.torch_partial import compute_partial_torch
+
+        return compute_partial_torch(batch, cfg, backend == "torch", version_counts(batch))
     lr, lt = batch.logp_rollout, batch.logp_train  # (M,)
     if lr.dtype != lt.dtype:
         lr, lt = lr.astype(np.float64), lt.astype(np.float64)

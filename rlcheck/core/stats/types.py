@@ -59,8 +59,16 @@ class StatsConfig:
     `StepBatch.topk`. Costs a sort of 2K ids per token on the CPU (about 2 s per million tokens at
     K = 20), on top of the engine returning K logprobs and the trainer scoring them; off, or without
     topk, no `dist/` key is logged."""
+    backend: str = "auto"
+    """Implementation of the statistics (`rlcheck.core.stats.backend`): "auto" (eager torch on a batch
+    holding GPU tensors, on their device; numpy on host batches, the faster on a CPU), "numpy",
+    "torch" (token pass through torch.compile, eager where compilation fails) or "torch-eager".
+    Every backend gives the same statistics (float rounding aside); `RLCHECK_STATS_BACKEND`
+    overrides "auto"."""
 
     def __post_init__(self) -> None:
+        if self.backend not in ("auto", "numpy", "torch", "torch-eager"):
+            raise ConfigError(f"backend must be auto, numpy, torch or torch-eager, got {self.backend!r}")
         if any(not (t > 0 and math.isfinite(t)) for t in self.thresholds):
             raise ConfigError(f"thresholds must be positive and finite, got {self.thresholds}")
         for name in ("divergence_tau", "catastrophic_tau"):

@@ -1,0 +1,87 @@
+"""How an engine the guard or an engine fault will hook is built: `vllm_faults.hookable_settings`
+(eager, vLLM's V1 model runner, one line saying so), when `VLLMEngine` applies it, and the GPU
+recipes asking for it with an engine fault."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcheck.engines.vllm_faults import HOOKABLE_ENV, hookable_settings
+
+
+class TestHookableSettings:
+    def test_graphs_and_v2_runner_turned_off(self):
+        """CUDA graphs on and no runner choice: eager, V1 runner, and the line names both and why."""
+        kwargs = {"model": "m", "enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}}
+        out, env, note = hookable_settings(kwargs, {})
+        assert out == {**kwargs, "enforce_eager": True}
+        assert kwargs["enforce_eager"] is False  # the caller's dict is left alone
+        assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        assert "enforce_eager=True" in note and "VLLM_USE_V2_MODEL_RUNNER=0" in note and "V2 runner" in note
+
+    def test_nothing_to_change_says_nothing(self):
+        """Already eager with the V1 runner chosen: same kwargs, nothing to set, no line."""
+        out, env, note = hookable_settings({"enforce_eager": True}, dict(HOOKABLE_ENV))
+        assert out == {"enforce_eager": True} and env == {} and note is None
+
+    def test_v2_runner_asked_for_is_overridden(self):
+        """VLLM_USE_V2_MODEL_RUNNER=1 in the environment: set back to 0 (the hooks cannot work on V2)."""
+        _, env, note = hookable_settings({"enforce_eager": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+        assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "enforce_eager" not in note
+
+
+@pytest.mark.slow  # imports vLLM (~10-40 s); starts no engine
+class TestBuildLLM:
+    @pytest.fixture
+    def built(self, tmp_path, monkeypatch):
+        """`build(**config) -> kwargs`: what `_build_llm` hands `vllm.LLM` (recorded, no engine started)."""
+        vllm = pytest.importorskip("vllm")
+        from rlcheck.engines import vllm as engine
+
+        seen = []
+        monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
+        for name in (*HOOKABLE_ENV, "RLCHECK_BREAK_ON"):  # unset now and after the test, however it leaves them
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
+
+        def build(**config):
+            engine._build_llm(engine.VLLMConfig(model=str(tmp_path), enforce_eager=False, **config))
+            return seen.pop()
+
+        return build
+
+    def test_plain_engine_untouched(self, built):
+        """No guard, no fault: the kwargs as configured, the runner left to vLLM."""
+        import os
+
+        assert built()["enforce_eager"] is False
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+    @pytest.mark.parametrize("why", ["fault", "guard"])
+    def test_guard_or_fault_made_hookable(self, built, why, capsys):
+        """With a guard or for a fault: eager, VLLM_USE_V2_MODEL_RUNNER=0 set, one line on stderr."""
+        import os
+
+        from rlcheck.engines.guard import GuardConfig
+
+        assert built(**({"hookable": True} if why == "fault" else {"guard": GuardConfig()}))["enforce_eager"] is True
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        assert capsys.readouterr().err.count("rlcheck: vLLM engine built with") == 1
+
+
+class TestGPURecipe:
+    def test_engine_fault_asks_for_a_hookable_engine(self):
+        """`--inject` with an engine fault sets `hookable`; a loop-level fault or none leaves it off."""
+        recipes = str(Path(__file__).resolve().parents[2] / "recipes")
+        sys.path.insert(0, recipes)
+        try:
+            import _gpu_common
+        finally:
+            sys.path.remove(recipes)
+        ap = _gpu_common.parser("GPU recipe")
+        hookable = {inject: _gpu_common.loop_config(ap.parse_args(["--model", "m", *inject]), "fsdp2").rollout.hookable
+                    for inject in (("--inject", "stale-state"), ("--inject", "skip-sync-every=4"), ())}
+        assert hookable == {("--inject", "stale-state"): True, ("--inject", "skip-sync-every=4"): False, (): False}
