@@ -139,6 +139,16 @@ class TestSyncSpoilers:
         assert fault.sync_leave_out(5) is None and not fault.skip_sync(5)
 
 
+    @pytest.mark.parametrize(("spec", "hookable"), [("stale-state", True), ("index-wrap=4", True),
+                                                   ("perturb-layer=1", True), ("stale-buffer", True),
+                                                   ("drop-sync=mlp", False), ("bf16-noise=1", False)])
+    def test_engine_faults_ask_for_a_hookable_engine(self, spec, hookable):
+        """An engine fault hooks vLLM's model runner: its engine is built eager on the V1 runner."""
+        from rlcheck.engines.vllm import VLLMConfig
+
+        assert parse_inject(spec).rollout_config(VLLMConfig(model="m")).hookable is hookable
+
+
 class TestSkipSync:
     def test_rejects_k_below_two(self):
         """Constructed directly, K = 1 (never sync) is a ConfigError too."""
