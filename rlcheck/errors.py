@@ -95,6 +95,11 @@ class ActorDiedError(RLCheckError, RuntimeError):
         super().__init__(f"the {actor} actor was lost during {phase} at step {step}: {detail}")
 
 
+class WeightSyncError(RLCheckError, RuntimeError):
+    """A collective weight sync failed: a peer did not join the group, or left it, within the timeout
+    (`rlcheck.engines.vllm_collective`)."""
+
+
 class PathError(InputError):
     """A path given to rlcheck (a run directory, a dump, a model folder, an output) is missing, of the
     wrong kind (a file where a directory is expected), not writable, or one rlcheck refuses to write

@@ -23,14 +23,17 @@ def on_device(x: Any) -> bool:
 
 def device_padded(lr: Any, lt: Any, mask: Any, tokens: Any, tokens_train: Any) -> dict[str, Any] | None:
     """{field: packed (M,) tensor on the device, cu_seqlens (B+1,) int64} of [B, T] device tensors, or
-    None where the numpy path must read them (it raises the InputError for what is wrong)."""
+    None where the numpy path must read them (it raises the InputError for what is wrong). Host inputs
+    return None before torch is imported (numpy-only installs build batches here too)."""
+    if not (on_device(lr) and on_device(lt) and on_device(mask)):
+        return None
     import torch
 
     def ok_int(x):
         return x is None or (on_device(x) and x.shape == lr.shape and not x.dtype.is_floating_point
                              and x.dtype != torch.bool)
 
-    if not (on_device(lr) and on_device(lt) and on_device(mask) and lr.ndim == 2 and lr.shape[0] > 0
+    if not (lr.ndim == 2 and lr.shape[0] > 0
             and lt.shape == lr.shape and mask.shape == lr.shape and lr.dtype.is_floating_point
             and lt.dtype.is_floating_point and ok_int(tokens) and ok_int(tokens_train)):
         return None

@@ -33,16 +33,12 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from rlcheck.errors import InputError, RLCheckError
+from rlcheck.errors import InputError, WeightSyncError
 
 ALIGN_BYTES = 64
 """Every tensor starts at a multiple of this in its bucket (a uint8 slice views as any dtype there)."""
 DEFAULT_BUCKET_MB = 512
 _LAYER_INDEX = re.compile(r"^(.*?\.\d+)\.")
-
-
-class WeightSyncError(RLCheckError, RuntimeError):
-    """A collective weight sync failed: a peer did not join the group, or left it, within the timeout."""
 
 
 @dataclass(frozen=True)

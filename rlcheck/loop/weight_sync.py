@@ -10,7 +10,7 @@
   and joins both. The group is opened at the first sync, and again after an engine restart: the
   restart's own sync goes through the object store (`RolloutSupervisor.restart`), the next one opens a
   fresh group with the fresh engine. A peer that never joins or stops mid-sync raises
-  `WeightSyncError` after `LoopConfig.collective_timeout_s`.
+  `rlcheck.errors.WeightSyncError` after `LoopConfig.collective_timeout_s`.
 
 Either way the version check, the sync check (fingerprints, probe) and the drop-sync fault
 (`leave_out`: the tensors are sent, the engine does not load them) behave the same.

@@ -458,3 +458,18 @@ class TestSelect:
         """A selection of no sequence is rejected like any other batch; one of an empty sequence is kept."""
         _expect_error(lambda: self._batch().select([]), "empty batch")
         assert self._batch().select([2]).num_tokens == 0
+
+
+def test_from_padded_needs_no_torch_for_host_arrays():
+    """Numpy [B, T] arrays go the numpy way without importing torch (an install without it works)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
+            "import numpy as np\nfrom rlcheck.core.batch import StepBatch\nfrom rlcheck.core.stats import compute\n"
+            "lp = -np.ones((2, 3), np.float32); mask = np.array([[1, 1, 0], [0, 1, 1]], bool)\n"
+            "b = StepBatch.from_padded(lp, lp, mask, request_ids=['a', 'b'])\n"
+            "assert b.num_tokens == 4 and b.device_tensors is None\n"
+            "compute(b)\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -12,14 +12,13 @@ from rlcheck.engines.vllm_collective import (
     ALIGN_BYTES,
     BucketLayout,
     SyncGroup,
-    WeightSyncError,
     flatten,
     layer_key,
     plan_buckets,
     specs_of,
     unflatten,
 )
-from rlcheck.errors import ConfigError
+from rlcheck.errors import ConfigError, WeightSyncError
 from rlcheck.loop.weight_sync import WeightSyncConfig
 
 

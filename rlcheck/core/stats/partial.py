@@ -18,10 +18,16 @@ from rlcheck.core.stats.distribution import distribution_stats
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
-from rlcheck.core.stats.types import MAX_VERSION_IDS, MIN_LOGPROB, RATIO_LOG_CAP, PartialStats, StatsConfig
+from rlcheck.core.stats.types import (
+    F32_SAFE,
+    MAX_VERSION_IDS,
+    MIN_LOGPROB,
+    R_FROM_E,
+    RATIO_LOG_CAP,
+    PartialStats,
+    StatsConfig,
+)
 
-_F32_SAFE = 20.0  # below this |d|, float32 exponentials and their squared sums cannot overflow
-_R_FROM_E = -4.0  # every d above this: r^2 > e^-8, so sum e^2 + 2 sum e + n loses at most ~4 digits
 _R_FLOOR = -300.0  # d below this counts as this in sum r, sum r^2: r^2 stays a normal float64 (> 0)
 
 def _validity(batch: StepBatch, lr: np.ndarray, lt: np.ndarray, sum_d: float) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -45,9 +51,9 @@ def _validity(batch: StepBatch, lr: np.ndarray, lt: np.ndarray, sum_d: float) ->
 
 def _ratio_sums(d, d_min, n, valid, sums, scratch) -> tuple[float, float]:
     """(sum r, sum r^2) over the valid tokens, for the ESS. From the sums of e = r - 1 while every d is
-    above _R_FROM_E; else from exp(d) itself, since 1 + e cancels (d = -40: 1 + (-1 + 4e-18) = 0, and
+    above R_FROM_E; else from exp(d) itself, since 1 + e cancels (d = -40: 1 + (-1 + 4e-18) = 0, and
     an ESS of 0 / 0)."""
-    if d_min >= _R_FROM_E:
+    if d_min >= R_FROM_E:
         return sums["e"] + n, sums["e2"] + 2.0 * sums["e"] + n
     r = np.exp(np.clip(d, _R_FLOOR, RATIO_LOG_CAP, out=scratch), out=scratch)  # (M,)
     if valid is not None:
@@ -107,7 +113,7 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
         d_max, d_min = float(d.max()), float(d.min())
     ad = np.abs(d)  # (M,)
     ad_max = max(d_max, -d_min, 0.0)
-    if ad_max > _F32_SAFE and d.dtype != np.float64:
+    if ad_max > F32_SAFE and d.dtype != np.float64:
         d, ad, lr, lt = (x.astype(np.float64) for x in (d, ad, lr, lt))
     scratch = np.empty_like(d)
 

@@ -1,7 +1,7 @@
 """compute_partial in torch, on the device the batch's tensors are on (a numpy batch is read zero-copy).
 
 The numpy path's statistics (`rlcheck.core.stats.partial`) with its keys, branches and precision
-rules: invalid tokens zeroed, float32 worked in float32 unless some |d| > _F32_SAFE, sums accumulated
+rules: invalid tokens zeroed, float32 worked in float32 unless some |d| > F32_SAFE, sums accumulated
 in float64, d capped at RATIO_LOG_CAP before any exponential. The token pass (`torch_kernels.token_pass`,
 every per-token sum in one function) is what torch.compile fuses; the per-sequence parts are segment
 reductions (`torch_sequences`). Two small device-to-host copies: the prepass's five scalars, which
@@ -16,11 +16,9 @@ import numpy as np
 from rlcheck.core.stats import torch_kernels as TK
 from rlcheck.core.stats.torch_distribution import distribution_sums
 from rlcheck.core.stats.torch_sequences import OFFENDER_FIELDS, sequence_parts, signature_sums
-from rlcheck.core.stats.types import RATIO_LOG_CAP, PartialStats, StatsConfig
+from rlcheck.core.stats.types import F32_SAFE, R_FROM_E, RATIO_LOG_CAP, PartialStats, StatsConfig
 from rlcheck.core.types import Offender, rank_offenders
 
-_F32_SAFE = 20.0  # as in partial.py: below this |d|, float32 exponentials cannot overflow their squares
-_R_FROM_E = -4.0  # as in partial.py: sum r, sum r^2 from the sums of e = r - 1 while every d is above this
 TOKEN_SUMS = ("d", "ad", "d2", "e", "e2", "k3", "mpe", "ratio_above", "clipped", "r", "r2", "pdiff",
               "cat_tok", "ad_clip", "lr", "lr2", "dlr")  # token_pass's first outputs, in its order
 
@@ -48,8 +46,8 @@ def compute_partial_torch(batch, cfg: StatsConfig, compiled: bool, versions: dic
         if not n_bad:
             bad, valid = None, (None if n_masked == 0 else mask)  # as partial._validity's None
         ad_max = max(d_max, -d_min, 0.0)
-        f64 = ad_max > _F32_SAFE or lr.dtype == torch.float64
-        flags = dict(f64=f64, clipped=d_max > RATIO_LOG_CAP, direct_r=d_min < _R_FROM_E, masked=valid is not None)
+        f64 = ad_max > F32_SAFE or lr.dtype == torch.float64
+        flags = dict(f64=f64, clipped=d_max > RATIO_LOG_CAP, direct_r=d_min < R_FROM_E, masked=valid is not None)
         consts = dict(thresholds=tuple(float(t) for t in cfg.thresholds), ratio_c=float(cfg.ratio_c),
                       cat_tau=float(cfg.catastrophic_tau), clip=float(cfg.clip), div_tau=float(cfg.divergence_tau))
         valid_arg = valid if valid is not None else torch.ones(1, dtype=torch.bool, device=lr.device)

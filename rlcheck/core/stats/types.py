@@ -10,8 +10,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rlcheck.core.limits import MIN_LOGPROB, RATIO_LOG_CAP  # noqa: F401 - re-exported
+from rlcheck.core.stats.backend import BACKENDS
 from rlcheck.core.types import Offender, rank_offenders
 from rlcheck.errors import ConfigError
+
+F32_SAFE = 20.0
+"""Below this |d|, float32 exponentials and their squared sums cannot overflow: both implementations
+(`partial`, `torch_partial`) work float32 batches in float32 up to it, in float64 past it."""
+R_FROM_E = -4.0
+"""While every d is above this, sum r and sum r^2 come from the sums of e = r - 1 (r^2 > e^-8, so
+sum e^2 + 2 sum e + n loses at most ~4 digits); below it, from exp(d) itself."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,8 @@ class StatsConfig:
     overrides "auto"."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "numpy", "torch", "torch-eager"):
-            raise ConfigError(f"backend must be auto, numpy, torch or torch-eager, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if any(not (t > 0 and math.isfinite(t)) for t in self.thresholds):
             raise ConfigError(f"thresholds must be positive and finite, got {self.thresholds}")
         for name in ("divergence_tau", "catastrophic_tau"):
