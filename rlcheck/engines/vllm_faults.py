@@ -63,8 +63,8 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from rlcheck.errors import ConfigError, UnsupportedVLLMError
+from rlcheck.versions import require_vllm
 
-SUPPORTED_VLLM = ("0.32.",)
 FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
 
 
@@ -125,10 +125,7 @@ def model_runner(engine: Any) -> Any:
 def _model_runner(engine: Any) -> Any:
     import vllm
 
-    if not str(vllm.__version__).startswith(SUPPORTED_VLLM):
-        raise UnsupportedVLLMError(
-            f"vLLM fault injection supports vllm {'/'.join(v + 'x' for v in SUPPORTED_VLLM)}, this is "
-            f"{vllm.__version__}; its Mamba metadata path would have to be checked again")
+    require_vllm("vLLM fault injection (its Mamba metadata path)", str(vllm.__version__))
     llm = getattr(engine, "llm", engine)
     if llm is None:
         raise ConfigError("the engine is closed")

@@ -16,7 +16,7 @@ MAX_LINES = 320  # "about 300"
 HEAVY = ("torch", "vllm", "ray", "transformers", "deepspeed", "wandb", "trl")
 CORE = ("rlcheck", "rlcheck.core", "rlcheck.core.monitor", "rlcheck.core.run", "rlcheck.core.stats",
         "rlcheck.core.detect", "rlcheck.errors", "rlcheck.sinks", "rlcheck.synthetic", "rlcheck.report.summary",
-        "rlcheck.forensics.diagnose")
+        "rlcheck.forensics.diagnose", "rlcheck.versions")
 
 
 def modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -132,9 +132,10 @@ class TestLayout:
         assert long == {}
 
     def test_only_documented_modules_at_the_root(self):
-        """The package root holds packages, plus the two documented modules (errors, distributed)."""
+        """The package root holds packages, plus the three documented modules (errors, versions,
+        distributed)."""
         loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-        assert loose == ["distributed.py", "errors.py"]
+        assert loose == ["distributed.py", "errors.py", "versions.py"]
 
     @pytest.mark.parametrize("module", CORE)
     def test_core_imports_no_torch(self, module):
