@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow test-vllm031 constraints chromium bench lint lint-docker clean
+.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench lint lint-docker clean
 
 install: $(STAMP)
 
@@ -67,6 +67,10 @@ chromium:
 	  { echo "make: installing Chromium for the report's browser test (apt-get)"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 	      apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+# The README's supported-configurations table, from the tests' `supports` markers (tests/matrix.py).
+matrix: $(STAMP)
+	$(PY) -m tests.matrix --write
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_stats.py
