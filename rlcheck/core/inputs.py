@@ -56,3 +56,31 @@ def check_alarms(alarms: Sequence[Alarm], step: int) -> list[Alarm]:
         if a.step != step:
             raise InputError(f"an alarm for step {a.step} was passed with step {step}")
     return out
+
+
+MIN_IDENTICAL_TOKENS = 16
+"""Below this many compared tokens, bitwise-equal sides may be legitimate (a saturated model's 0.0
+logprobs on a short step); from it on, a real recompute never matches bitwise (vLLM fp32 against HF
+fp32 differs by ~1e-6), so equal sides mean the trainer side is a copy of the rollout side."""
+
+
+def check_sides_differ(metrics: Mapping[str, float]) -> None:
+    """Raise when the two sides are value-equal on every compared token: the statistics would read
+    "abs_diff_max 0, healthy" while nothing was measured. An InputError rather than an alarm: no
+    step of such a run can ever be judged, so the run's setup is wrong, not the step."""
+    count = metrics.get(K.TOKEN_COUNT, 0.0)
+    if count < MIN_IDENTICAL_TOKENS or metrics.get(K.NONFINITE_COUNT, 0.0) or metrics.get(K.ABS_DIFF_MAX, 1.0) != 0:
+        return
+    raise InputError(
+        f"logp_rollout and logp_train are identical on all {count:.0f} compared tokens (abs_diff_max 0): the "
+        "trainer side is a copy of the rollout side, not the trainer's own recompute, so there is no mismatch "
+        "to measure. verl bypass mode (algorithm.rollout_correction.bypass_mode=True) writes rollout_log_probs "
+        "into old_log_probs: turn it off; elsewhere pass the logprobs the trainer computed itself"
+    )
+
+
+def check_metrics(metrics: Mapping[str, float]) -> bool:
+    """A step's finalized metrics before the detectors see them: raises for value-equal sides
+    (`check_sides_differ`); True when the step is empty (`is_empty_step`)."""
+    check_sides_differ(metrics)
+    return is_empty_step(metrics)

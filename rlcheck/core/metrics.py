@@ -76,6 +76,23 @@ DIST_TAIL_MASS_TRAIN_MEAN = "rlcheck/dist/tail_mass_train_mean"  # trainer's mas
 DIST = (DIST_COUNT, DIST_KL_MEAN, DIST_KL_MAX, DIST_TOPK_OVERLAP_MEAN, DIST_TOP1_AGREE_FRAC,
         DIST_TAIL_MASS_ROLLOUT_MEAN, DIST_TAIL_MASS_TRAIN_MEAN)
 
+# mixture-of-experts routing (batches that carry `StepBatch.routing`; rlcheck.core.moe)
+MOE_TOKEN_COUNT = "rlcheck/moe/num_tokens"  # tokens whose routing both sides reported
+MOE_ROUTE_AGREE_FRAC = "rlcheck/moe/route_agree_frac"  # same top-k expert set at every MoE layer
+MOE_ABS_DIFF_SHARE = "rlcheck/moe/abs_diff_share_rerouted"  # share of sum |d| on tokens routed differently
+MOE_ABS_DIFF_LIFT = "rlcheck/moe/abs_diff_lift"  # mean |d| rerouted / mean |d| routed alike
+
+
+def moe_layer_agree(layer: int) -> str:
+    """Key of the fraction of tokens routed alike at MoE layer `layer`."""
+    return f"rlcheck/moe/layer{layer}_agree_frac"
+
+
+def moe_first_diff(layer: int) -> str:
+    """Key of the count of tokens whose routing first differs at MoE layer `layer`."""
+    return f"rlcheck/moe/layer{layer}_first_diff_count"
+
+
 # monitor bookkeeping
 WEIGHTS_MAX_LAG = "rlcheck/weights/max_lag"  # trainer version - oldest sequence's weight version
 WEIGHTS_STALE_COUNT = "rlcheck/weights/stale_count"  # sequences past MonitorConfig.max_weight_lag

@@ -48,7 +48,7 @@ from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
 from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
-from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
+from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
@@ -167,7 +167,7 @@ class Monitor:
                 stacklevel=3,
             )
         metrics, offenders = finalize(partial, self.cfg.stats)
-        empty = is_empty_step(metrics)
+        empty = check_metrics(metrics)
         if empty:
             warnings.warn(
                 f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} sequences, "
@@ -195,7 +195,7 @@ class Monitor:
         if self.cfg.correction is not None and batch is not None:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
         metrics[K.ALARM_COUNT] = float(len(alarms))
-        metrics.update(extra)
+        metrics.update({} if batch is None else batch.routing_metrics(), **extra)  # rlcheck/moe/*, if any
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)
         if verdict is not None:

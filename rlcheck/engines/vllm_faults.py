@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 from rlcheck.errors import ConfigError, UnsupportedVLLMError
 from rlcheck.versions import require_vllm
 
-FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
+FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer", "moe-route-flip")
 
 
 class SlotEvent(NamedTuple):
@@ -104,7 +104,9 @@ def hookable_settings(kwargs: Mapping[str, Any], environ: Mapping[str, str]):
 
 def hookable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """`hookable_settings` applied to this process: the variables set (vLLM's cache of them dropped, as a
-    previous in-process engine fills it), the line printed to stderr; returns the kwargs."""
+    previous in-process engine fills it), the line printed to stderr; returns the kwargs. Refused
+    (UnsupportedVLLMError) before the engine starts on a vLLM the hooks were not written for."""
+    require_vllm("a hookable engine (the engine guard, engine faults, RLCHECK_BREAK_ON, layer hooks)")
     out, env, note = hookable_settings(kwargs, os.environ)
     if env:
         import vllm.envs
@@ -274,10 +276,11 @@ class FaultHandle:
 
 
 def inject(engine: Any, fault: str, *, boundary: int | None = None, layer: int | None = None,
-           max_events: int = 1_000_000) -> Any:
+           flip: float | None = None, max_events: int = 1_000_000) -> Any:
     """Turn on `fault` (one of FAULTS) in `engine` (a `VLLMEngine` or a `vllm.LLM`), for this engine
     only, until `handle.remove()`. `boundary` (index-wrap only): slots at or past it wrap, >= 1.
-    `layer` (perturb-layer only): the decoder layer index K, from 0."""
+    `layer` (perturb-layer only): the decoder layer index K, from 0. `flip` (moe-route-flip only): the
+    fraction of near-tie tokens rerouted (`rlcheck.engines.moe_routing.RouteFlip`)."""
     if fault not in FAULTS:
         raise ConfigError(f"unknown vLLM fault {fault!r}; choose one of {', '.join(FAULTS)}")
     if (fault == "index-wrap") != (boundary is not None):
@@ -286,6 +289,12 @@ def inject(engine: Any, fault: str, *, boundary: int | None = None, layer: int |
         raise ConfigError(f"boundary must be an int >= 1, got {boundary!r}")
     if (fault == "perturb-layer") != (layer is not None):
         raise ConfigError("layer is required by perturb-layer and only by it")
+    if (fault == "moe-route-flip") != (flip is not None):
+        raise ConfigError("flip is required by moe-route-flip and only by it")
+    if fault == "moe-route-flip":
+        from rlcheck.engines.moe_routing import RouteFlip
+
+        return RouteFlip(engine, flip)
     if fault == "perturb-layer":
         from rlcheck.engines.vllm_perturb import PERTURB_FACTOR, PerturbHandle
 

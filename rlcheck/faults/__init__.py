@@ -21,13 +21,14 @@ perturb-layer: any model):
 | stale-state             | -            | reused state slots: far off from the first tokens      | stale_state          |
 | index-wrap=B            | B >= 1       | more live requests than B slots: shared state          | index_aliasing       |
 | perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
+| moe-route-flip=P        | P in (0, 1]  | near-tie tokens rerouted (MoE): they carry the mismatch | moe_routing         |
 """
 
 from __future__ import annotations
 
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault
-from rlcheck.faults.engine import IndexWrap, PerturbLayer, StaleState
+from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -54,6 +55,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     StaleState.name: (StaleState, None, int),
     IndexWrap.name: (IndexWrap, "boundary", int),
     PerturbLayer.name: (PerturbLayer, "layer", int),
+    MoeRouteFlip.name: (MoeRouteFlip, "p", float),
 }
 
 
@@ -84,5 +86,5 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DropSync", "Fault", "IndexWrap", "OffByOne", "PerturbLayer", "SkipSync", "StaleBuffer", "StaleState",
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DropSync", "Fault", "IndexWrap", "MoeRouteFlip", "OffByOne", "PerturbLayer", "SkipSync", "StaleBuffer", "StaleState",
            "StaleWeights", "TemperatureMismatch", "TopP", "parse_inject"]

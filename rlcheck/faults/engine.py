@@ -81,3 +81,30 @@ class PerturbLayer(Fault):
 
     def value(self) -> str:
         return str(self.layer)
+
+
+@dataclass(frozen=True)
+class MoeRouteFlip(Fault):
+    """Inside the rollout engine only, each MoE router swaps its k-th and (k+1)-th experts on a
+    fraction `p` of the tokens where the two are within a near-tie (`rlcheck.engines.moe_routing`),
+    as bf16 router noise does. Shape: routing agreement below 1, the mismatch carried by the rerouted
+    tokens (`rlcheck/moe/*` when the batch carries routing); an MoE model."""
+
+    p: float = 0.1
+    name = "moe-route-flip"
+    cause = "moe_routing"
+    shape = "near-tie tokens rerouted in the engine: they carry the mismatch"
+    takes_value = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.p <= 1.0:
+            raise ConfigError(f"moe-route-flip needs a fraction of near-tie tokens in (0, 1], got {self.p}")
+        if self.start:
+            raise ConfigError("moe-route-flip acts from the first step (it is set up with the engine)")
+
+    def engine_fault(self) -> tuple[str, dict[str, Any]] | None:
+        return "moe-route-flip", {"flip": self.p}
+
+    def value(self) -> str:
+        return f"{self.p:g}"

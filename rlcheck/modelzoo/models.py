@@ -14,7 +14,12 @@ MAMBA_HEADS = 4  # expand 2 * HIDDEN / MAMBA_HEADS = 64 per head
 MAMBA_STATE = 16
 MAMBA_CHUNK = 64
 MAX_POSITIONS = 1024
-ARCHS = ("llama", "mamba2", "hybrid")
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
+MOE_INTERMEDIATE = 128
+ARCHS = ("llama", "mamba2", "hybrid", "moe")
+DEFAULT_LAYERS = {"llama": 4, "mamba2": 4, "hybrid": 4, "moe": 2}
+"""Decoder layers when the spec does not say: the moe's 2 layers already hold 16 experts."""
 RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "granitemoehybrid", "jamba", "falcon_h1", "bamba", "nemotron_h", "zamba2")
 """HF `model_type`s with state-space (Mamba) layers: HF cannot reset their state inside a packed row."""
 
@@ -80,7 +85,26 @@ def hybrid_config(max_positions: int = MAX_POSITIONS, **common):
     )
 
 
-HF_CONFIGS = {"llama": llama_config, "mamba2": mamba2_config, "hybrid": hybrid_config}
+def moe_config(max_positions: int = MAX_POSITIONS, **common):
+    """Qwen3-MoE shape: every layer's MLP is `MOE_EXPERTS` experts, `MOE_TOP_K` picked per token by a
+    linear router, so a tiny numeric difference on a near-tie token changes which experts run."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        norm_topk_prob=True,
+        num_attention_heads=HIDDEN // HEAD_DIM,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=max_positions,
+        **common,
+    )
+
+
+HF_CONFIGS = {"llama": llama_config, "mamba2": mamba2_config, "hybrid": hybrid_config, "moe": moe_config}
 
 
 def hf_config(arch: str, vocab_size: int, num_layers: int, special_ids: dict, max_positions: int = MAX_POSITIONS):

@@ -20,9 +20,16 @@ SHARDINGS = ("none", "fsdp2", "zero3")
 
 
 def linear_weights(model: torch.nn.Module) -> set[str]:
-    """Names of the weights the engine probes as linear layers: every nn.Linear inside a decoder layer."""
+    """Names of the weights the engine probes as linear layers: every nn.Linear inside a decoder layer,
+    and every MoE router (`mlp.gate`, HF's Qwen3-MoE `TopKRouter` holds a bare (experts, hidden) weight;
+    vLLM's `GateLinear` is a linear layer)."""
     return {f"{n}.weight" for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and layer_key(n + ".").isdigit()}
+            if (isinstance(m, torch.nn.Linear) or _is_router(n, m)) and layer_key(n + ".").isdigit()}
+
+
+def _is_router(name: str, module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return name.endswith("mlp.gate") and isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
 
 
 def as_engine_holds(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

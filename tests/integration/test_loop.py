@@ -29,6 +29,8 @@ def _lines(path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 class TestGRPOLoop:
+    @pytest.mark.supports("own loop", "trainer", "FSDP2")
+    @pytest.mark.supports("own loop", "tensor_parallel_size", "1")
     def test_clean_run_has_no_alarm(self, tiny_model, ray_local, tmp_path):
         """40 synced steps (past every detector's warm-up) under FSDP2: no alarm, fp32 agreement, learning
         happens; the decode-prefill audit re-scores 8 rollouts a step and finds the engine agreeing with itself."""
@@ -53,6 +55,7 @@ class TestGRPOLoop:
         assert sum(s["train"]["grad_norm"] > 0 for s in loop_log) > 30  # the policy is really updated
         assert diagnose(tmp_path).verdict.cause == "healthy"
 
+    @pytest.mark.supports("own loop", "trainer", "ZeRO-3")
     def test_weights_reach_vllm(self, tiny_model, ray_local, tmp_path):
         """After each update the rollout engine holds the trainer's new weight version (DeepSpeed ZeRO-3)."""
         import ray
@@ -71,6 +74,7 @@ class TestGRPOLoop:
         # the sync check: the engine's fingerprints equal the sum of the two ZeRO-3 partitions'
         assert [r["metrics"]["sync/fingerprint_differs"] for r in records] == [0.0, 0.0, 0.0]
 
+    @pytest.mark.supports("own loop", "trainer", "hf")
     def test_skipped_sync_halts_at_its_first_stale_step(self, tiny_model, ray_local, tmp_path):
         """Skipping the sync every 3rd update: step 3's rollouts come from version 2 weights while the
         trainer holds 3, a critical weights alarm naming every sequence, and the halt there (+0)."""

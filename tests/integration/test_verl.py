@@ -172,6 +172,35 @@ class TestVerlDataProto:
         with pytest.raises(InputError, match="bypass_mode"):
             V.to_step_batch(batch)
 
+    @pytest.mark.supports("verl", "trainer", "bypass mode",
+                          status="refused: InputError, the two sides are the same values (bypass mode)")
+    def test_bypass_mode_value_equal_copy(self, tmp_path):
+        """v1 bypass mode through the transfer queue: old_log_probs a value-equal copy (another buffer) of
+        rollout_log_probs is an InputError saying the sides are identical, never "abs_diff_max 0, healthy"."""
+        batch, _ = verl_step()
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",))) as mon:
+            with pytest.raises(InputError, match="identical.*bypass_mode"):
+                V.observe(mon, 1, batch)
+
+    @pytest.mark.supports("verl", "trainer", "legacy RayPPOTrainer", "v1")
+    def test_global_steps_convention(self, tmp_path):
+        """Legacy RayPPOTrainer / v1: step G's rows carry min_global_steps G-1 (update_weights(G) at the end
+        of step G); verl's own global_steps over a healthy run raises nothing, a missed sync halts."""
+        def step(g: int, version: int) -> DataProto:
+            batch, _ = verl_step(seed=g)
+            batch.non_tensor_batch["min_global_steps"] = np.array([version] * len(batch), dtype=object)
+            return batch
+
+        with Monitor(MonitorConfig(run_dir=tmp_path / "healthy", sinks=("jsonl",))) as mon:
+            for g in range(1, 5):
+                assert not V.observe(mon, g, step(g, g - 1), global_steps=g).alarms
+        with Monitor(MonitorConfig(run_dir=tmp_path / "missed", sinks=("jsonl",))) as mon:
+            V.observe(mon, 1, step(1, 0), global_steps=1)
+            with pytest.raises(MismatchHalt) as halted:  # the sync at the end of step 1 did not happen
+                V.observe(mon, 2, step(2, 0), global_steps=2)
+        assert [a.kind for a in halted.value.report.alarms if a.kind == "weights"] == ["weights"]
+
     def test_missing_rollout_log_probs(self):
         """A batch without rollout_log_probs names the verl setting that stores them."""
         batch, _ = verl_step()

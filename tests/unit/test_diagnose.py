@@ -320,3 +320,20 @@ class TestQuarantineNote:
         note = [e for e in verdict.evidence if "quarantined" in e]
         assert note and "1 sequence(s) quarantined on 1 step(s) from step 1: 1 catastrophic" in note[0]
         assert str(tmp_path / "quarantine") in note[0]
+
+
+class TestSecondaryCause:
+    def test_no_noise_after_one_weights_alarm(self, tmp_path):
+        """A halt on a weights alarm after healthy steps names weights alone: the alarm step is no
+        evidence of numeric noise (one step is not a persistent rise)."""
+        run_dir = tmp_path / "stale"
+        with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+            for step in range(6):
+                mon.observe(step, synthetic_batch(DATA, step))
+            stale = synthetic_batch(DATA, 6)
+            stale = StepBatch.from_packed(stale.logp_rollout, stale.logp_train, stale.cu_seqlens,
+                                          stale.request_ids, weight_version=3)
+            with pytest.raises(MismatchHalt):
+                mon.observe(6, stale, trainer_version=6)
+        causes = [f.cause for f in diagnose(run_dir).findings]
+        assert causes == ["weights_out_of_sync"]

@@ -173,6 +173,15 @@ class TestToStepBatchErrors:
         with pytest.raises(InputError, match="bypass_mode"):
             V.to_step_batch(fields)
 
+    def test_bypass_mode_value_equal_copy(self, tmp_path):
+        """v1 bypass mode: old_log_probs a value-equal copy in another buffer is refused by observe."""
+        fields, _ = verl_fields()
+        fields["old_log_probs"] = fields["rollout_log_probs"].clone()
+        assert fields["old_log_probs"].data_ptr() != fields["rollout_log_probs"].data_ptr()
+        mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",)))
+        with pytest.raises(InputError, match="identical.*bypass_mode"):
+            V.observe(mon, 0, fields)
+
     def test_shape_mismatch(self):
         """A field of another shape names itself and the expected layout."""
         fields, _ = verl_fields()
@@ -251,6 +260,23 @@ class TestWeightVersions:
                 V.observe(mon, 0, fields, trainer_version=5)
         (alarm,) = [a for a in halted.value.report.alarms if a.kind == "weights"]
         assert alarm.details["max_lag"] == 2 and alarm.details["stale"] == 6
+
+    def test_global_steps_convention(self, tmp_path):
+        """Legacy/v1: step G's rows ran on the weights synced at the end of step G-1 (min_global_steps
+        G-1); passing verl's own global_steps raises nothing over a healthy run, a missed sync halts."""
+        with Monitor(MonitorConfig(run_dir=tmp_path / "healthy", sinks=("jsonl",))) as mon:
+            for g in (1, 2, 3, 4):  # verl's global_steps start at 1
+                assert not V.observe(mon, g, self._with_versions([g - 1] * 12), global_steps=g).alarms
+        with Monitor(MonitorConfig(run_dir=tmp_path / "missed", sinks=("jsonl",))) as mon:
+            V.observe(mon, 1, self._with_versions([0] * 12), global_steps=1)
+            with pytest.raises(MismatchHalt):  # the sync at the end of step 1 did not happen
+                V.observe(mon, 2, self._with_versions([0] * 12), global_steps=2)
+
+    def test_global_steps_and_trainer_version_conflict(self, tmp_path):
+        """Both given is a ConfigError: global_steps is the one to pass."""
+        with Monitor(MonitorConfig(run_dir=tmp_path / "r", sinks=("jsonl",))) as mon:
+            with pytest.raises(ConfigError, match="global_steps"):
+                V.observe(mon, 1, self._with_versions([0] * 12), global_steps=1, trainer_version=1)
 
     def test_bad_versions(self):
         with pytest.raises(InputError, match="min_global_steps"):

@@ -70,6 +70,15 @@ class TestRequireVLLM:
         monkeypatch.setattr(versions, "installed", lambda package: None)
         versions.require_vllm("the engine guard")
 
+    def test_hookable_engine_refused_before_it_starts(self, monkeypatch):
+        """The hookable engine's settings (guard, engine faults) are refused on vLLM 0.31 before any
+        vLLM import or engine start: the error names the feature and the version."""
+        from rlcheck.engines.vllm_faults import hookable_kwargs
+
+        monkeypatch.setattr(versions, "installed", lambda package: "0.31.0")
+        with pytest.raises(UnsupportedVLLMError, match=r"hookable engine .* this is vLLM 0\.31\.0"):
+            hookable_kwargs({"model": "m"})
+
 
 class TestNames:
     def test_all_lists_each_name_once(self):
@@ -87,3 +96,17 @@ class TestNames:
         assert result.exit_code == 0
         assert result.output.startswith(f"rlcheck {rlcheck.__version__} (trl ")
         assert "vllm " in result.output
+
+
+class TestAdaptersCheck:
+    def test_trl_and_verl_warn_outside_their_range(self, fresh, monkeypatch):
+        """The TRL adapter's version check (run before vLLM starts) and verl's observe name the
+        package, the installed version and the tested range."""
+        from rlcheck.integrations.trl import check_versions
+
+        monkeypatch.setattr(versions, "installed", lambda package: {"trl": "1.17.0", "vllm": "0.30.0"}[package])
+        with pytest.warns(UserWarning) as caught:
+            check_versions()
+        assert [str(w.message).split(";")[0] for w in caught] == [
+            "rlcheck: the TRL adapter (it reads GRPOTrainer's internals) is tested with trl >=1.16,<1.17",
+            "rlcheck: the TRL adapter's weight-sync check is tested with vllm >=0.31,<0.33"]

@@ -1,0 +1,150 @@
+"""Mixture-of-experts routing agreement: do the engine and the trainer send each token to the same experts?
+
+In an MoE a tiny numeric difference in a router's logits flips which experts a near-tie token goes
+to, and then the two sides compute different functions of it: a logprob mismatch that no amount of
+kernel matching removes. A `Routing` holds both sides' choices, packed like `StepBatch`'s tokens:
+
+    experts_rollout  (M, L, k) int64  the engine's top-k experts of each response token at each MoE layer
+    experts_train    (M, L, k) int64  the trainer's, from the forward that recomputed the logprobs
+
+The order inside a top-k row does not matter: a token agrees at a layer when both sides picked the
+same *set* of experts. `routing_metrics` reduces one step to the `rlcheck/moe/*` metrics; the math is
+pure numpy (no torch, no I/O).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlcheck.core import metrics as K
+from rlcheck.errors import InputError
+
+__all__ = ["Routing", "RoutingStats", "first_diff_layer", "routing_metrics", "routing_stats", "same_experts"]
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Both sides' top-k experts of M response tokens at L MoE layers; see the module docstring."""
+
+    experts_rollout: np.ndarray  # (M, L, k) int64
+    experts_train: np.ndarray  # (M, L, k) int64
+
+    def __post_init__(self) -> None:
+        for name in ("experts_rollout", "experts_train"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        a, b = self.experts_rollout, self.experts_train
+        if a.ndim != 3 or a.shape != b.shape:
+            raise InputError(
+                f"routing: experts_rollout {a.shape} and experts_train {b.shape} must both be "
+                "(tokens, moe_layers, top_k); pass one row per response token from each side"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts_rollout.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts_rollout.shape[1])
+
+    def check_tokens(self, num_tokens: int) -> None:
+        """Raise InputError unless there is one routing row per response token of the batch."""
+        if self.num_tokens != num_tokens:
+            raise InputError(f"routing has {self.num_tokens} rows for {num_tokens} tokens (one row per token)")
+
+    def metrics(self, diff: np.ndarray, mask: np.ndarray | None = None) -> dict[str, float]:
+        """`routing_metrics(self, diff, mask)`: the step's `rlcheck/moe/*` metrics."""
+        return routing_metrics(self, diff, mask)
+
+    def take(self, rows: np.ndarray) -> Routing:
+        """The routing of the given token rows (a `StepBatch.select`)."""
+        return Routing(self.experts_rollout[rows], self.experts_train[rows])
+
+    @classmethod
+    def concat(cls, parts: Sequence[Routing]) -> Routing:
+        """Several batches' routing, in order."""
+        return cls(np.concatenate([p.experts_rollout for p in parts]), np.concatenate([p.experts_train for p in parts]))
+
+    @classmethod
+    def from_sequences(cls, rollout: Sequence[Any], train: Sequence[Any]) -> Routing:
+        """From one (T_i, L, k) array per sequence on each side, packed in sequence order."""
+        def pack(side: Sequence[Any]) -> np.ndarray:
+            return np.concatenate([np.asarray(s, dtype=np.int64) for s in side]) if len(side) else np.zeros((0, 0, 0))
+
+        return cls(pack(rollout), pack(train))
+
+
+def same_experts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(M, L) bool: whether rows of `a` and `b` (M, L, k) hold the same expert *set*;
+    naively `[[set(a[m, l]) == set(b[m, l]) for l] for m]`."""
+    return (np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1)
+
+
+def first_diff_layer(agree: np.ndarray) -> np.ndarray:
+    """(M,) int64 index of each token's first MoE layer whose experts differ, from `agree` (M, L);
+    L (one past the last layer) where the token is routed alike at every layer."""
+    num_layers = agree.shape[1]
+    return np.where(agree.all(axis=1), num_layers, np.argmin(agree, axis=1)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """One step's routing agreement over the kept tokens."""
+
+    num_tokens: int
+    agree_frac: float
+    """Tokens routed alike at *every* MoE layer, as a fraction of the tokens."""
+    layer_agree_frac: tuple[float, ...]
+    """Per MoE layer: the tokens routed alike there."""
+    first_diff_counts: tuple[int, ...]
+    """Per MoE layer: the tokens whose routing first differs there."""
+    abs_diff_share: float
+    """Share of the step's sum |d| carried by the tokens routed differently (0 when sum |d| is 0)."""
+    abs_diff_lift: float
+    """Mean |d| of the tokens routed differently over that of the tokens routed alike (NaN when
+    either group is empty or the latter's mean is 0): >> 1 when rerouting drives the mismatch."""
+
+
+def routing_stats(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> RoutingStats:
+    """Agreement of `routing` over the tokens `mask` (M,) keeps, and how |d| of `diff` (M,) splits between the
+    tokens routed alike and the others."""
+    keep = np.ones(routing.num_tokens, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    keep &= np.isfinite(diff)
+    agree = same_experts(routing.experts_rollout, routing.experts_train)[keep]  # (n, L)
+    d = np.abs(np.asarray(diff, dtype=np.float64)[keep])  # (n,)
+    n, num_layers = agree.shape
+    alike = agree.all(axis=1)  # (n,)
+    first = first_diff_layer(agree)
+    total = float(d.sum())
+    moved, kept = d[~alike], d[alike]
+    lift = float(moved.mean() / kept.mean()) if moved.size and kept.size and kept.mean() > 0 else float("nan")
+    return RoutingStats(
+        num_tokens=n,
+        agree_frac=float(alike.mean()) if n else float("nan"),
+        layer_agree_frac=tuple(float(x) for x in agree.mean(axis=0)) if n else (float("nan"),) * num_layers,
+        first_diff_counts=tuple(int(c) for c in np.bincount(first, minlength=num_layers + 1)[:num_layers]),
+        abs_diff_share=float(moved.sum() / total) if total > 0 else 0.0,
+        abs_diff_lift=lift,
+    )
+
+
+def routing_metrics(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> dict[str, float]:
+    """The `rlcheck/moe/*` metrics of one step (`routing_stats`); an undefined metric is left out."""
+    s = routing_stats(routing, diff, mask)
+    if s.num_tokens == 0:
+        return {K.MOE_TOKEN_COUNT: 0.0}
+    out = {
+        K.MOE_TOKEN_COUNT: float(s.num_tokens),
+        K.MOE_ROUTE_AGREE_FRAC: s.agree_frac,
+        K.MOE_ABS_DIFF_SHARE: s.abs_diff_share,
+    }
+    for layer, (frac, count) in enumerate(zip(s.layer_agree_frac, s.first_diff_counts, strict=True)):
+        out[K.moe_layer_agree(layer)] = frac
+        out[K.moe_first_diff(layer)] = float(count)
+    if np.isfinite(s.abs_diff_lift):
+        out[K.MOE_ABS_DIFF_LIFT] = s.abs_diff_lift
+    return out

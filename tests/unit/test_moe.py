@@ -1,0 +1,135 @@
+"""Routing agreement math (`rlcheck.core.moe`) on hand-made expert arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlcheck.core import metrics as K
+from rlcheck.core.moe import Routing, first_diff_layer, routing_metrics, routing_stats, same_experts
+from rlcheck.errors import InputError
+
+# 4 tokens, 2 MoE layers, top-2; token 0 alike (order swapped), 1 differs at layer 1, 2 at layer 0,
+# 3 at both layers
+ROLLOUT = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]], [[5, 6], [7, 0]]])
+TRAIN = np.array([[[1, 0], [3, 2]], [[5, 4], [6, 1]], [[0, 3], [1, 3]], [[5, 7], [7, 1]]])
+ABS_DIFF = np.array([0.0, 0.3, 0.1, 0.6])
+
+
+class TestSameExperts:
+    def test_compares_sets_not_order(self):
+        """A top-k row in another order is the same routing; one other expert is not."""
+        agree = same_experts(ROLLOUT, TRAIN)
+        np.testing.assert_array_equal(agree, [[True, True], [True, False], [False, True], [False, False]])
+
+    def test_first_diff_layer(self):
+        """The first layer that differs, and L for a token routed alike everywhere."""
+        np.testing.assert_array_equal(first_diff_layer(same_experts(ROLLOUT, TRAIN)), [2, 1, 0, 0])
+
+
+class TestRoutingStats:
+    def test_hand_computed(self):
+        """Agreement, per-layer agreement, first-difference counts and the |d| split, by hand."""
+        s = routing_stats(Routing(ROLLOUT, TRAIN), ABS_DIFF)
+        assert s.num_tokens == 4 and s.agree_frac == 0.25
+        assert s.layer_agree_frac == (0.5, 0.5)
+        assert s.first_diff_counts == (2, 1)
+        assert s.abs_diff_share == pytest.approx(1.0)  # the alike token has d = 0
+        assert np.isnan(s.abs_diff_lift)  # mean |d| of the alike tokens is 0
+
+    def test_mask_and_nonfinite_tokens_are_left_out(self):
+        """Masked and non-finite tokens do not count; the lift compares the two groups' mean |d|."""
+        d = np.array([0.1, 0.3, np.nan, 0.6])
+        s = routing_stats(Routing(ROLLOUT, TRAIN), d, mask=np.array([True, True, True, False]))
+        assert s.num_tokens == 2 and s.agree_frac == 0.5
+        assert s.abs_diff_share == pytest.approx(0.75) and s.abs_diff_lift == pytest.approx(3.0)
+
+    def test_metrics_keys(self):
+        """`routing_metrics` names every layer and leaves an undefined lift out."""
+        m = routing_metrics(Routing(ROLLOUT, TRAIN), ABS_DIFF)
+        assert m[K.MOE_ROUTE_AGREE_FRAC] == 0.25 and m[K.moe_layer_agree(1)] == 0.5
+        assert m[K.moe_first_diff(0)] == 2.0 and K.MOE_ABS_DIFF_LIFT not in m
+        assert routing_metrics(Routing(ROLLOUT, TRAIN), ABS_DIFF, mask=np.zeros(4, bool)) == {K.MOE_TOKEN_COUNT: 0.0}
+
+
+class TestRouting:
+    def test_shapes_must_match(self):
+        """Different shapes on the two sides are an InputError naming the layout."""
+        with pytest.raises(InputError, match="tokens, moe_layers, top_k"):
+            Routing(ROLLOUT, TRAIN[:, :1])
+
+    def test_take_concat_and_from_sequences(self):
+        """Rows are selected, joined and packed in order."""
+        r = Routing(ROLLOUT, TRAIN)
+        assert r.take(np.array([3, 0])).experts_train[0, 1, 1] == 1
+        assert Routing.concat([r, r]).num_tokens == 8
+        packed = Routing.from_sequences([ROLLOUT[:1], ROLLOUT[1:]], [TRAIN[:1], TRAIN[1:]])
+        np.testing.assert_array_equal(packed.experts_rollout, ROLLOUT)
+        with pytest.raises(InputError, match="3 rows for 4 tokens"):
+            r.take(np.arange(3)).check_tokens(4)
+
+
+class TestMonitorRouting:
+    def test_batch_with_routing_logs_moe_metrics(self, tmp_path):
+        """A StepBatch carrying routing gets the rlcheck/moe/* metrics in its step report; its
+        selected sequences keep their tokens' routing; one without routing gets none."""
+        from rlcheck.core.batch import StepBatch
+        from rlcheck.core.monitor import Monitor, MonitorConfig
+
+        lr = np.log(np.array([0.5, 0.4, 0.3, 0.2]))
+        batch = StepBatch.from_packed(lr, lr + ABS_DIFF, [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
+        assert batch.select([1]).routing.num_tokens == 3
+        other = StepBatch.from_packed(lr, lr, [0, 1, 4], ["c", "d"], routing=Routing(TRAIN, TRAIN))
+        joined = StepBatch.concat([batch, other])
+        np.testing.assert_array_equal(joined.routing.experts_rollout[4:], TRAIN)
+        with pytest.raises(InputError, match="routing has 3 rows for 4 tokens"):
+            StepBatch.from_packed(lr, lr, [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT[:3], TRAIN[:3]))
+        mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=()))
+        metrics = mon.observe(0, batch).metrics
+        assert metrics[K.MOE_ROUTE_AGREE_FRAC] == 0.25 and metrics[K.moe_first_diff(0)] == 2.0
+        plain = mon.observe(1, StepBatch.from_packed(lr, lr, [0, 1, 4], ["a", "b"])).metrics
+        assert K.MOE_ROUTE_AGREE_FRAC not in plain
+
+
+def routed_batch(step: int, flip: float, seed: int = 0):
+    """A synthetic step with 2-layer top-2 routing; from step 32, a fraction `flip` of the tokens is
+    routed to another expert at layer 1 in the engine and their |d| grows by ~1 nat."""
+    import dataclasses
+
+    from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+    batch = synthetic_batch(SyntheticConfig(num_sequences=64, mean_length=64), step)
+    rng = np.random.default_rng([seed, step])
+    m = batch.num_tokens
+    train = np.stack([rng.permutation(8)[:4].reshape(2, 2) for _ in range(m)])  # (M, 2, 2)
+    rollout = train.copy()
+    moved = rng.random(m) < (flip if step >= 32 else 0.0)
+    rollout[moved, 1, 1] = train[moved, 0, 0]  # a layer-0 expert: never one of layer 1's (a permutation)
+    lt = batch.logp_train.copy()
+    lt[moved] = np.minimum(lt[moved] - rng.choice([-1.0, 1.0], moved.sum()) * 1.0, 0.0)
+    return dataclasses.replace(batch, logp_train=lt, routing=Routing(rollout, train))
+
+
+class TestDiagnoseMoeRouting:
+    def run(self, tmp_path, flip: float):
+        from rlcheck.core.monitor import Monitor, MonitorConfig
+        from rlcheck.errors import MismatchHalt
+        from rlcheck.forensics.diagnose import diagnose
+
+        with Monitor(MonitorConfig(run_dir=tmp_path / f"run{flip}", sinks=("jsonl",))) as mon:
+            for step in range(45):
+                try:
+                    mon.observe(step, routed_batch(step, flip))
+                except MismatchHalt:
+                    break
+        return diagnose(tmp_path / f"run{flip}")
+
+    def test_names_moe_routing_when_rerouted_tokens_carry_the_mismatch(self, tmp_path):
+        """Rerouted tokens carrying the mismatch from step 32: the verdict is moe_routing, naming layer 1."""
+        result = self.run(tmp_path, 0.05)
+        assert result.verdict.cause == "moe_routing", result.to_dict()
+        assert "MoE layer 1" in " ".join(result.verdict.evidence) and min(result.verdict.affected_steps) >= 32
+
+    def test_healthy_routing_run_is_healthy(self, tmp_path):
+        """The same stream with routing alike everywhere raises nothing: healthy."""
+        assert self.run(tmp_path, 0.0).verdict.cause == "healthy"
