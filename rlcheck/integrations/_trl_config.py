@@ -91,20 +91,26 @@ def check_fault(inject: str | Fault | None) -> Fault:
     return fault
 
 
-def check_trainer(trainer: Any) -> None:
-    """ConfigError when rlcheck cannot watch this GRPOTrainer as configured."""
-    if not getattr(trainer, "use_vllm", False):
+def check_config(args: Any) -> None:
+    """ConfigError when rlcheck cannot watch a GRPOTrainer built with this GRPOConfig: what needs only
+    the config, so that `RLCheckGRPOTrainer` refuses it before TRL loads the model and starts vLLM."""
+    if not getattr(args, "use_vllm", False):
         raise ConfigError(
             "rlcheck compares vLLM's sampling logprobs with the trainer's: set GRPOConfig(use_vllm=True)"
         )
-    args = trainer.args
-    if args.steps_per_generation * trainer.num_iterations < args.gradient_accumulation_steps:
+    spg, iterations, accumulation = args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps
+    if spg is not None and spg * iterations < accumulation:
         raise ConfigError(
             f"this GRPOConfig generates several times per optimizer step (steps_per_generation="
-            f"{args.steps_per_generation} x num_iterations={trainer.num_iterations} < gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}); rlcheck numbers its steps by optimizer step: make "
-            "steps_per_generation a multiple of gradient_accumulation_steps (TRL's default)"
+            f"{spg} x num_iterations={iterations} < gradient_accumulation_steps={accumulation}); rlcheck "
+            "numbers its steps by optimizer step: make steps_per_generation a multiple of "
+            "gradient_accumulation_steps (TRL's default)"
         )
+
+
+def check_trainer(trainer: Any) -> None:
+    """ConfigError when rlcheck cannot watch this GRPOTrainer as configured."""
+    check_config(trainer.args)
     if getattr(trainer, "rlcheck", None) is not None:
         raise ConfigError("this trainer already has an rlcheck monitor attached")
 

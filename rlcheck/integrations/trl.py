@@ -70,6 +70,7 @@ from rlcheck.integrations._trl_config import (
     DROPPED_TOKENS,
     TRAINER_METRICS,
     TRLOptions,
+    check_config,
     check_fault,
     check_sampling,
     check_trainer,
@@ -282,8 +283,11 @@ def _trainer_class() -> type:
             self.rlcheck = None
             check_versions()
             config = kwargs.get("args", args[2] if len(args) > 2 else None)
-            if config is not None:  # refuse the sampling settings before vLLM starts
-                check_sampling(config, (rlcheck_options or TRLOptions()).allow_logit_processing, warn=False)
+            options = rlcheck_options or TRLOptions()
+            check_fault(options.inject)  # refuse what the settings alone show before vLLM starts
+            if config is not None:
+                check_config(config)
+                check_sampling(config, options.allow_logit_processing, warn=False)
             super().__init__(*args, **kwargs)
             RLCheckHook(self, monitor, rlcheck_options)
 

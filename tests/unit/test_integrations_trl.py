@@ -5,6 +5,8 @@ top-k lists split for TRL and rlcheck, lined up with the trainer's extra forward
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -165,7 +167,7 @@ def grpo_config(tmp_path_factory):
     """`grpo_config(**fields) -> trl.GRPOConfig`: real TRL configs (CPU, no reporters)."""
     trl = pytest.importorskip("trl")
     out = str(tmp_path_factory.mktemp("grpo"))
-    return lambda **kw: trl.GRPOConfig(output_dir=out, use_cpu=True, report_to=[], use_vllm=True, **kw)
+    return lambda **kw: trl.GRPOConfig(**{"output_dir": out, "use_cpu": True, "report_to": [], "use_vllm": True, **kw})
 
 
 class TestSamplingSettings:
@@ -227,6 +229,30 @@ class TestSamplingSettings:
 
         with pytest.raises(ConfigError, match="top_p=0.5"):
             RLCheckGRPOTrainer(model="/nonexistent/model", reward_funcs=len, args=grpo_config(top_p=0.5))
+
+    @pytest.mark.supports("TRL", "steps_per_generation x num_iterations vs gradient_accumulation_steps",
+                          "spg x iterations < GA", status="refused: ConfigError naming steps_per_generation, "
+                          "num_iterations and gradient_accumulation_steps, before vLLM starts")
+    @pytest.mark.parametrize("fields, match", [
+        (dict(gradient_accumulation_steps=4, steps_per_generation=2), "steps_per_generation=2 x num_iterations=1 < gradient_accumulation_steps=4"),
+        (dict(use_vllm=False), "use_vllm=True"),
+        (dict(inject="stale-state"), "acts inside the rollout engine"),
+    ])
+    def test_config_refusals_come_before_grpo_trainer_init(self, grpo_config, monkeypatch, fields, match):
+        """Refusals that need only the GRPOConfig are raised before GRPOTrainer.__init__ runs (which
+        loads the model and starts vLLM: 51 s here, minutes on a GPU)."""
+        import trl
+
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer
+
+        def started(*args, **kwargs):
+            raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
+
+        monkeypatch.setattr(trl.GRPOTrainer, "__init__", started)
+        options = TRLOptions(inject=fields.pop("inject")) if "inject" in fields else None
+        with pytest.raises(ConfigError, match=re.escape(match)):
+            RLCheckGRPOTrainer(model="/nonexistent/model", reward_funcs=len, args=grpo_config(**fields),
+                               rlcheck_options=options)
 
 
 class TestFault:
@@ -311,7 +337,8 @@ def stand_in_trainer():
     from collections import defaultdict
     from types import SimpleNamespace
 
-    args = SimpleNamespace(steps_per_generation=1, gradient_accumulation_steps=1, output_dir=".")
+    args = SimpleNamespace(use_vllm=True, steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
+                           output_dir=".")
     return SimpleNamespace(
         use_vllm=True, args=args, num_iterations=1, num_generations=4, vllm_generation=_Generation("server"),
         accelerator=SimpleNamespace(process_index=0, num_processes=1), state=SimpleNamespace(global_step=0),
