@@ -4,30 +4,29 @@ alarms, logs and, when the run has gone wrong, a halt with the evidence on disk.
     mon = Monitor(MonitorConfig(run_dir="runs/x"))
     report = mon.observe(step, StepBatch.from_ragged(...))   # may raise MismatchHalt
 
-`observe` validates, computes (`rlcheck.core.stats`), runs every detector, appends the step's record
-to the run's journal (metrics.jsonl, through the `Run` it owns), shows it to every sink, saves the
-detector state atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies
-the halt policy: on halt it flushes the sinks, writes the step's dump and raises `MismatchHalt`.
+`observe` validates, computes (`rlcheck.core.stats`), runs every detector, appends the step's record to the
+run's journal (metrics.jsonl, through the `Run` it owns), shows it to every sink, saves the detector state
+atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies the halt policy: on
+halt it flushes the sinks, writes the step's dump, closes the run (lock released), raises `MismatchHalt`.
 Hard limits alarm (critical) whether or not halting is on, and a NaN/inf logprob always does, whatever
 `hard_limits` holds; halting off only skips the halt. A step with no token to compare (every token
 masked, e.g. TRL's `mask_truncated_completions`, or no sequence on any rank) is logged as empty
 (`"empty": true`, counts only) with a warning and skipped by the detectors, never an exception.
 
-One live Monitor per run dir (`Run.create` locks it, released by `close()` and on process death); a
+One live Monitor per run dir (`Run.create` locks it, released by `close()`, a halt and process death); a
 Monitor that resumes a run warns naming the step it resumes after, counts the resume in state.json
 (`resumes`) and marks its first record (`"resumed": {"after_step": ..., "count": ...}`).
 
-Quarantine (`MonitorConfig.quarantine`, `rlcheck.core.quarantine`): the sequences the rules condemn
-are taken out before the detectors judge the step (the report's `keep` and `quarantined` say which
-and why); their request ids and reasons go into the step's record (`"quarantined"`) and the
-sequences into `quarantine/step_N/` (a dump, up to `max_dumped` sequences a run); past `max_frac`
-the step is judged whole and a critical `quarantine` alarm halts.
+Quarantine (`MonitorConfig.quarantine`, `rlcheck.core.quarantine`): the sequences the rules condemn are
+taken out before the detectors judge the step (the report's `keep` and `quarantined` say which and why);
+their request ids and reasons go into the step's record (`"quarantined"`) and the sequences into
+`quarantine/step_N/` (at most `max_dumped` a run); past `max_frac` a critical `quarantine` alarm halts.
 
 Crash safety (`rlcheck.core.run.files` has the fsync rules): each step's metrics.jsonl line is fsynced
 before state.json is saved; a new Monitor replays any line a killed process logged after its last state
-save, so the detectors' history continues exactly and no step is logged twice. A disk that fills
-mid-run raises `RecordWriteError` (with the step's report on it) after the sinks got the step;
-on a halting step the halt is raised all the same, naming what could not be written.
+save, so the detectors' history continues exactly and no step is logged twice. A disk that fills mid-run
+raises `RecordWriteError` (the step's report on it) after the sinks got the step; on a halting step the
+halt is raised all the same, naming what could not be written.
 """
 
 from __future__ import annotations
@@ -81,10 +80,8 @@ class Monitor:
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
             if self.run.has_state():
                 if not cfg.resume:
-                    raise RunDirError(
-                        f"{self.run_dir} already holds a run (state.json); pass resume=True to continue it, "
-                        "or choose a new run_dir"
-                    )
+                    raise RunDirError(f"{self.run_dir} already holds a run (state.json); pass resume=True to "
+                                      "continue it, or choose a new run_dir")
                 self._load_state()
             self._has_state = self.run.has_state()
             self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
@@ -97,11 +94,10 @@ class Monitor:
     def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None,
                 alarms: Sequence[Alarm] = (), *, trainer_version: int | None = None) -> StepReport:
         """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
-        `extra`: the caller's own scalars for this step (reward, timings; keys outside `rlcheck/`),
-        logged beside the metrics to every sink, never seen by the detectors. `alarms`: found
-        outside the Monitor for this step (the engine guard's), logged and judged by the halt policy
-        like the detectors' own. `trainer_version`: the weights version the trainer holds, compared
-        with the batch's per-sequence `weight_version` (`rlcheck.core.weights`)."""
+        `extra`: the caller's own scalars (reward, timings; keys outside `rlcheck/`), logged beside the
+        metrics, never seen by the detectors. `alarms`: found outside the Monitor for this step (the
+        engine guard's), judged by the halt policy like the detectors' own. `trainer_version`: the
+        trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`)."""
         if not isinstance(batch, StepBatch):
             raise InputError(
                 f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
@@ -281,6 +277,10 @@ class Monitor:
             except Exception as exc:
                 problems.append(f"the dump could not be written ({type(exc).__name__}: {exc})")
                 cause = exc
+        try:  # a halted run is over: sinks closed, lock released (a notebook may build a new Monitor)
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - named in the halt
+            problems.append(f"closing the run failed ({exc})")
         raise MismatchHalt(report, report.halt_reason, where, tuple(problems)) from cause
 
     # ---- run directory and state ---------------------------------------------------------------

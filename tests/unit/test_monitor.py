@@ -398,6 +398,20 @@ class TestOneLiveMonitor:
         first.close()
         assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
+    def test_a_halt_releases_the_run(self, tmp_path):
+        """After MismatchHalt the halted Monitor holds no lock: a new Monitor on the same run dir in the
+        same process (a notebook cell run again) opens it, with the halt's journal and dump on disk."""
+        rng = np.random.default_rng(0)
+        mon = monitor(tmp_path)
+        mon.observe(0, ragged(rng))
+        with pytest.raises(MismatchHalt) as info:
+            mon.observe(1, ragged(rng, shift=-2.0, ids_prefix="bad"))
+        assert info.value.problems == () and info.value.dump_dir is not None
+        with pytest.warns(UserWarning, match="resum"), monitor(tmp_path) as again:
+            assert again.last_step == 1
+        mon.close()  # closing the halted Monitor again does nothing more
+        assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
     def test_close_and_exit_release(self, tmp_path):
         """close() and leaving a `with` block let the next Monitor open the run dir; close twice is fine."""
         mon = monitor(tmp_path)
