@@ -122,7 +122,8 @@ def run_scenario(s: Scenario, seed: int, run_dir: str | os.PathLike, fault: Fiel
                  keep_metrics: bool = False, whole_batch: bool = False,
                  on_step: Callable | None = None) -> ScenarioResult:
     """Feed the scenario through a `Monitor` (the default config, JSONL sink, in `run_dir`); a halt
-    is counted and the run goes on, unless `stop_on_halt`. `monitor_config(run_dir)` overrides the
+    is counted and the run goes on (a new Monitor resumes it, as a restarted trainer's would), unless
+    `stop_on_halt`. `monitor_config(run_dir)` overrides the
     config. The ranks' statistics are reduced as across ranks (`observe_partial`), or with
     `whole_batch` their sequences joined and observed at once (`observe`: what a quarantine needs to
     judge them). `on_step(i, batch, report)` sees each observation i (the batch observed, or rank 0's)."""
@@ -153,6 +154,8 @@ def run_scenario(s: Scenario, seed: int, run_dir: str | os.PathLike, fault: Fiel
                 except MismatchHalt as halt:
                     report = halt.report
                     result.halts.append(len(result.steps))
+                    if not stop_on_halt:  # a halt closes the run: go on as a restarted trainer would
+                        mon = Monitor(cfg)
                 if on_step is not None:
                     on_step(i, batch, report)
                 if fault is not None and result.onset_observation is None and i in stream.touched:

@@ -106,3 +106,12 @@ class TestScenarios:
         assert r.halts and r.halts[0] >= on
         if fault.kind == "corrupt-seqs":
             assert r.first_alarm(0) == on
+
+    def test_a_run_goes_on_after_its_halts(self, tmp_path):
+        """Without stop_on_halt the harness counts every halt and keeps observing: each halt closed
+        its run, and a new Monitor resumes it as a restarted trainer would."""
+        fault = next(f for f in FAULTS if f.kind == "off-by-one")
+        s = dataclasses.replace(SCENARIOS["bf16-short"], num_steps=fault.onset + 6)
+        r = run_scenario(s, SEED, tmp_path, fault=fault)
+        assert len(r.halts) >= 2 and len(r.steps) == s.num_steps
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == s.num_steps  # every step journaled
