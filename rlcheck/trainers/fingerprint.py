@@ -91,8 +91,26 @@ def tail_of(name: str) -> str:
     return name[m.end():] if m else name
 
 
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "modules_to_save.default.")
+"""What activation checkpointing, FSDP1 and PEFT's modules_to_save put into names; TRL drops them."""
+
+
+def streamed_name(name: str) -> str | None:
+    """A trainer-side name as TRL 1.16's `_iter_named_params` streams it to vLLM: PEFT's
+    `base_model.model.` and `.base_layer` and the wrappers' prefixes removed; None for what TRL does not
+    stream (LoRA's own `lora_*` tensors, merged into the base weight, and `original_module`)."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    if ".lora_" in name or "original_module" in name:
+        return None
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def linear_tails(model: torch.nn.Module) -> set[str]:
-    return {tail_of(n) for n in linear_weights(model)}
+    """How the linear weights' names end under the names TRL streams (a LoRA model's
+    `q_proj.base_layer.weight` is streamed, merged, as `q_proj.weight`)."""
+    return {tail_of(n) for n in map(streamed_name, linear_weights(model)) if n is not None}
 
 
 def _zero3_part(p: torch.Tensor, is_linear: bool, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -110,6 +110,31 @@ class TestTrainerSide:
         assert {k.partition(":")[2] for k in whole} == {"linear", "params", "buffers"}
         assert sorted(k for k in whole if k.endswith("buffers")) == ["0:buffers", "1:buffers", "3:buffers"]
 
+    def test_lora_and_wrapped_models_stream_as_the_plain_one(self, tiny_model):
+        """A LoRA (peft) model streamed the way TRL 1.16 streams it (adapters merged, `base_model.model.`
+        and `.base_layer` dropped) fingerprints as the plain model, and activation checkpointing's
+        wrapper names change nothing: a healthy LoRA run has no `weights` alarm at step 0."""
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from transformers import AutoModelForCausalLM
+
+        from rlcheck.trainers.fingerprint import linear_tails, module_fingerprint, stream_fingerprint
+
+        def load():
+            return AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
+
+        plain = module_fingerprint(load(), torch.bfloat16)
+        lora = get_peft_model(load(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        lora.merge_adapter()  # TRL's order: merge, stream, unmerge
+        streamed = ((n.removeprefix("base_model.model.").replace(".base_layer", ""), p)
+                    for n, p in lora.named_parameters() if lora.prefix not in n)
+        assert differing_keys(plain, stream_fingerprint(streamed, torch.bfloat16, linear_tails(lora))) == []
+        wrapped = load()
+        for i, layer in enumerate(wrapped.model.layers):
+            wrapped.model.layers[i] = checkpoint_wrapper(layer)
+        assert linear_tails(wrapped) == linear_tails(load())
+
     @pytest.mark.parametrize("world", [2, 3])
     def test_zero3_partitions_add_up_to_the_whole(self, model, world):
         """ZeRO-3's layout (a flat partition per rank, the last one padded) read back rank by rank."""
