@@ -76,6 +76,7 @@ from rlcheck.integrations._trl_config import (
     check_trainer,
     trl_context,
 )
+from rlcheck.integrations._trl_rundir import start_run
 from rlcheck.integrations._trl_sync import WeightSync
 from rlcheck.integrations._trl_topk import attach_topk, build_step_topk
 from rlcheck.versions import check_tested
@@ -246,7 +247,12 @@ def _close_callback(hook: RLCheckHook):
     from transformers import TrainerCallback
 
     class CloseMonitor(TrainerCallback):
-        """Closes the Monitor rlcheck opened when training ends."""
+        """A fresh train() starts a new run (`_trl_rundir`); the Monitor rlcheck opened closes at the end."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if hook._owned and hook.rank == 0:
+                hook.close()  # a halted earlier train()'s Monitor is closed already
+                start_run(hook.monitor_config.run_dir, state.global_step)
 
         def on_train_end(self, args, state, control, **kwargs):
             hook.close()

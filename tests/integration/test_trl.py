@@ -76,8 +76,8 @@ class Drill:
         return any(self.trainer.vllm_generation.llm.apply_model(linear_params_lack_loader))
 
 
-def _run_drill(model: str, out, dispatch: str) -> Drill:
-    """A 5-step `RLCheckGRPOTrainer` run with stale-weights@2, vLLM in bf16 (TRL's default)."""
+def _run_drill(model: str, out, dispatch: str, steps: int = 5, **trainer_kwargs: Any) -> Drill:
+    """A `steps`-step `RLCheckGRPOTrainer` run with stale-weights@2, vLLM in bf16 (TRL's default)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from rlcheck.core.monitor import MonitorConfig
@@ -85,9 +85,9 @@ def _run_drill(model: str, out, dispatch: str) -> Drill:
 
     t0 = time.perf_counter()
     trainer = RLCheckGRPOTrainer(
-        model=model, reward_funcs=_length_reward, args=_grpo_args(out, 5, 5e-2, fp32=False),
+        model=model, reward_funcs=_length_reward, args=_grpo_args(out, steps, 5e-2, fp32=False),
         train_dataset=_dataset(), monitor=MonitorConfig(run_dir=out / "rlcheck", sinks=("jsonl",)),
-        rlcheck_options=TRLOptions(inject=f"stale-weights@{ONSET}"),
+        rlcheck_options=TRLOptions(inject=f"stale-weights@{ONSET}"), **trainer_kwargs,
     )
     halt = None
     try:
@@ -225,6 +225,40 @@ class TestRLCheckGRPOTrainer:
                 trl_sync()
         else:
             trl_sync()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.supports("TRL", "model", "LoRA (peft)")
+class TestLoRA:
+    def test_lora_run_is_clean_until_its_stale_sync(self, tiny_model, tmp_path):
+        """A LoRA (peft) RLCheckGRPOTrainer: the steps before the fault have no alarm and the sync check
+        finds nothing differing (TRL streams the merged q_proj.weight, the trainer names it
+        q_proj.base_layer.weight); the stale-weights fault still halts at its onset."""
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        drill = _run_drill(str(tiny_model("llama")), tmp_path, "host", steps=ONSET + 1, peft_config=lora)
+        lines = _metrics_lines(tmp_path / "rlcheck")
+        print(f"\nLoRA drill: sync {drill.trainer.rlcheck.sync.method}, {drill.seconds:.1f} s; mean |d|:",
+              [f"{line['step']}: {line['metrics'][K.ABS_DIFF_MEAN]:.3g}" for line in lines])
+        assert [line["step"] for line in lines[:ONSET]] == list(range(ONSET))
+        for line in lines[:ONSET]:
+            assert line["alarms"] == [] and line["metrics"]["sync/fingerprint_differs"] == 0
+        assert drill.halt is not None and drill.halt.report.step == ONSET
+        # a notebook cell run again: a new trainer, same process, same output_dir; the halt released the
+        # run directory, and this fresh train() starts a new run with the old one kept aside
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer
+
+        again = RLCheckGRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
+                                   args=_grpo_args(tmp_path, 1, 5e-2, fp32=False), train_dataset=_dataset(),
+                                   monitor=MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
+                                   peft_config=lora)
+        with pytest.warns(UserWarning, match="held an earlier run"):
+            again.train()
+        assert [(line["step"], line["alarms"]) for line in _metrics_lines(tmp_path / "rlcheck")] == [(0, [])]
+        assert len(_metrics_lines(tmp_path / "rlcheck.prev-1")) == len(lines)
 
 
 @pytest.mark.slow

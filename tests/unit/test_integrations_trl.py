@@ -6,6 +6,7 @@ top-k lists split for TRL and rlcheck, lined up with the trainer's extra forward
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -570,3 +571,47 @@ class TestTopKThroughTheHook:
         m = report.metrics
         assert h.monitor_config.stats.distribution and m[K.DIST_COUNT] == 9
         assert m[K.DIST_KL_MEAN] < 1e-6 and m[K.DIST_TOPK_OVERLAP_MEAN] == 1.0 and m[K.DIST_TOP1_AGREE_FRAC] == 1.0
+
+
+class TestFreshRun:
+    """A fresh train() in a reused output_dir starts a new run; a resumed one continues the old."""
+
+    @staticmethod
+    def _old_run(run_dir):
+        import numpy as np
+
+        from rlcheck import Monitor, MonitorConfig, StepBatch
+
+        rng = np.random.default_rng(0)
+        lr = [-rng.exponential(1.0, 20) - 0.01 for _ in range(4)]
+        batch = StepBatch.from_ragged(lr, [x - rng.uniform(0, 1e-3, 20) for x in lr], [f"r{i}" for i in range(4)])
+        with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+            mon.observe(0, batch)
+            mon.observe(1, batch)
+
+    def test_fresh_train_keeps_the_old_run_aside(self, tmp_path):
+        """At global_step 0 the earlier run moves to <run_dir>.prev-1 (one warning names it) and a new
+        Monitor there starts from nothing: it does not resume, nor see the old steps."""
+        from rlcheck import Monitor, MonitorConfig
+        from rlcheck.integrations._trl_rundir import start_run
+
+        run_dir = tmp_path / "rlcheck"
+        self._old_run(run_dir)
+        with pytest.warns(UserWarning, match=r"held an earlier run; it is kept as .*rlcheck\.prev-1"):
+            kept = start_run(run_dir, 0)
+        assert kept == tmp_path / "rlcheck.prev-1" and (kept / "metrics.jsonl").read_text().count("\n") == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "resuming" warning
+            with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+                assert mon.last_step is None
+        self._old_run(tmp_path / "other")
+        assert start_run(tmp_path / "other", 0) == tmp_path / "other.prev-1"
+
+    def test_resumed_train_continues_the_run(self, tmp_path):
+        """A train(resume_from_checkpoint=...) (global_step > 0 at on_train_begin) leaves the run in place."""
+        from rlcheck.integrations._trl_rundir import start_run
+
+        run_dir = tmp_path / "rlcheck"
+        self._old_run(run_dir)
+        assert start_run(run_dir, 2) is None and (run_dir / "state.json").exists()
+        assert start_run(tmp_path / "empty", 0) is None
