@@ -61,9 +61,10 @@ class TRLOptions:
     (or `generation_kwargs` a filter or penalty): a warning instead of a ConfigError, and the settings
     recorded in the Monitor's context. The mismatch they cause is then real and counted."""
     mask_quarantined: bool = True
-    """With the Monitor's quarantine on (`MonitorConfig.quarantine`): zero the `completion_mask` rows
-    of the quarantined sequences, so TRL's loss leaves them out. False: the Monitor judges the step
-    without them, but TRL still trains on them (a dry run of quarantine)."""
+    """With the Monitor's quarantine on (`MonitorConfig.quarantine`): the quarantined sequences leave
+    TRL's loss (their `completion_mask` rows zeroed, TRL's loss run on the kept rows alone: the loss of
+    the batch without them, for every loss_type; `rlcheck.integrations._trl_loss`). False: the Monitor
+    judges the step without them, but TRL still trains on them (a dry run of quarantine)."""
     top_logprobs: int | None = None
     """Top-k distribution metrics (`rlcheck/dist/*`, `rlcheck.integrations._trl_topk`): TRL's vLLM returns
     K logprobs per completion position and the trainer scores the same ids in one more no-grad forward

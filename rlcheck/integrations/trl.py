@@ -25,10 +25,8 @@ top-K logprobs per completion position, the trainer scores the same ids in one m
 generation, and the Monitor logs `rlcheck/dist/*` (`rlcheck.integrations._trl_topk`).
 
 Quarantine (`MonitorConfig(quarantine=QuarantineConfig())`): the sequences the Monitor condemns leave
-TRL's loss; their rows of the step's `completion_mask` are zeroed (`TRLOptions.mask_quarantined`) and
-their tokens taken out of `num_items_in_batch`, so the loss is normalised as if they had never been
-sampled; TRL's importance-sampling ratios and logprobs stay as they are. How many were dropped goes to
-TRL's logs (`rlcheck/trl/dropped_sequences`, `rlcheck/trl/dropped_tokens`, over all processes).
+TRL's loss, for every `loss_type` as if never sampled (`rlcheck.integrations._trl_loss`); TRL's logs get
+the counts (`rlcheck/trl/dropped_sequences`, `rlcheck/trl/dropped_tokens`, over all processes).
 
 Halting: the Monitor flushes its sinks, writes the step's dump and raises `MismatchHalt`; before it
 leaves the trainer, TRL gets a last log row (`rlcheck/halted` = 1 and the step's rlcheck metrics)
@@ -76,14 +74,13 @@ from rlcheck.integrations._trl_config import (
     check_trainer,
     trl_context,
 )
+from rlcheck.integrations._trl_loss import MULTIMODAL_KEYS, kept_loss, mark_kept
 from rlcheck.integrations._trl_rundir import start_run
 from rlcheck.integrations._trl_sync import WeightSync
 from rlcheck.integrations._trl_topk import attach_topk, build_step_topk
 from rlcheck.versions import check_tested
 
 HALTED_KEY = "rlcheck/halted"
-_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
 
 
 class RLCheckHook:
@@ -189,7 +186,7 @@ class RLCheckHook:
         tr = self.trainer
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+C)
         attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+C)
-        extra = {k: output[k] for k in _MULTIMODAL_KEYS if k in output}
+        extra = {k: output[k] for k in MULTIMODAL_KEYS if k in output}
         with torch.no_grad():
             logps, _, _ = tr._get_per_token_logps_and_entropies(
                 tr.model, ids, attention, output["completion_ids"].size(1),
@@ -219,6 +216,8 @@ class RLCheckHook:
             return {}
         rows = quarantined_rows(request_ids(step, self.rank, output[MASK_KEY].shape[0]), report.quarantined)
         tokens = mask_rows(output, rows)
+        if rows:
+            mark_kept(output, rows)  # TRL's loss runs on the kept rows alone (`_trl_loss`)
         count = report.metrics.get(K.QUARANTINE_COUNT, 0.0)  # the step's, the same on every process
         if self.world_size > 1 and count:
             import torch
@@ -272,6 +271,7 @@ def attach_monitor(trainer: Any, monitor: Monitor | MonitorConfig | None = None,
     reachable as `trainer.rlcheck`. `monitor` None: a Monitor in `<output_dir>/rlcheck`."""
     hook = RLCheckHook(trainer, monitor, options)
     trainer._generate_and_score_completions = functools.partial(hook.run, trainer._generate_and_score_completions)
+    trainer._compute_loss = functools.partial(kept_loss, trainer._compute_loss, trainer.accelerator)
     return hook
 
 
@@ -301,6 +301,9 @@ def _trainer_class() -> type:
             if self.rlcheck is None:  # not attached yet (during __init__)
                 return super()._generate_and_score_completions(inputs)
             return self.rlcheck.run(super()._generate_and_score_completions, inputs)
+
+        def _compute_loss(self, model, inputs):
+            return kept_loss(super()._compute_loss, self.accelerator, model, inputs)
 
     RLCheckGRPOTrainer.__module__ = __name__
     RLCheckGRPOTrainer.__qualname__ = "RLCheckGRPOTrainer"

@@ -150,6 +150,7 @@ def drill(request) -> Drill:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.supports("TRL", "loss_type", "dapo")
 @pytest.mark.supports("TRL", "model", "plain")
 @pytest.mark.supports("TRL", "vllm_mode", "colocate")
 @pytest.mark.supports("TRL", "num_iterations", "1")
@@ -339,7 +340,7 @@ class TestQuarantine:
         trainer = RLCheckGRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
                                      args=_grpo_args(tmp_path, 2, 1e-3, fp32=False), train_dataset=_dataset(),
                                      monitor=cfg, rlcheck_options=TRLOptions(inject="corrupt-seqs=0.1"))
-        hook, generated, trained = trainer.rlcheck, [], []
+        hook, generated, trained, kept = trainer.rlcheck, [], [], []
         run, compute_loss = hook.run, trainer.compute_loss
 
         def run_and_keep(generate, inputs):
@@ -356,6 +357,7 @@ class TestQuarantine:
 
         def loss_and_keep(model, inputs, *args, **kwargs):
             trained.append(inputs["completion_mask"].detach().clone())
+            kept.append(inputs["rlcheck_keep"].clone())  # TRL's loss runs on these rows alone
             return compute_loss(model, inputs, *args, **kwargs)
 
         monkeypatch.setattr(hook, "run", run_and_keep)
@@ -371,6 +373,7 @@ class TestQuarantine:
             assert int(output["num_items_in_batch"]) == int(before.sum() - before[row].sum())
         seen = torch.cat(trained)  # (2 x 8, C): every row TRL's loss saw, shuffled
         assert int((seen.sum(1) == 0).sum()) == 2
+        assert torch.equal(torch.cat(kept), seen.sum(1) > 0)  # the zeroed rows are the ones left out
         assert int(seen.sum()) == sum(int(o["completion_mask"].sum()) for _, o, _ in generated)
         logged = [row for row in trainer.state.log_history if "rlcheck/trl/dropped_sequences" in row]
         assert [row["rlcheck/trl/dropped_sequences"] for row in logged] == [1.0, 1.0]

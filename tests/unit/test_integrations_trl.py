@@ -421,6 +421,47 @@ class TestQuarantineInTheLoss:
         assert out["completion_mask"] is mask and "rlcheck/trl/dropped_tokens" not in h.trainer._metrics["train"]
 
 
+class TestKeptLoss:
+    """`kept_loss` on a stand-in `_compute_loss` (the real one: tests/integration/test_trl_loss.py)."""
+
+    @staticmethod
+    def seen(model, inputs):
+        return inputs
+
+    def test_several_processes_gather_the_same_shape(self):
+        """With 2 processes, a per-row tensor TRL gathers inside the loss is padded back to B rows with
+        NaN; scalars go as they are; the accelerator's own gather is back afterwards."""
+        from types import SimpleNamespace
+
+        from rlcheck.integrations._trl_loss import kept_loss, mark_kept
+
+        shapes = []
+        acc = SimpleNamespace(num_processes=2, gather=lambda t: shapes.append(tuple(t.shape)) or t)
+        own = acc.gather
+
+        def compute(model, inputs):
+            assert inputs["advantages"].shape == (2,) and "rlcheck_keep" not in inputs
+            acc.gather(torch.ones(2))  # TRL's per-row clip ratios
+            return acc.gather(torch.tensor(0.5))  # its policy loss
+
+        out = {"completion_mask": torch.ones(3, 4), "advantages": torch.arange(3.0), "num_items_in_batch": torch.tensor(8)}
+        mark_kept(out, [1])
+        assert float(kept_loss(compute, acc, None, out)) == 0.5
+        assert shapes == [(3,), ()] and acc.gather is own
+
+    def test_multimodal_rows_stay_masked_with_a_warning(self):
+        """Pixel values are not indexed by row: the rows stay (masked), their NaN zeroed, and a warning
+        says the loss is diluted."""
+        from rlcheck.integrations._trl_loss import kept_loss, mark_kept
+
+        logps = torch.tensor([[0.1, float("nan")], [0.2, 0.3]], dtype=torch.float64)
+        out = {"completion_mask": torch.ones(2, 2), "old_per_token_logps": logps, "pixel_values": torch.ones(5, 3)}
+        mark_kept(out, [0])
+        with pytest.warns(RuntimeWarning, match="masked, not removed"):
+            seen = kept_loss(self.seen, None, None, out)
+        assert seen["old_per_token_logps"].tolist() == [[0.1, 0.0], [0.2, 0.3]] and seen["pixel_values"].shape == (5, 3)
+
+
 # ---- top-k: vLLM's per-position lists, the trainer's extra forward ---------------------------------
 
 def _rank_lists(logp: np.ndarray, sampled: int, k: int) -> tuple[list[int], list[float]]:
