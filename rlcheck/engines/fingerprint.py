@@ -7,8 +7,14 @@ Linear layers are probed with one-hot rows through their own forward (or, with a
 `quant_method.apply` without it), so the numbers come from whatever the engine really multiplies with: on vLLM's CPU backend the weights of a linear
 layer are handed to oneDNN (or packed) after loading and the parameter left empty; on GPUs it is the
 parameter itself. Mamba conv layers (a linear class holding a 3-D weight) are read as parameters.
-`add_stats` is shared with the trainer's side (`rlcheck.trainers.fingerprint`). Tensor parallelism
-is refused (replicated tensors would be counted once per worker).
+`add_stats` is shared with the trainer's side (`rlcheck.trainers.fingerprint`).
+
+Tensor parallel engines: every worker fingerprints its shard and `fingerprint_llm` adds them up. A
+column-parallel layer is probed at the same input columns on every worker (each holds some of the
+outputs); a row-parallel one at the probe columns that fall in the worker's part of the input (each
+holds every output of its columns), through `quant_method.apply`, never the forward's all-reduce. What
+every worker holds whole (norms, a row-parallel bias, key/value heads replicated when there are fewer
+than workers) is counted by one worker only, so the sums are those of the unsharded model.
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlcheck.core.sync_check import layer_key, probe_columns
-from rlcheck.errors import UnsupportedVLLMError
+from rlcheck.core.sync_check import layer_key, merge_fingerprints, probe_columns
 
 DERIVED_BUFFERS = ("conv_weights",)
 """Buffers computed from the weights at load (Mamba mixers' conv weights), checked against their source."""
@@ -46,7 +51,8 @@ def _probed_linear(module: Any) -> bool:
 
 
 def engine_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
-    """The fingerprint of a vLLM model (runs in its worker: `llm.apply_model(engine_fingerprint)`)."""
+    """The fingerprint of a vLLM model (runs in its worker: `llm.apply_model(engine_fingerprint)`);
+    with tensor parallelism, this worker's share of it."""
     dtype = model_dtype(model)
     fp: dict[str, list[float]] = {}
     probed = set()
@@ -55,20 +61,71 @@ def engine_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
             key = layer_key(name + ".")
             if not key.isdigit() or not _probed_linear(m):
                 continue
-            if getattr(m, "tp_size", 1) != 1:
-                raise UnsupportedVLLMError("the sync check fingerprints engines with tensor_parallel_size=1 only")
-            cols = probe_columns(m.input_size)
-            x = torch.zeros(len(cols), m.input_size, dtype=dtype, device=_device(m))
-            x[torch.arange(len(cols)), torch.tensor(cols)] = 1
-            add_stats(fp, key + ":linear", _linear_output(m, x).to(dtype))
             probed.add(name + ".weight")
+            y = _probe(m, dtype)
+            if y is not None:
+                add_stats(fp, key + ":linear", y.to(dtype))
         for name, p in model.named_parameters():
-            if name not in probed:
-                add_stats(fp, layer_key(name) + ":params", _rows(model, name, p).to(dtype))
+            part = None if name in probed else _counted_part(model, name, p)
+            if part is not None:
+                add_stats(fp, layer_key(name) + ":params", part.to(dtype))
         for name, b in model.named_buffers():
             if name.rpartition(".")[2] in DERIVED_BUFFERS:
-                add_stats(fp, layer_key(name) + ":buffers", b.to(dtype))
+                add_stats(fp, layer_key(name) + ":buffers", b.to(dtype))  # a sharded weight's, sharded with it
     return fp
+
+
+def _probe(m: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """The layer's outputs at one-hot rows of its probe columns (this worker's share; None: none of them)."""
+    cols = probe_columns(m.input_size)
+    if getattr(m, "tp_size", 1) == 1:
+        return _linear_output(m, _one_hot(cols, m.input_size, dtype, _device(m)))
+    part = m.input_size_per_partition
+    if part != m.input_size:  # row-parallel: this worker holds inputs [lo, lo + part)
+        lo = m.tp_rank * part
+        cols = [c - lo for c in cols if lo <= c < lo + part]
+        if not cols:
+            return None
+    y = m.quant_method.apply(m, _one_hot(cols, part, dtype, _device(m)), bias=None)
+    return y[:, :_unique_outputs(m)]
+
+
+def _one_hot(cols: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    x = torch.zeros(len(cols), width, dtype=dtype, device=device)
+    x[torch.arange(len(cols)), torch.tensor(cols)] = 1
+    return x
+
+
+def _unique_outputs(m: Any) -> int | None:
+    """How many of a tensor-parallel layer's outputs this worker counts: all (None) but on a worker
+    whose key/value heads another worker also holds (fewer kv heads than workers): its query heads."""
+    replicas = getattr(m, "num_kv_head_replicas", 1)
+    return m.num_heads * m.head_size if replicas > 1 and m.tp_rank % replicas else None
+
+
+def _counted_part(model: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
+    """The part of a parameter this worker counts: a shard's own, a whole tensor on the first worker
+    only, vLLM's vocabulary padding rows left out."""
+    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    tp_size = getattr(owner, "tp_size", 1)
+    loader = getattr(getattr(p, "weight_loader", None), "__qualname__", "")
+    row_parallel_bias = name.endswith("bias") and getattr(owner, "input_size_per_partition", None) not in (
+        None, getattr(owner, "input_size", None))
+    sharded = (tp_size > 1 and not row_parallel_bias) or loader.startswith("sharded_weight_loader")
+    if not sharded and _tp_rank() != 0:
+        return None
+    if sharded and tp_size > 1 and name.endswith("bias") and _unique_outputs(owner) is not None:
+        p = p[:_unique_outputs(owner)]
+    return _rows(owner, p)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # no parallel state: a single worker
+        return 0
 
 
 def _linear_output(m: Any, x: torch.Tensor) -> torch.Tensor:
@@ -86,18 +143,45 @@ def _device(module: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _rows(model: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
+def _rows(owner: Any, p: torch.Tensor) -> torch.Tensor:
     """An embedding or LM head without vLLM's vocabulary padding rows (the checkpoint has none)."""
-    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     vocab = getattr(owner, "org_vocab_size", None)
+    if getattr(owner, "tp_size", 1) > 1:
+        return p  # a shard: its padding rows are zero, adding nothing to the sums
     return p[:vocab] if vocab is not None and p.dim() == 2 and p.size(0) > vocab else p
 
 
-def fingerprint_llm(llm: Any):
-    """The fingerprint of the weights a `vllm.LLM` computes with (every worker's part, added up)."""
-    from rlcheck.core.sync_check import merge_fingerprints
+def whole_fingerprint(model: torch.nn.Module) -> dict[str, tuple[float, float, float]]:
+    """The whole model's fingerprint, on every worker (runs in each: `llm.apply_model`): with tensor
+    parallelism, every worker's share gathered over vLLM's tensor-parallel group. It also serves where
+    each process holds one worker in-process (TRL colocate's `external_launcher`)."""
+    part = engine_fingerprint(model)
+    group = _tp_group()
+    if group is None:
+        return merge_fingerprints([part])
+    import torch.distributed as dist
 
-    return merge_fingerprints(llm.apply_model(engine_fingerprint))
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
+    return merge_fingerprints(parts)
+
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel process group (its CPU one), None without tensor parallelism."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    try:
+        group = get_tp_group()
+    except AssertionError:  # no parallel state: a single worker
+        return None
+    return group.cpu_group if group.world_size > 1 else None
+
+
+def fingerprint_llm(llm: Any):
+    """The fingerprint of the weights a `vllm.LLM` computes with (with tensor parallelism: every
+    worker's share, added up). A tensor-parallel engine with vLLM's `mp` executor needs
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to run the function in its workers (rlcheck's engine sets it)."""
+    return llm.apply_model(whole_fingerprint)[0]
 
 
 def score_tokens(llm: Any, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:

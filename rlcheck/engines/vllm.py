@@ -263,6 +263,8 @@ class VLLMEngine:
 
 def _build_llm(cfg: VLLMConfig):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: no __main__ guard needed
+    if cfg.tensor_parallel_size > 1:  # worker processes: rlcheck's functions (sync check, syncs) go pickled
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if not os.path.isdir(cfg.model):
         raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
     from vllm import LLM

@@ -107,6 +107,11 @@ def hookable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     previous in-process engine fills it), the line printed to stderr; returns the kwargs. Refused
     (UnsupportedVLLMError) before the engine starts on a vLLM the hooks were not written for."""
     require_vllm("a hookable engine (the engine guard, engine faults, RLCHECK_BREAK_ON, layer hooks)")
+    if int(kwargs.get("tensor_parallel_size") or 1) > 1:
+        raise UnsupportedVLLMError(
+            f"a hookable engine (the engine guard, engine faults, RLCHECK_BREAK_ON, layer hooks) runs one worker "
+            f"in this process; tensor_parallel_size={kwargs['tensor_parallel_size']} puts its workers in others: "
+            "use tensor_parallel_size=1 for these tools")
     out, env, note = hookable_settings(kwargs, os.environ)
     if env:
         import vllm.envs

@@ -87,6 +87,28 @@ class TestGRPOLoop:
         assert alarm.details["stale"] == result.reports[-1].metrics[K.SEQ_COUNT]
         assert diagnose(tmp_path).verdict.cause == "weights_out_of_sync"
 
+    @pytest.mark.supports("own loop", "tensor_parallel_size", "2")
+    def test_tensor_parallel_engine_is_clean_until_its_sync_drops_a_layer(self, tiny_model, ray_local, tmp_path):
+        """The rollout engine on two tensor-parallel workers (vLLM's mp executor, one core each): six
+        clean steps (the engine's load and every sync: both shards' fingerprints add up to the trainer's,
+        no alarm), then the sync after update 5 leaves out every down_proj (row-parallel: each worker
+        holds half its inputs) and step 6 halts, the sync check naming every layer."""
+        from rlcheck.faults import DropSync
+        from rlcheck.loop import Placement
+
+        cfg = tiny_cpu(tiny_model("llama"), trainer="hf", steps=8, fault=DropSync("down_proj", start=5))
+        cfg = replace(cfg, rollout=replace(cfg.rollout, tensor_parallel_size=2,
+                                           engine_kwargs={"distributed_executor_backend": "mp"}),
+                      placement=Placement(env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
+            result = run_grpo(cfg, mon)
+        alarms = [a for r in result.reports for a in r.alarms]
+        assert result.halted and result.steps_run == 7 and [(a.kind, a.step) for a in alarms] == [("weights", 6)]
+        assert alarms[0].details["differing"] == [f"{i}:linear" for i in range(4)]  # the tiny llama's 4 layers
+        records = _lines(tmp_path / "metrics.jsonl")
+        assert [r["metrics"]["sync/fingerprint_differs"] for r in records] == [0] * 6 + [4]
+        assert max(r["metrics"][K.ABS_DIFF_MEAN] for r in records[:6]) < 1e-4
+
     def test_skip_sync_halts_on_the_period(self, tiny_model, ray_local, tmp_path):
         """With the weights check kept from halting, skipping the sync every 3rd update still ends in a
         periodic alarm of period 3 (the shape alone), a halt with a dump, and stopped actors; the weights

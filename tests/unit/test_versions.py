@@ -79,6 +79,16 @@ class TestRequireVLLM:
         with pytest.raises(UnsupportedVLLMError, match=r"hookable engine .* this is vLLM 0\.31\.0"):
             hookable_kwargs({"model": "m"})
 
+    @pytest.mark.supports("own loop", "engine guard, engine faults, localize hooks", "tensor_parallel_size 2",
+                          status="refused: UnsupportedVLLMError naming tensor_parallel_size, before the engine starts")
+    def test_hookable_engine_with_tensor_parallel_refused_before_it_starts(self, monkeypatch):
+        """Hooks need the one worker in this process: tensor_parallel_size=2 is refused, named, before start."""
+        from rlcheck.engines.vllm_faults import hookable_kwargs
+
+        monkeypatch.setattr(versions, "installed", lambda package: "0.32.0")
+        with pytest.raises(UnsupportedVLLMError, match="tensor_parallel_size=2"):
+            hookable_kwargs({"model": "m", "tensor_parallel_size": 2})
+
 
 class TestNames:
     def test_all_lists_each_name_once(self):
