@@ -37,7 +37,7 @@ too. The run's bookkeeping, the alarm and the dumps: `rlcheck.core.quarantine_ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -141,16 +141,33 @@ class Verdict:
         return out
 
 
+def burst_counts(flags: Mapping[str, np.ndarray]) -> np.ndarray:
+    """(5,) float64 counts the step's early burst is decided on, additive over a step's parts (ranks):
+    sequences diverging early, sequences, diverged tokens, compared tokens, early slots."""
+    return np.array([np.count_nonzero(flags["early_any"]), flags["early_any"].shape[0], flags["diverged_tokens"],
+                     flags["valid_tokens"], flags["early_slots"]], dtype=np.float64)
+
+
+def is_burst(counts: np.ndarray, signature: SignatureConfig | None = None) -> bool:
+    """Whether `burst_counts` (of one batch, or summed over a step's ranks) make a burst of early
+    divergences at the signature detector's levels (default `SignatureConfig()`)."""
+    early, num, diverged, valid, slots = (float(c) for c in counts)
+    return early_burst(early, num, diverged / max(valid, 1.0) * slots, signature or SignatureConfig())
+
+
 def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, trainer_version: int | None = None,
-          max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None) -> Verdict:
+          max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None,
+          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None) -> Verdict:
     """The rules of `cfg` applied to every sequence of `batch` (vectorised over tokens); `signature`:
-    the signature detector's early-burst levels (default `SignatureConfig()`)."""
+    the signature detector's early-burst levels (default `SignatureConfig()`). A step split over ranks
+    passes its `per_sequence_flags` and whether the whole step is a burst (`is_burst` of the summed
+    `burst_counts`), so each rank judges as one process would."""
     cu = batch.cu_seqlens  # (N+1,)
     num = batch.num_sequences
-    flags = per_sequence_flags(batch, stats)
+    flags = per_sequence_flags(batch, stats) if flags is None else flags
+    burst = is_burst(burst_counts(flags), signature) if burst is None else burst
     by_burst = np.zeros(num, dtype=bool)  # early divergences condemned by the step's burst alone
-    if "early_divergence" in cfg.rules and early_burst(np.count_nonzero(flags["early_any"]), num,
-                                                       float(flags["early_expected"]), signature or SignatureConfig()):
+    if "early_divergence" in cfg.rules and burst:
         by_burst = flags["early_any"] & ~flags["early"]
     found: dict[str, np.ndarray] = {
         "nonfinite": flags["nonfinite"], "catastrophic": flags["catastrophic"],
@@ -180,8 +197,9 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
 
 def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.ndarray]:
     """(N,) arrays of the statistics' per-sequence rules: nonfinite, catastrophic (the rate clause),
-    early (the early clause), token_mismatch (bool); max_abs_diff (float64); first_div (int64, -1
-    where none): the same numbers `compute_partial` counts."""
+    early (the early clause), token_mismatch (bool), early_any (diverged within the early window);
+    max_abs_diff (float64); first_div (int64, -1 where none): the same numbers `compute_partial`
+    counts; and the scalars the early burst is decided on (`burst_counts`)."""
     cu = batch.cu_seqlens
     num = batch.num_sequences
     lr, lt = batch.logp_rollout, batch.logp_train
@@ -204,10 +222,11 @@ def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.nda
     first_div[seqs] = pos
     # what the signature detector's early burst reads (`sig/early_any_count`, `sig/early_any_expected`)
     early_slots = float(np.minimum(counts, stats.early_window).sum())
-    expected = np.count_nonzero(diverged) / max(int(counts.sum()), 1) * early_slots
     return {"nonfinite": nonfinite, "catastrophic": rate, "early": early, "token_mismatch": mismatch,
             "max_abs_diff": segment_max(ad, cu), "first_div": first_div,
-            "early_any": (first_div >= 0) & (first_div < stats.early_window), "early_expected": np.float64(expected)}
+            "early_any": (first_div >= 0) & (first_div < stats.early_window),
+            "diverged_tokens": np.float64(np.count_nonzero(diverged)), "valid_tokens": np.float64(counts.sum()),
+            "early_slots": np.float64(early_slots)}
 
 
 def kept_partial(batch: StepBatch, verdict: Verdict, stats: StatsConfig) -> PartialStats:

@@ -196,7 +196,7 @@ class RLCheckHook:
 
     def _observe(self, step: int, batch, extra) -> StepReport | None:
         # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's;
-        # the sync check of that sync (rank 0's engine) judges them too
+        # the sync check of that sync (every rank's engine, each its own) judges them too
         alarms, checked = self.sync.take(step)
         extra = {**(extra or {}), **checked}
         if self.world_size == 1:
@@ -205,8 +205,7 @@ class RLCheckHook:
 
         cfg = self.monitor_config
         return observe_across_ranks(self.monitor, step, batch, cfg.stats, extra, trainer_version=step,
-                                    alarms=alarms if self.rank == 0 else (), quarantine=cfg.quarantine,
-                                    max_weight_lag=cfg.max_weight_lag)
+                                    alarms=alarms, quarantine=cfg.quarantine, max_weight_lag=cfg.max_weight_lag)
 
     def _drop_quarantined(self, step: int, output: dict, report: StepReport) -> dict[str, float]:
         """Zero this process's quarantined rows of TRL's loss mask and take their tokens out of

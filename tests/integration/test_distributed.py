@@ -244,29 +244,64 @@ def _corrupted(rng, rank: int, step: int, rows: list[int]) -> StepBatch:
     return StepBatch.from_packed(clean.logp_rollout, lt, clean.cu_seqlens, clean.request_ids, meta=clean.meta)
 
 
+def _early(rng, rank: int, step: int, rows: list[int]) -> StepBatch:
+    """Rank `rank`'s 8 clean rows of 40 tokens, `rows` diverging by 0.8 nats at their second token
+    only: an early divergence that no per-sequence rule condemns, only the step's burst of them."""
+    lr = -rng.exponential(1.0, (8, 40))  # (B, C)
+    lt = np.minimum(lr + rng.normal(0, 1e-3, lr.shape), 0.0)
+    lt[rows, 1] = lr[rows, 1] - 0.8
+    return StepBatch.from_padded(lr, lt, np.ones((8, 40), dtype=bool), [f"s{step}-r{rank}-{i}" for i in range(8)])
+
+
+BURST_SIGNATURE = {"early_min_count": 3}
+"""The run's early-burst level (the default is 4): the burst step's 3 early divergences (2 on rank 0, 1
+on rank 1) are a burst of the whole step at it, and of neither rank's share."""
+
+
+class _DeviceOnly:
+    """Stands in for a GPU tensor of a rank's batch: it must not leave its rank (it refuses pickling)."""
+
+    def __reduce__(self):
+        raise TypeError("a rank's device tensor was sent to another rank")
+
+
 def _quarantine_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
-    """One rank of a quarantining run: each step's ("ok", metrics, keep, quarantined) or ("halt", ...)."""
+    """One rank of a quarantining run: each step's ("ok", metrics, keep, quarantined) or ("halt", ...).
+    At the last step rank 1's engine fails its sync check (a critical weights alarm of rank 1's only),
+    and every batch holds device tensors (`_DeviceOnly`; the statistics read the host arrays)."""
     import torch.distributed as dist
 
+    from rlcheck.core.detect import DetectorsConfig
+    from rlcheck.core.detect.signature import SignatureConfig
     from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.core.quarantine import QuarantineConfig
+    from rlcheck.core.types import Alarm
     from rlcheck.distributed import observe_across_ranks
     from rlcheck.errors import MismatchHalt
 
+    os.environ["RLCHECK_STATS_BACKEND"] = "numpy"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     cfg = MonitorConfig(run_dir=f"{out_dir}/run", sinks=("jsonl",),
-                        quarantine=QuarantineConfig(max_frac=QUARANTINE_MAX_FRAC))
+                        quarantine=QuarantineConfig(max_frac=QUARANTINE_MAX_FRAC),
+                        detectors=DetectorsConfig(signature=SignatureConfig(**BURST_SIGNATURE)))
     monitor = Monitor(cfg) if rank == 0 else None
     results: list = []
     for step, batches in enumerate(steps):
+        last = step == len(steps) - 1
+        alarms = [Alarm("weights", "rlcheck/weights/sync_check", step, "critical", "sync check failed")] \
+            if last and rank == 1 else []
+        batch = batches[rank]
+        if last:
+            object.__setattr__(batch, "device_tensors", {"logp_rollout": _DeviceOnly()})
         try:
-            r = observe_across_ranks(monitor, step, batches[rank], cfg.stats, quarantine=cfg.quarantine,
-                                     max_weight_lag=cfg.max_weight_lag)
+            r = observe_across_ranks(monitor, step, batch, cfg.stats, quarantine=cfg.quarantine,
+                                     max_weight_lag=cfg.max_weight_lag, alarms=alarms)
             results.append(("ok", r.metrics, r.keep.tolist(), [(q.request_id, q.index) for q in r.quarantined],
                             r.batch.request_ids))
         except MismatchHalt as halt:
             r = halt.report
-            results.append(("halt", [a.kind for a in r.alarms if a.severity == "critical"], r.keep.tolist()))
+            results.append(("halt", [a.kind for a in r.alarms if a.severity == "critical"], r.keep.tolist(),
+                            [a.message for a in r.alarms if a.kind == "weights"], halt.dump_dir))
             break
     dist.destroy_process_group()
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
@@ -275,13 +310,15 @@ def _quarantine_rank_main(rank: int, port: int, steps: list, out_dir: str) -> No
 
 @pytest.fixture(scope="module")
 def quarantine_across_ranks(tmp_path_factory):
-    """Two steps at world size 2: one corrupted sequence (rank 1's row 2), then four (two a rank)."""
+    """Three steps at world size 2: one corrupted sequence (rank 1's row 2); a burst of early
+    divergences split over the ranks; then four corrupted sequences (two a rank)."""
     out = tmp_path_factory.mktemp("quarantine-across-ranks")
     rng = np.random.default_rng(1)
     steps = [[_share(rng, 0, 0), _corrupted(rng, 1, 0, [2])],
-             [_corrupted(rng, 0, 1, [0, 3]), _corrupted(rng, 1, 1, [1, 2])]]
+             [_early(rng, 0, 1, [0, 5]), _early(rng, 1, 1, [3])],
+             [_corrupted(rng, 0, 2, [0, 3]), _corrupted(rng, 1, 2, [1, 2])]]
     results = _run_bounded(_quarantine_rank_main, (_free_port(), steps, str(out)), out)
-    return out / "run", results
+    return out / "run", results, steps
 
 
 @pytest.mark.slow
@@ -290,7 +327,7 @@ class TestQuarantineAcrossRanks:
     def test_each_rank_keeps_its_own_clean_sequences(self, quarantine_across_ranks):
         """One corrupted sequence on rank 1: every rank's report says which of its own sequences to
         keep (rank 1's row 2 out, by its local index), with its own batch; no halt."""
-        _, results = quarantine_across_ranks
+        _, results, _ = quarantine_across_ranks
         (kind0, _, keep0, out0, ids0), (kind1, _, keep1, out1, ids1) = results[0][0], results[1][0]
         assert (kind0, kind1) == ("ok", "ok")
         assert keep0 == [True] * 4 and out0 == []
@@ -302,7 +339,7 @@ class TestQuarantineAcrossRanks:
         statistics (no critical alarm); the record lists it by its global index, its dump holds it."""
         import pyarrow.parquet as pq
 
-        run_dir, results = quarantine_across_ranks
+        run_dir, results, _ = quarantine_across_ranks
         metrics = results[0][0][1]
         assert results[1][0][1] == metrics
         assert metrics[K.QUARANTINE_COUNT] == 1 and metrics[K.QUARANTINE_FRAC] == 1 / 8
@@ -316,10 +353,42 @@ class TestQuarantineAcrossRanks:
     def test_too_many_quarantined_halts_every_rank(self, quarantine_across_ranks):
         """Four of eight sequences past max_frac: both ranks raise MismatchHalt with a critical
         quarantine alarm, each report keeping its own rank's clean rows."""
-        _, results = quarantine_across_ranks
-        (kind0, kinds0, keep0), (kind1, kinds1, keep1) = results[0][1], results[1][1]
+        _, results, _ = quarantine_across_ranks
+        (kind0, kinds0, keep0, *_), (kind1, kinds1, keep1, *_) = results[0][2], results[1][2]
         assert (kind0, kind1) == ("halt", "halt") and kinds0 == kinds1 and "quarantine" in kinds0
         assert keep0 == [False, True, True, False] and keep1 == [True, False, False, True]
+
+    def test_the_early_burst_is_the_whole_steps(self, quarantine_across_ranks):
+        """Three early divergences split 2 + 1 over the ranks are a burst of the step at the Monitor's
+        SignatureConfig (early_min_count 3): the ranks quarantine what one process judging the whole
+        step does, while neither rank's share alone (nor the default levels) is a burst."""
+        from rlcheck.core.detect.signature import SignatureConfig
+        from rlcheck.core.quarantine import QuarantineConfig, judge
+        from rlcheck.core.stats import StatsConfig
+
+        _, results, steps = quarantine_across_ranks
+        (kind0, _, _, out0, _), (kind1, _, _, out1, _) = results[0][1], results[1][1]
+        assert (kind0, kind1) == ("ok", "ok")
+        assert out0 == [("s1-r0-0", 0), ("s1-r0-5", 5)] and out1 == [("s1-r1-3", 3)]
+        whole, cfg, custom = StepBatch.concat(steps[1]), QuarantineConfig(max_frac=QUARANTINE_MAX_FRAC), \
+            SignatureConfig(**BURST_SIGNATURE)
+        one_process = judge(whole, StatsConfig(), cfg, signature=custom)
+        assert [q.request_id for q in one_process.quarantined] == ["s1-r0-0", "s1-r0-5", "s1-r1-3"]
+        assert all(judge(b, StatsConfig(), cfg, signature=custom).count == 0 for b in steps[1])  # per rank: none
+        assert judge(whole, StatsConfig(), cfg).count == 0  # at the default levels: none
+
+    def test_every_ranks_alarm_and_host_arrays_reach_the_halt(self, quarantine_across_ranks):
+        """Rank 1's own failed sync check is judged with the step (a critical weights alarm naming rank 1
+        on both ranks' reports), and the halt's dump of both ranks' sequences is written although the
+        batches held device tensors (they stay on their rank)."""
+        import pyarrow.parquet as pq
+
+        _, results, _ = quarantine_across_ranks
+        (_, kinds0, _, weights0, dump0), (_, kinds1, _, weights1, dump1) = results[0][2], results[1][2]
+        assert "weights" in kinds0 and kinds0 == kinds1
+        assert weights0 == weights1 == ["rank 1: sync check failed"]
+        assert dump0 == dump1 and dump0 is not None
+        assert pq.read_table(os.path.join(dump0, "sequences.parquet")).num_rows == 8
 
 
 def _records(run_dir) -> list[dict]:

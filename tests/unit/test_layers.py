@@ -132,10 +132,9 @@ class TestLayout:
         assert long == {}
 
     def test_only_documented_modules_at_the_root(self):
-        """The package root holds packages, plus the three documented modules (errors, versions,
-        distributed)."""
+        """The package root holds packages, plus the two documented modules (errors, versions)."""
         loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-        assert loose == ["distributed.py", "errors.py", "versions.py"]
+        assert loose == ["errors.py", "versions.py"]
 
     @pytest.mark.parametrize("module", CORE)
     def test_core_imports_no_torch(self, module):
