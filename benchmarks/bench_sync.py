@@ -71,9 +71,9 @@ def build_llama(size: str, root: Path) -> Path:
 class TimedRollout(RolloutWorker):
     """`RolloutWorker` whose object-store sync says how long the load inside the actor took."""
 
-    def sync_weights(self, weights, version, leave_out=None):
+    def sync_weights(self, weights, version, spoil=None):
         t = time.perf_counter()
-        super().sync_weights(weights, version, leave_out)
+        super().sync_weights(weights, version, spoil)
         return {"load_s": time.perf_counter() - t}
 
 

@@ -5,14 +5,18 @@
     check = compare(version, engine, trainer, probe=probe_result)
     monitor.observe(step + 1, batch, alarms=check.alarms(step + 1))   # critical `weights` alarm if stale
 
-A fingerprint maps "LAYER:GROUP" to (sum, sum of squares, sum of |x|), in float64, of values rounded
-to the engine's dtype. LAYER is a decoder layer index, "embed" (token embeddings) or "head" (final
+A fingerprint maps "LAYER:GROUP" to (sum, sum of squares, sum of |x|, ordered sum), in float64, of
+values rounded to the engine's dtype; the ordered sum weighs each value of a linear layer by a hash of
+its output row and its weight's name (`rlcheck.engines.fingerprint.order_weights`), so a permutation
+of rows, which leaves the plain sums as they are, changes it (NaN where not computed: parameters,
+which an engine may hold in a backend's own layout). LAYER is a decoder layer index, "embed" (token embeddings) or "head" (final
 norm and LM head); GROUP is
 - "linear": the engine's linear layers probed with one-hot rows at `probe_columns(K)` of their K
   inputs, i.e. those columns of the weight exactly as the engine computes with them (a GEMM of a
   one-hot row is exact in any precision, and it reads packed or backend-owned weights, which vLLM's
   CPU backend no longer holds as parameters); the trainer takes the same columns of its weights.
-  Fused layers (qkv, gate_up, in_proj) give the concatenation of their parts, which the sums ignore.
+  Fused layers (qkv, gate_up, in_proj) give the concatenation of their parts, each row weighed as the
+  row of its part (`packed_modules_mapping`) in the ordered sum.
 - "params": every other parameter (norms, conv, Mamba A / D / dt_bias, biases, embeddings, LM head),
   Mamba's A as the engine holds it, -exp(A_log).
 - "buffers": buffers derived from the weights, which a reload may leave behind: each Mamba mixer's
@@ -28,6 +32,7 @@ on both sides and is judged at the dtype's tolerance, `PROBE_TOLERANCE`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -36,7 +41,7 @@ from typing import Any
 from rlcheck.core.types import Alarm
 from rlcheck.errors import ConfigError
 
-Fingerprint = dict[str, tuple[float, float, float]]
+Fingerprint = dict[str, tuple[float, ...]]
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PROBE_COLUMNS = 16
@@ -63,14 +68,16 @@ def probe_columns(k: int, count: int = PROBE_COLUMNS) -> list[int]:
 
 
 def merge_fingerprints(parts: Iterable[Mapping[str, Iterable[float]]]) -> Fingerprint:
-    """The fingerprint of the whole from those of its shards (their sums, key by key)."""
+    """The fingerprint of the whole from those of its shards (their sums, key by key; an order
+    component one shard lacks, NaN, is NaN in the whole)."""
     out: dict[str, list[float]] = {}
     for part in parts:
         for key, values in part.items():
-            acc = out.setdefault(key, [0.0, 0.0, 0.0])
+            values = list(values)
+            acc = out.setdefault(key, [0.0] * len(values))
             for i, v in enumerate(values):
                 acc[i] += float(v)
-    return {k: (v[0], v[1], v[2]) for k, v in out.items()}
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def differing_keys(engine: Mapping[str, Any], trainer: Mapping[str, Any], rtol: float = DEFAULT_RTOL) -> list[str]:
@@ -81,10 +88,12 @@ def differing_keys(engine: Mapping[str, Any], trainer: Mapping[str, Any], rtol: 
         if key not in engine or key not in trainer:
             out.append(key)
             continue
-        (s1, q1, a1), (s2, q2, a2) = engine[key], trainer[key]
+        (s1, q1, a1, *o1), (s2, q2, a2, *o2) = engine[key], trainer[key]
         scale, tiny = max(a1, a2), 1e-30
         if abs(s1 - s2) > rtol * scale + tiny or abs(q1 - q2) > rtol * max(q1, q2) + tiny or abs(a1 - a2) > rtol * scale + tiny:
             out.append(key)
+        elif o1 and o2 and math.isfinite(o1[0]) and math.isfinite(o2[0]) and abs(o1[0] - o2[0]) > rtol * scale + tiny:
+            out.append(key)  # the same values in another order: rows a sync permuted
     return sorted(out, key=_order)
 
 

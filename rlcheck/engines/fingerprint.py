@@ -1,13 +1,15 @@
 """The engine's side of the sync check (`rlcheck.core.sync_check`): a fingerprint, per decoder layer, of
 the weights a vLLM model computes with, taken inside its worker.
 
-    engine_fp = llm.apply_model(engine_fingerprint)[0]     # {"3:linear": (sum, sumsq, l1), ...}
+    engine_fp = llm.apply_model(engine_fingerprint)[0]     # {"3:linear": (sum, sumsq, l1, ordered), ...}
 
 Linear layers are probed with one-hot rows through their own forward (or, with a bias, their
 `quant_method.apply` without it), so the numbers come from whatever the engine really multiplies with: on vLLM's CPU backend the weights of a linear
 layer are handed to oneDNN (or packed) after loading and the parameter left empty; on GPUs it is the
 parameter itself. Mamba conv layers (a linear class holding a 3-D weight) are read as parameters.
-`add_stats` is shared with the trainer's side (`rlcheck.trainers.fingerprint`).
+`add_stats` and `order_weights` are shared with the trainer's side (`rlcheck.trainers.fingerprint`):
+a linear layer's probe outputs are also summed weighted by their output row (its row in the
+checkpoint's tensor, `_row_order`), so rows a sync permuted are seen, which plain sums are blind to.
 
 Tensor parallel engines: every worker fingerprints its shard and `fingerprint_llm` adds them up. A
 column-parallel layer is probed at the same input columns on every worker (each holds some of the
@@ -19,6 +21,7 @@ than workers) is counted by one worker only, so the sums are those of the unshar
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -30,13 +33,34 @@ DERIVED_BUFFERS = ("conv_weights",)
 """Buffers computed from the weights at load (Mamba mixers' conv weights), checked against their source."""
 
 
-def add_stats(fp: dict[str, list[float]], key: str, t: torch.Tensor) -> None:
-    """Add t's (sum, sum of squares, sum of |x|), in float64, to fp[key]."""
-    t = t.detach().double()
-    acc = fp.setdefault(key, [0.0, 0.0, 0.0])
-    acc[0] += float(t.sum())
-    acc[1] += float((t * t).sum())
-    acc[2] += float(t.abs().sum())
+ORDER_PRIME, ORDER_MOD = 2654435761, 1 << 31
+CHUNK = 1 << 24
+"""Elements per float64 pass over a parameter: 128 MiB, never a float64 copy of a whole embedding."""
+
+
+def add_stats(fp: dict[str, list[float]], key: str, t: torch.Tensor, order: torch.Tensor | None = None) -> None:
+    """Add t's (sum, sum of squares, sum of |x|, order-weighted sum), in float64, to fp[key]. `order`:
+    the weights of t's output rows (`order_weights`, broadcast against t); None: the key's order
+    component is not compared (NaN), as for parameters an engine may hold in a backend's layout."""
+    acc = fp.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+    if order is None:
+        acc[3] = float("nan")
+    else:
+        acc[3] += float((t.detach().double() * order).sum())
+    for part in t.detach().reshape(-1).split(CHUNK):
+        d = part.double()
+        acc[0] += float(d.sum())
+        acc[1] += float((d * d).sum())
+        acc[2] += float(d.abs().sum())
+
+
+def order_weights(part: str, rows: torch.Tensor) -> torch.Tensor:
+    """(R,) float64 weights in [-0.5, 0.5) of the output rows `rows` (int64, their index in the
+    checkpoint's tensor) of the linear weight whose last name is `part` ("q_proj"): an integer hash,
+    exact on any device, so both sides weigh a row alike and a permutation of rows (or a swap of two
+    parts of a fused layer) changes the weighted sum."""
+    h = zlib.crc32(part.encode())
+    return ((rows.to(torch.int64) * ORDER_PRIME + h) % ORDER_MOD).double() / ORDER_MOD - 0.5
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -44,10 +68,12 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(t.dtype for n, t in model.named_parameters() if "embed" in n)
 
 
-def _probed_linear(module: Any) -> bool:
+def _probed_linear(name: str, module: Any) -> bool:
+    """A linear layer the fingerprint probes; a Mamba conv (a linear class holding the conv weight: 3-D,
+    or 2-D where the CPU backend flattened it in bf16) is read as a parameter."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    return isinstance(module, LinearBase) and module.weight.dim() != 3  # 3-D: a Mamba conv, read as a parameter
+    return isinstance(module, LinearBase) and module.weight.dim() != 3 and not name.endswith("conv1d")
 
 
 def engine_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
@@ -59,12 +85,13 @@ def engine_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
     with torch.no_grad():
         for name, m in model.named_modules():
             key = layer_key(name + ".")
-            if not key.isdigit() or not _probed_linear(m):
+            if not key.isdigit() or not _probed_linear(name, m):
                 continue
             probed.add(name + ".weight")
             y = _probe(m, dtype)
             if y is not None:
-                add_stats(fp, key + ":linear", y.to(dtype))
+                order = _row_order(model, name, m)
+                add_stats(fp, key + ":linear", y.to(dtype), None if order is None else order[: y.shape[1]])
         for name, p in model.named_parameters():
             part = None if name in probed else _counted_part(model, name, p)
             if part is not None:
@@ -88,6 +115,30 @@ def _probe(m: Any, dtype: torch.dtype) -> torch.Tensor | None:
             return None
     y = m.quant_method.apply(m, _one_hot(cols, part, dtype, _device(m)), bias=None)
     return y[:, :_unique_outputs(m)]
+
+
+def _row_order(model: torch.nn.Module, name: str, m: Any) -> torch.Tensor | None:
+    """(outputs,) `order_weights` of this worker's output rows of linear layer `name`, each at its row
+    in the checkpoint's tensor: a fused layer's parts (`packed_modules_mapping`: qkv_proj -> q_proj,
+    k_proj, v_proj) each under its own name, a column-parallel shard at its offset (replicated key/value
+    heads at their head's). None where the rows cannot be placed (a fused layer the checkpoint keeps
+    whole, under tensor parallelism)."""
+    base = name.rpartition(".")[2]
+    sizes = list(getattr(m, "output_sizes", None) or [m.output_size])  # unsharded (kv: x replicas)
+    sharded = getattr(m, "output_size_per_partition", m.output_size) != m.output_size  # column-parallel
+    parts = getattr(model, "packed_modules_mapping", {}).get(base)
+    packed = parts is not None and len(parts) == len(sizes) > 1
+    if sharded and len(sizes) > 1 and not packed:
+        return None
+    tp, rank, replicas = getattr(m, "tp_size", 1), getattr(m, "tp_rank", 0), getattr(m, "num_kv_head_replicas", 1)
+    weights, offset = [], 0
+    for j, full in enumerate(sizes):
+        local = full // tp if sharded else full
+        shard = (rank // replicas if j else rank) if sharded else 0  # a QKV layer's k and v: by kv head
+        rows = torch.arange(shard * local, (shard + 1) * local) + (0 if packed else offset)
+        weights.append(order_weights(parts[j] if packed else base, rows))
+        offset += full
+    return torch.cat(weights).to(_device(m))
 
 
 def _one_hot(cols: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -214,13 +214,16 @@ class Buckets:
         return iter(self.buckets)
 
 
-def receive_into(engine: Any, group: SyncGroup, version: int, leave_out: str | None = None) -> dict[str, float]:
+def receive_into(engine: Any, group: SyncGroup, version: int, spoil: str | None = None) -> dict[str, float]:
     """An engine (`VLLMEngine`) takes rank 0's weights as `version` (its `sync_weights`, `load_buckets`);
-    `leave_out`: the drop-sync self-test, the tensors whose name contains it are received, not loaded."""
+    `spoil`: the drop-sync and permute-sync self-tests, each bucket received whole and loaded as
+    `rlcheck.faults.base.spoil_sync` leaves it."""
+    from rlcheck.faults.base import spoil_sync
+
     stats: dict[str, float] = {}
     buckets = receive_buckets(group, stats)
-    if leave_out:
-        buckets = ([(n, t) for n, t in bucket if leave_out not in n] for bucket in buckets)
+    if spoil:
+        buckets = (list(spoil_sync(bucket, spoil)) for bucket in buckets)
     t0 = time.perf_counter()
     engine.sync_weights(Buckets(buckets), version)
     stats["load_s"] = time.perf_counter() - t0 - stats["receive_s"]

@@ -13,6 +13,7 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
 | corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
 | drop-sync=PATTERN       | name part    | syncs leave out tensors named *PATTERN*; sync check names their layers | weights_out_of_sync |
+| permute-sync=PATTERN    | name part    | syncs roll the rows of tensors named *PATTERN*; sync check names their layers | weights_out_of_sync |
 | stale-buffer            | -            | Mamba conv buffers keep old values; sync check names the Mamba layers  | weights_out_of_sync |
 
 Engine-level (inside the rollout vLLM engine, `rlcheck.engines.vllm_faults`; Mamba models, vllm 0.32;
@@ -34,6 +35,7 @@ from rlcheck.faults.zoo import (
     CorruptSequences,
     DropSync,
     OffByOne,
+    PermuteSync,
     SkipSync,
     StaleBuffer,
     StaleWeights,
@@ -51,6 +53,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     Bf16Noise.name: (Bf16Noise, "scale", float),
     CorruptSequences.name: (CorruptSequences, "rate", float),
     DropSync.name: (DropSync, "pattern", str),
+    PermuteSync.name: (PermuteSync, "pattern", str),
     StaleBuffer.name: (StaleBuffer, None, int),
     StaleState.name: (StaleState, None, int),
     IndexWrap.name: (IndexWrap, "boundary", int),

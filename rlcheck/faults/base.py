@@ -18,8 +18,9 @@ class Fault:
     - `trainer_config(cfg)`: the trainer's config as the fault leaves it (before the actors start);
     - `rollout_config(cfg)`: the rollout engine's `VLLMConfig` as the fault leaves it (before it starts);
     - `skip_sync(step)`: True to leave out the weight sync after the update of `step`;
-    - `sync_leave_out(step)`: a name pattern: that sync sends every tensor but those whose name
-      contains it, and counts as done (None: send everything);
+    - `sync_spoil(step)`: how that sync spoils what it sends, and still counts as done (`spoil_sync`):
+      "PATTERN" leaves out every tensor whose name contains it, "permute:PATTERN" rolls their output
+      rows by one (None: send everything as it is);
     - `apply(step, batch)`: the step's comparison data as the fault corrupts it, and the request ids
       it touched (ground truth for tests; the monitor and diagnose never see it).
     """
@@ -52,7 +53,7 @@ class Fault:
     def skip_sync(self, step: int) -> bool:
         return False
 
-    def sync_leave_out(self, step: int) -> str | None:
+    def sync_spoil(self, step: int) -> str | None:
         return None
 
     def engine_fault(self):
@@ -86,3 +87,18 @@ def per_sequence(batch: StepBatch):
     """(start, stop) token offsets of every sequence."""
     cu = batch.cu_seqlens
     return zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+
+
+PERMUTE = "permute:"
+
+
+def spoil_sync(named, spec: str | None):
+    """The (name, tensor) pairs a sync spoiled by `spec` (`Fault.sync_spoil`) sends: "PATTERN" leaves out
+    the tensors whose name contains it, "permute:PATTERN" rolls their output rows (dim 0) by one, so
+    every value is there in another order; None: all of them as they are."""
+    if not spec:
+        return named
+    if spec.startswith(PERMUTE):
+        pattern = spec.removeprefix(PERMUTE)
+        return ((n, t.roll(1, 0) if pattern in n and t.dim() else t) for n, t in named)
+    return ((n, t) for n, t in named if spec not in n)

@@ -10,7 +10,7 @@ import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import Fault, all_ids, per_sequence
+from rlcheck.faults.base import PERMUTE, Fault, all_ids, per_sequence
 
 BF16_EPS = 2.0**-8
 """Relative precision of bfloat16 (8 significant bits)."""
@@ -71,11 +71,30 @@ class DropSync(Fault):
         if not self.pattern or "@" in self.pattern:
             raise ConfigError(f"drop-sync needs a name pattern, as drop-sync=mlp, got {self.pattern!r}")
 
-    def sync_leave_out(self, step: int) -> str | None:
+    def sync_spoil(self, step: int) -> str | None:
         return self.pattern if self.active(step) else None
 
     def value(self) -> str:
         return self.pattern
+
+
+@dataclass(frozen=True)
+class PermuteSync(DropSync):
+    """Every sync (from `start`) sends the tensors whose name contains `pattern` with their output rows
+    rolled by one (a sharded gather that put the shards in the wrong order, swapped heads), and the
+    loop counts it as done: the same values, so per-layer sums agree; the order-weighted part of the
+    fingerprint differs and the sync check names their layers at the first sync."""
+
+    name = "permute-sync"
+    shape = "the sync check names the layers whose rows were permuted"
+
+    def __post_init__(self) -> None:
+        Fault.__post_init__(self)
+        if not self.pattern or "@" in self.pattern:
+            raise ConfigError(f"permute-sync needs a name pattern, as permute-sync=q_proj, got {self.pattern!r}")
+
+    def sync_spoil(self, step: int) -> str | None:
+        return PERMUTE + self.pattern if self.active(step) else None
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,13 @@ class TRLOptions:
     """"auto": in colocate mode, vLLM's `reload_weights` when TRL's own sync cannot load into this
     vLLM (0.32), TRL's otherwise; "reload" or "trl" to force one."""
     sync_check: bool = True
-    """In colocate mode, after every sync: the engine's per-layer fingerprint against that of the
-    weights TRL streams (`rlcheck.core.sync_check`); a mismatch is a critical `weights` alarm at
-    the next step. Costs one more pass over the gathered weights per sync."""
+    """In colocate mode, after a sync: the engine's per-layer fingerprint against that of the weights
+    TRL streams, fingerprinted as they stream (`rlcheck.core.sync_check`); a mismatch is a critical
+    `weights` alarm at the next step."""
+    sync_check_budget: float | None = 0.02
+    """The sync check's share of the run's wall time: the first sync is checked, each later one when
+    the checks so far plus one more stay within this share of the time since the first (a sync that
+    keeps failing is caught within a few steps); None: every sync."""
     inject: str | Fault | None = None
     """A fault for a fire drill, as `rlcheck demo --inject` takes it ("stale-weights@3",
     "skip-sync-every=4", "corrupt-seqs=0.05@2", ...): sync faults skip TRL's real vLLM weight sync,
@@ -74,6 +78,9 @@ class TRLOptions:
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:
             raise ConfigError(f"vllm_sync must be one of {METHODS}, got {self.vllm_sync!r}")
+        b = self.sync_check_budget
+        if b is not None and not 0 < b <= 1:
+            raise ConfigError(f"sync_check_budget must be None or in (0, 1], got {b!r}")
         k = self.top_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ConfigError(f"top_logprobs must be None or an integer >= 0, got {k!r}")
@@ -87,7 +94,8 @@ def check_fault(inject: str | Fault | None) -> Fault:
     if fault.engine_fault() is not None or type(fault).trainer_config is not Fault.trainer_config:
         raise ConfigError(
             f"fault {fault.describe()!r} acts inside the rollout engine or changes the trainer's config; "
-            "with TRL, rlcheck injects sync faults (skip-sync-every, stale-weights, drop-sync) and data faults only"
+            "with TRL, rlcheck injects sync faults (skip-sync-every, stale-weights, drop-sync, permute-sync) and data "
+            "faults only"
         )
     return fault
 

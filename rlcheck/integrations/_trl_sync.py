@@ -33,6 +33,7 @@ dispatch made to take the other one.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,8 @@ from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
 from rlcheck.errors import ConfigError
 
 METHODS = ("auto", "reload", "trl")
+BURST = 3
+"""Checks' worth of credit the sync check's budget holds at most (and starts with)."""
 
 
 def linear_params_lack_loader(model: Any) -> bool:
@@ -84,52 +87,58 @@ def reload_sync(vllm_generation: Any) -> None:
     vg.llm.reset_prefix_cache()
 
 
-def check_sync(vllm_generation: Any, version: int):
-    """The sync check (`rlcheck.core.sync_check`) of a colocated engine right after a sync: its
-    fingerprint against that of the weights TRL streams (`_iter_named_params`, gathered one at a
-    time under ZeRO-3 / FSDP: every rank must call it)."""
-    import time
-
+def engine_dtype(vllm_generation: Any):
+    """The torch dtype the colocated engine computes in."""
     import torch
 
-    from rlcheck.core.sync_check import compare
-    from rlcheck.engines.fingerprint import fingerprint_llm
-    from rlcheck.trainers.fingerprint import linear_tails, stream_fingerprint
-    from rlcheck.trainers.logprobs import unwrap
-
-    vg, t0 = vllm_generation, time.perf_counter()
-    dtype = vg.llm.llm_engine.model_config.dtype
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-    trainer = stream_fingerprint(vg._iter_named_params(), dtype, linear_tails(unwrap(vg.model)))
-    engine = fingerprint_llm(vg.llm)
-    return compare(version, engine, trainer, seconds=time.perf_counter() - t0)
+    dtype = vllm_generation.llm.llm_engine.model_config.dtype
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
 
 
 @contextlib.contextmanager
-def _leaving_out(vllm_generation: Any, pattern: str | None):
-    """Within it (the `drop-sync` fault) the weights TRL streams to vLLM leave out those whose name
-    contains `pattern` (on this instance only; every rank still gathers every parameter)."""
-    if not pattern:
+def _streaming(vllm_generation: Any, spoil: str | None, fp: dict | None, clock: list[float]):
+    """Within it, TRL's `_iter_named_params` (what either sync streams) passes every tensor through the
+    trainer's side of the sync check (`fp`, filled as they go by, `clock[0]` its seconds: no second
+    gather; None: no check) and then through the sync fault (`spoil`: `rlcheck.faults.base.spoil_sync`),
+    on this instance."""
+    if fp is None and not spoil:
         yield
         return
-    real = vllm_generation._iter_named_params
-    vllm_generation._iter_named_params = lambda: ((n, t) for n, t in real() if pattern not in n)
+    from rlcheck.faults.base import spoil_sync
+    from rlcheck.trainers.fingerprint import fingerprinting, linear_tails
+    from rlcheck.trainers.logprobs import unwrap
+
+    vg, real, own = vllm_generation, vllm_generation._iter_named_params, "_iter_named_params" in vars(vllm_generation)
+    tails = linear_tails(unwrap(vg.model)) if fp is not None else set()
+    dtype = engine_dtype(vg) if fp is not None else None
+
+    def stream():
+        named = real() if fp is None else fingerprinting(real(), fp, dtype, tails, clock)
+        return spoil_sync(named, spoil)
+
+    vg._iter_named_params = stream
     try:
         yield
     finally:
-        del vllm_generation._iter_named_params
+        if own:
+            vg._iter_named_params = real
+        else:
+            del vg._iter_named_params  # the class's method again
 
 
 class WeightSync:
     """Stands in for `vllm_generation.sync_weights` (TRL calls it with no arguments before a
     generation whose step differs from the last synced one). Records `synced_step`, the trainer step
     whose weights vLLM holds (None before the first sync), and the steps whose sync `skip` left out.
-    In colocate mode `check=True` runs the sync check after every sync; `take(step)` hands its
-    alarm (a failed check) and scalars to the step whose rollouts follow."""
+    In colocate mode `check=True` runs the sync check: the weights TRL streams are fingerprinted as
+    they go by, the engine's after the sync; `take(step)` hands its alarm (a failed check) and scalars
+    to the step whose rollouts follow. `budget`: the checks' share of the wall time, a token bucket
+    (`_due`: the first syncs are checked, then as many as the budget pays for; a check as cheap as
+    the budget, every one); None: every sync. `spoil(step)`: the sync fault's spoil spec for that sync."""
 
     def __init__(self, vllm_generation: Any, current_step: Callable[[], int], method: str = "auto",
                  skip: Callable[[int], bool] | None = None, check: bool = True,
-                 leave_out: Callable[[int], str | None] | None = None):
+                 spoil: Callable[[int], str | None] | None = None, budget: float | None = None):
         self.vllm_generation = vllm_generation
         self.method = resolve_method(vllm_generation, method)
         self.current_step = current_step
@@ -137,8 +146,11 @@ class WeightSync:
         self.synced_step: int | None = None
         self.skipped: list[int] = []
         self.check = check and vllm_generation.mode == "colocate"
-        self.leave_out = leave_out
+        self.spoil = spoil
+        self.budget = budget
         self.pending = None
+        self.checked: list[int] = []  # the steps whose sync was checked
+        self._clock, self._credit, self._last = 0.0, 0.0, 0.0
         self._trl_sync = vllm_generation.sync_weights
         vllm_generation.sync_weights = self
 
@@ -149,15 +161,40 @@ class WeightSync:
         if self.skip is not None and step > 0 and self.skip(step - 1):
             self.skipped.append(step)
             return
-        pattern = self.leave_out(step - 1) if self.leave_out is not None and step > 0 else None
-        with _leaving_out(self.vllm_generation, pattern):
+        spec = self.spoil(step - 1) if self.spoil is not None and step > 0 else None
+        fp, clock = ({} if self.check and self._due() else None), [0.0]
+        with _streaming(self.vllm_generation, spec, fp, clock):
             if self.method == "reload":
                 reload_sync(self.vllm_generation)
             else:
                 self._trl_sync()
         self.synced_step = step
-        if self.check:
-            self.pending = check_sync(self.vllm_generation, step)
+        if fp is not None:
+            self.pending = self._compare(step, fp, clock[0])
+
+    def _due(self) -> bool:
+        """Whether this sync is checked: its cost (the last check's) fits what the budget has accrued
+        (`budget` x the seconds since the last sync, up to `BURST` checks' worth, full at the start)."""
+        now = time.perf_counter()
+        if self.budget is None or not self.checked:
+            self._clock = now
+            return True
+        self._credit = min(BURST * self._last, self._credit + self.budget * (now - self._clock))
+        self._clock = now
+        return self._credit >= self._last
+
+    def _compare(self, step: int, trainer: dict, streamed_seconds: float):
+        """The check of the sync just made: the engine's fingerprint against the streamed weights'
+        (its cost, with the stream's fingerprinting, counted against the budget)."""
+        from rlcheck.core.sync_check import compare
+        from rlcheck.engines.fingerprint import fingerprint_llm
+
+        t0 = time.perf_counter()
+        engine = fingerprint_llm(self.vllm_generation.llm)
+        self._last = time.perf_counter() - t0 + streamed_seconds
+        self._credit = (BURST if not self.checked else 0) * self._last + self._credit - self._last
+        self.checked.append(step)
+        return compare(step, engine, trainer, seconds=self._last)
 
     def take(self, step: int) -> tuple[list, dict[str, float]]:
         """The last sync check's alarm (if it failed) and scalars, for the step about to be observed."""

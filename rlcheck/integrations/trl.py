@@ -108,9 +108,10 @@ class RLCheckHook:
         self.rank = trainer.accelerator.process_index
         self.world_size = trainer.accelerator.num_processes
         skip = self.fault.skip_sync if type(self.fault).skip_sync is not Fault.skip_sync else None
-        leave_out = self.fault.sync_leave_out if type(self.fault).sync_leave_out is not Fault.sync_leave_out else None
+        spoil = self.fault.sync_spoil if type(self.fault).sync_spoil is not Fault.sync_spoil else None
         self.sync = WeightSync(trainer.vllm_generation, lambda: trainer.state.global_step,
-                               self.options.vllm_sync, skip, check=self.options.sync_check, leave_out=leave_out)
+                               self.options.vllm_sync, skip, check=self.options.sync_check, spoil=spoil,
+                               budget=self.options.sync_check_budget)
         self.last_report: StepReport | None = None
         self.halt: MismatchHalt | None = None
         trainer.rlcheck = self

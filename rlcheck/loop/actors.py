@@ -36,12 +36,12 @@ class RolloutWorker:
     def generate(self, prompts: list[list[int]], step: int, n: int) -> list[Rollout]:
         return self.engine.generate(prompts, step=step, n=n)
 
-    def sync_weights(self, weights: list[tuple[str, Any]], version: int, leave_out: str | None = None) -> int:
-        """Load `weights` as `version`; `leave_out`: a self-test (the `drop-sync` fault) that sends every
-        tensor but those whose name contains it, and still counts the sync as done."""
-        if leave_out:
-            weights = [(n, t) for n, t in weights if leave_out not in n]
-        self.engine.sync_weights(weights, version)
+    def sync_weights(self, weights: list[tuple[str, Any]], version: int, spoil: str | None = None) -> int:
+        """Load `weights` as `version`; `spoil`: a self-test (the `drop-sync`, `permute-sync` faults) that
+        loads what `rlcheck.faults.base.spoil_sync` leaves of them, and still counts the sync as done."""
+        from rlcheck.faults.base import spoil_sync
+
+        self.engine.sync_weights(list(spoil_sync(weights, spoil)), version)
         return version
 
     def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
@@ -51,12 +51,12 @@ class RolloutWorker:
         self.sync_group = None
         self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s)
 
-    def receive_weights(self, version: int, leave_out: str | None = None) -> dict[str, float]:
-        """Take rank 0's broadcast weights as `version`, bucket by bucket (`leave_out`: as `sync_weights`);
+    def receive_weights(self, version: int, spoil: str | None = None) -> dict[str, float]:
+        """Take rank 0's broadcast weights as `version`, bucket by bucket (`spoil`: as `sync_weights`);
         the bytes, the seconds waiting for buckets and loading them."""
         from rlcheck.engines.vllm_collective import receive_into
 
-        return receive_into(self.engine, self.sync_group, version, leave_out)
+        return receive_into(self.engine, self.sync_group, version, spoil)
 
     def fingerprint(self) -> dict[str, tuple[float, float, float]]:
         """The engine's side of the sync check (`rlcheck.engines.fingerprint`)."""

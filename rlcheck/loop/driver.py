@@ -226,10 +226,10 @@ class GRPOLoop:
     def _sync(self, step: int) -> None:
         """The trainer's weights into the engine (`LoopConfig.weight_sync`); a lost engine is replaced
         (the fresh one gets them), a lost trainer rank stops the run."""
-        leave_out = self.cfg.fault.sync_leave_out(step)
+        spoil = self.cfg.fault.sync_spoil(step)
         try:
-            self.send_weights(self.version, leave_out)
-            self.spoiled = bool(leave_out) or self.cfg.fault.spoils_syncs
+            self.send_weights(self.version, spoil)
+            self.spoiled = bool(spoil) or self.cfg.fault.spoils_syncs
         except ActorLost as lost:
             if lost.actor != self.engine.name:
                 raise  # a trainer rank, lost while gathering or sending the weights

@@ -13,7 +13,7 @@
   `rlcheck.errors.WeightSyncError` after `LoopConfig.collective_timeout_s`.
 
 Either way the version check, the sync check (fingerprints, probe) and the drop-sync fault
-(`leave_out`: the tensors are sent, the engine does not load them) behave the same.
+(`spoil`, the drop-sync and permute-sync self-tests: the engine loads what `rlcheck.faults.base.spoil_sync` leaves of them) behave the same.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class ObjectStoreSync:
     def __init__(self, group: Any, engine: Any):
         self.group, self.engine = group, engine
 
-    def __call__(self, version: int, leave_out: str | None = None) -> None:
+    def __call__(self, version: int, spoil: str | None = None) -> None:
         ref = self.group.full_state_dict_ref()
-        self.engine.call(lambda actor: actor.sync_weights.remote(ref, version, leave_out))
+        self.engine.call(lambda actor: actor.sync_weights.remote(ref, version, spoil))
 
 
 class CollectiveSync:
@@ -66,13 +66,13 @@ class CollectiveSync:
         self.peer = None  # the rollout actor the group was opened with
         self.last: dict[str, float] = {}  # the last sync's engine-side stats (bytes, receive_s, load_s)
 
-    def __call__(self, version: int, leave_out: str | None = None) -> None:
+    def __call__(self, version: int, spoil: str | None = None) -> None:
         if self.peer is not self.engine.actor:
             self.open()
         self.group.gather_weights()
         trainer, actor = self.group.workers[0], self.engine.actor
         _, self.last = self._both(trainer.send_weights.remote(self.cfg.bucket_bytes),
-                                  actor.receive_weights.remote(version, leave_out))
+                                  actor.receive_weights.remote(version, spoil))
 
     def open(self) -> None:
         """A fresh group of trainer rank 0 (its store's host) and the current engine."""
@@ -89,7 +89,7 @@ class CollectiveSync:
 
 
 def make_sync(cfg: WeightSyncConfig, group: Any, engine: Any, collective_timeout_s: float):
-    """The loop's sync (called as `sync(version, leave_out)`) for `cfg.method`."""
+    """The loop's sync (called as `sync(version, spoil)`) for `cfg.method`."""
     if cfg.method == "collective":
         return CollectiveSync(cfg, group, engine, collective_timeout_s)
     return ObjectStoreSync(group, engine)

@@ -11,10 +11,12 @@ as -exp(A_log)). Each rank reads only what it holds, and the parts add up to the
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlcheck.core.sync_check import LAYER_RE, layer_key, probe_columns
-from rlcheck.engines.fingerprint import add_stats
+from rlcheck.engines.fingerprint import add_stats, order_weights
 
 SHARDINGS = ("none", "fsdp2", "zero3")
 
@@ -52,32 +54,59 @@ def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if sharding == "zero3":
-                values, cols = _zero3_part(p, name in linear, rank)
+                values, cols, rows = _zero3_part(p, name in linear, rank)
             else:
                 values = p.to_local() if hasattr(p, "to_local") else p
                 cols = values.detach()[:, probe_columns(values.shape[1])] if name in linear else None
-            _add_tensor(fp, name, values, cols, dtype)
+                rows = None if cols is None else torch.arange(cols.shape[0], device=cols.device) + _row_offset(p)
+            _add_tensor(fp, name, values, cols, dtype, rows)
     return fp
+
+
+def _row_offset(p: torch.Tensor) -> int:
+    """The first row of this rank's part of `p` (an FSDP2 `DTensor` shard of rows; 0 for a whole tensor)."""
+    if not hasattr(p, "device_mesh"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return int(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0])
 
 
 def stream_fingerprint(named, dtype: torch.dtype, linear_tails: set[str]) -> dict[str, list[float]]:
     """The fingerprint of full (gathered) tensors as a sync streams them, e.g. TRL's
     `_iter_named_params()`; `linear_tails`: `linear_tails(model)`, how the linear weights' names end."""
     fp: dict[str, list[float]] = {}
-    with torch.no_grad():
-        for name, t in named:
-            linear = layer_key(name).isdigit() and tail_of(name) in linear_tails
-            _add_tensor(fp, name, t, t.detach()[:, probe_columns(t.shape[1])] if linear else None, dtype)
+    for _ in fingerprinting(named, fp, dtype, linear_tails):
+        pass
     return fp
 
 
+def fingerprinting(named, fp: dict[str, list[float]], dtype: torch.dtype, linear_tails: set[str],
+                   clock: list[float] | None = None):
+    """The (name, tensor) pairs of `named`, each added to `fp` as it passes (`stream_fingerprint` of a
+    sync's own stream: no second pass over, or gather of, the weights); `clock[0]` gets the seconds
+    it spent."""
+    for name, t in named:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            linear = layer_key(name).isdigit() and tail_of(name) in linear_tails
+            cols = t.detach()[:, probe_columns(t.shape[1])] if linear else None
+            rows = None if cols is None else torch.arange(cols.shape[0], device=cols.device)
+            _add_tensor(fp, name, t, cols, dtype, rows)
+        if clock is not None:
+            clock[0] += time.perf_counter() - t0
+        yield name, t
+
+
 def _add_tensor(fp: dict[str, list[float]], name: str, values: torch.Tensor, cols: torch.Tensor | None,
-                dtype: torch.dtype) -> None:
-    """One tensor's share of the fingerprint: its probed columns (`cols`, a linear weight) or all its
-    values, and a Mamba conv weight once more for the mixer's derived `conv_weights` buffer."""
+                dtype: torch.dtype, rows: torch.Tensor | None = None) -> None:
+    """One tensor's share of the fingerprint: its probed columns (`cols`, a linear weight, `rows` the
+    row of each of them in the whole tensor) or all its values, and a Mamba conv weight once more for
+    the mixer's derived `conv_weights` buffer."""
     key = layer_key(name)
     if cols is not None:
-        add_stats(fp, key + ":linear", as_engine_holds(name, cols, dtype))
+        order = order_weights(name.rsplit(".", 2)[-2], rows)
+        add_stats(fp, key + ":linear", as_engine_holds(name, cols, dtype), order.view(-1, *([1] * (cols.dim() - 1))))
         return
     values = as_engine_holds(name, values.detach().reshape(-1), dtype)
     add_stats(fp, key + ":params", values)
@@ -113,17 +142,19 @@ def linear_tails(model: torch.nn.Module) -> set[str]:
     return {tail_of(n) for n in map(streamed_name, linear_weights(model)) if n is not None}
 
 
-def _zero3_part(p: torch.Tensor, is_linear: bool, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _zero3_part(p: torch.Tensor, is_linear: bool, rank: int) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
     """This rank's elements of a ZeRO-3 parameter (its partition less the padding) and, for a linear
-    weight, those of them in the probed columns."""
+    weight, those of them in the probed columns with the row of each."""
     part = p.ds_tensor.detach().reshape(-1)
     size = part.numel()
     start = rank * size
     valid = max(0, min(p.ds_numel - start, size))
     part = part[:valid]
     if not is_linear:
-        return part, None
+        return part, None, None
     k = p.ds_shape[-1]
     rows = torch.arange(start // k, (start + valid + k - 1) // k, device=part.device)
     flat = (rows[:, None] * k + torch.tensor(probe_columns(k), device=part.device)[None, :]).reshape(-1) - start
-    return part, part[flat[(flat >= 0) & (flat < valid)]]
+    held = (flat >= 0) & (flat < valid)
+    return part, part[flat[held]], (flat[held] + start) // k

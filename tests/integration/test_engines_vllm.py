@@ -13,10 +13,13 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from rlcheck import Monitor, MonitorConfig  # noqa: E402
+from rlcheck.core.sync_check import differing_keys  # noqa: E402
+from rlcheck.engines.fingerprint import fingerprint_llm  # noqa: E402
 from rlcheck.engines.hf import HFScorer, HFScorerConfig  # noqa: E402
 from rlcheck.engines.vllm import VLLMConfig, VLLMEngine, to_step_batch  # noqa: E402
 from rlcheck.engines.vllm_sync import stale_conv_mixers  # noqa: E402
 from rlcheck.errors import ConfigError, InputError  # noqa: E402
+from rlcheck.trainers.fingerprint import module_fingerprint  # noqa: E402
 
 # Largest |logp_vllm - logp_hf| seen over these tests, with margin (BENCHMARKS.md has the measured values).
 KV = 64 << 20  # KV + Mamba state cache: the CPU default reserves 92% of RAM and refuses to start when busy
@@ -45,7 +48,8 @@ class TestVLLMEngine:
     @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.vllm_compat), "mamba2", "hybrid"])
     def test_agrees_with_hf_before_and_after_sync(self, tiny_model, arch, dtype):
         """Sampled-token logprobs match HF within tolerance; after sync_weights they match the new
-        weights (and not the old); request ids are unique and keep vLLM's own id."""
+        weights (and not the old), and so does the sync check's fingerprint; request ids are unique
+        and keep vLLM's own id."""
         model_dir = str(tiny_model(arch))
         temperature = 0.9
         cfg = VLLMConfig(model=model_dir, dtype=dtype, max_tokens=12, temperature=temperature, max_model_len=256, kv_cache_bytes=KV,
@@ -64,6 +68,11 @@ class TestVLLMEngine:
                     p.add_(torch.randn_like(p) * 0.05)
             engine.sync_weights(new.state_dict().items(), version=1)
             assert engine.llm.apply_model(stale_conv_mixers) == [[]]  # no conv left on the old weights
+            # the sync check reads the new weights in every layer, row order included (a bf16 Mamba conv,
+            # flattened to 2-D by the CPU backend, is read as a parameter, not probed as a linear layer)
+            engine_fp, trainer_fp = fingerprint_llm(engine.llm), module_fingerprint(new, getattr(torch, dtype))
+            assert differing_keys(engine_fp, trainer_fp) == []
+            assert sum(k.endswith(":linear") and v[3] == v[3] for k, v in engine_fp.items()) >= 2
             second = engine.generate(ps, step=1, n=2)
             assert {r.weight_version for r in second} == {1}
             assert max_abs_diff(scorer, second, temperature) <= TOLERANCE[dtype]

@@ -88,11 +88,13 @@ class TestEngineFaultsInTheLoop:
 @pytest.mark.timeout(600)
 class TestSyncCheckInTheLoop:
     """Syncs that count as done but leave the engine on other weights: the versions agree, and only
-    the sync check (fingerprints after every sync) sees it, at the first step after the first sync."""
+    the sync check (fingerprints after every sync) sees it, at the first step after the first sync;
+    rows sent in another order (permute-sync) leave every plain sum as it was and are named by the
+    fingerprint's order-weighted part."""
 
     @pytest.mark.parametrize(("spec", "layers", "group"), [
         ("drop-sync=shared_mlp", [0, 1, 2, 3], "linear"),  # every layer's MLP left out of the sync
-        ("drop-sync=self_attn", [2], "linear"),  # the hybrid's one attention layer
+        ("permute-sync=self_attn", [2], "linear"),  # the hybrid's one attention layer, its rows rolled
         ("stale-buffer", [0, 1, 3], "buffers"),  # the Mamba layers' conv buffers keep old values
     ])
     def test_halts_at_the_first_spoiled_step_naming_the_layers(self, tiny_model, ray_local, tmp_path, spec, layers, group):

@@ -291,16 +291,18 @@ class TestAttachMonitor:
               [f"{line['metrics'][K.ABS_DIFF_MEAN]:.3g}, {line['metrics'][K.DIST_KL_MEAN]:.3g}" for line in lines])
         assert [line["step"] for line in lines] == [0, 1]
         assert all(line["metrics"][K.ABS_DIFF_MEAN] < 1e-5 and not line["alarms"] for line in lines)
-        assert all(line["metrics"]["sync/fingerprint_differs"] == 0 for line in lines)
+        assert lines[0]["metrics"]["sync/fingerprint_differs"] == 0  # the first sync is always checked
+        assert all(line["metrics"].get("sync/fingerprint_differs", 0) == 0 for line in lines)
         for m in (line["metrics"] for line in lines):
             assert m[K.DIST_COUNT] == m[K.TOKEN_COUNT] > 0
             assert m[K.DIST_KL_MEAN] < 1e-6 and m[K.DIST_TOPK_OVERLAP_MEAN] > 0.99 and m[K.DIST_TOP1_AGREE_FRAC] == 1
         assert hook.halt is None and trainer.rlcheck is hook
 
-    def test_a_sync_that_left_tensors_out_halts_naming_the_layers(self, tiny_model, tmp_path, monkeypatch):
-        """drop-sync=down_proj: the sync before step 1 sends every tensor but the MLP down
-        projections and counts as done (the versions agree); the sync check halts step 1 naming
-        every decoder layer, from their linear layers."""
+    def test_a_sync_that_permuted_rows_halts_naming_the_layers(self, tiny_model, tmp_path, monkeypatch):
+        """permute-sync=q_proj: the sync before step 1 sends every q_proj with its rows rolled by one
+        and counts as done (the versions agree, and so does every plain sum of every layer); the sync
+        check (its budget holds the first syncs) halts step 1 naming every decoder layer, from the
+        order-weighted sum of their linear layers, the streamed weights fingerprinted as they went by."""
         from trl import GRPOTrainer
 
         from rlcheck.core.monitor import MonitorConfig
@@ -311,7 +313,7 @@ class TestAttachMonitor:
         trainer = GRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
                               args=_grpo_args(tmp_path, 3, 5e-2, fp32=False), train_dataset=_dataset())
         hook = attach_monitor(trainer, MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
-                              TRLOptions(inject="drop-sync=down_proj"))
+                              TRLOptions(inject="permute-sync=q_proj"))
         with pytest.raises(MismatchHalt) as halted:
             trainer.train()
         report = halted.value.report

@@ -36,7 +36,7 @@ def _run(loop: GRPOLoop, on_step=None):
 class TestCollectiveSync:
     def test_a_spoiled_sync_is_still_caught(self, tiny_model, ray_local, tmp_path):
         """A sync spoiled over the collective (stale-buffer: the engine fault wraps sync_weights, so it
-        acts on a collective sync too; drop-sync's leave_out is applied by the same engine-side call):
+        acts on a collective sync too; drop-sync's spoil is applied by the same engine-side call):
         the sync check names the layers at step 1, a critical weights alarm that halts there, as with
         the object store (test_faults_loop). The collective restart: test_loop_faults."""
         layers = [0, 1, 3]

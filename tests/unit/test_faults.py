@@ -129,14 +129,30 @@ class TestParseInject:
 class TestSyncSpoilers:
     def test_drop_sync_leaves_out_its_pattern_from_start(self):
         fault = parse_inject("drop-sync=mlp.down_proj@3")
-        assert [fault.sync_leave_out(s) for s in (2, 3, 9)] == [None, "mlp.down_proj", "mlp.down_proj"]
+        assert [fault.sync_spoil(s) for s in (2, 3, 9)] == [None, "mlp.down_proj", "mlp.down_proj"]
         assert not fault.skip_sync(3) and fault.describe() == "drop-sync=mlp.down_proj@3"
         assert fault.cause == "weights_out_of_sync" and not fault.spoils_syncs
+
+    def test_permute_sync_rolls_the_rows_of_its_pattern_from_start(self):
+        """permute-sync=q_proj@2: from the sync after update 2, every tensor named *q_proj* is sent with
+        its rows rolled by one (the same values in another order), everything else as it is."""
+        import torch
+
+        from rlcheck.faults.base import spoil_sync
+
+        fault = parse_inject("permute-sync=q_proj@2")
+        assert [fault.sync_spoil(s) for s in (1, 2)] == [None, "permute:q_proj"]
+        assert fault.describe() == "permute-sync=q_proj@2" and fault.cause == "weights_out_of_sync"
+        q, k = torch.arange(6.0).reshape(3, 2), torch.ones(3, 2)
+        sent = dict(spoil_sync([("l.0.q_proj.weight", q), ("l.0.k_proj.weight", k)], fault.sync_spoil(2)))
+        assert sent["l.0.q_proj.weight"].tolist() == [[4.0, 5.0], [0.0, 1.0], [2.0, 3.0]]
+        assert sent["l.0.k_proj.weight"] is k
+        assert dict(spoil_sync([("a.mlp.w", q), ("b.attn.w", k)], "mlp")) == {"b.attn.w": k}  # drop-sync
 
     def test_stale_buffer_acts_inside_the_engine(self):
         fault = parse_inject("stale-buffer")
         assert fault.engine_fault() == ("stale-buffer", {}) and fault.spoils_syncs
-        assert fault.sync_leave_out(5) is None and not fault.skip_sync(5)
+        assert fault.sync_spoil(5) is None and not fault.skip_sync(5)
 
 
     @pytest.mark.parametrize(("spec", "hookable"), [("stale-state", True), ("index-wrap=4", True),

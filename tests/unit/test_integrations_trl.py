@@ -307,6 +307,40 @@ class TestWeightSync:
             gen.sync_weights()
         assert sync.skipped == [2, 4]
 
+    @pytest.mark.parametrize(("cost", "budget", "checked"), [
+        (0.05, 0.02, [0, 1, 2, 3, 5, 8, 10, 13, 15, 18]),  # 5% of a step: three, then 2% of the time
+        (0.01, 0.02, list(range(20))),  # within the budget: every sync
+        (0.05, None, list(range(20))),  # no budget: every sync
+    ])
+    def test_the_check_keeps_to_its_budget(self, monkeypatch, cost, budget, checked):
+        """The sync check (colocate) is a token bucket of `budget` x wall time holding three checks: the
+        first syncs are checked, then as many as the budget pays for; its cost is the engine's
+        fingerprint plus the stream's (here a 1 s step, an engine fingerprint of `cost` s)."""
+        import types
+
+        import rlcheck.engines.fingerprint as efp
+        import rlcheck.integrations._trl_sync as ts
+        import rlcheck.trainers.fingerprint as tfp
+
+        clock = [0.0]
+
+        def fingerprint(llm):
+            clock[0] += cost
+            return {}
+
+        monkeypatch.setattr(ts, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(ts, "engine_dtype", lambda vg: torch.float32)
+        monkeypatch.setattr(tfp, "linear_tails", lambda model: set())
+        monkeypatch.setattr(efp, "fingerprint_llm", fingerprint)
+        gen, step = _Generation("colocate"), [0]
+        gen.model, gen.llm, gen._iter_named_params = torch.nn.Linear(1, 1), None, lambda: iter(())
+        sync = WeightSync(gen, lambda: step[0], "trl", budget=budget)
+        for step[0] in range(20):
+            clock[0] += 1.0
+            gen.sync_weights()
+        assert sync.checked == checked
+        assert len(checked) * cost <= (budget or 1) * clock[0] + 3 * cost
+
 
 # ---- quarantine: the hook on a stand-in trainer ---------------------------------------------------
 

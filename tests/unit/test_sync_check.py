@@ -170,3 +170,22 @@ class TestTrainerSide:
             after = module_fingerprint(model, torch.bfloat16)
             w[:, 0] -= 0.01
         assert differing_keys(before, after) == ["2:linear"]
+
+    def test_permuted_rows_are_named_though_the_sums_agree(self, model):
+        """A sync that rolled the rows of layer 2's o_proj leaves every plain sum as it was; the
+        order-weighted sum names exactly that layer. Parameters carry no order component (NaN: an
+        engine may hold them in its own layout)."""
+        import math
+
+        import torch
+
+        from rlcheck.faults.base import spoil_sync
+        from rlcheck.trainers.fingerprint import linear_tails, stream_fingerprint
+
+        tails = linear_tails(model)
+        named = list(model.named_parameters())
+        clean = stream_fingerprint(named, torch.float32, tails)
+        rolled = stream_fingerprint(spoil_sync(named, "permute:layers.2.self_attn.o_proj"), torch.float32, tails)
+        assert [k for k in clean if clean[k][:3] != rolled[k][:3]] == []
+        assert differing_keys(clean, rolled) == ["2:linear"]
+        assert all(math.isnan(v[3]) for k, v in clean.items() if not k.endswith(":linear"))
