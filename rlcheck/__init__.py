@@ -9,10 +9,13 @@ torch are imported by the modules that need them.
 """
 
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import Alarm, DetectorsConfig
 from rlcheck.core.monitor import HaltConfig, Monitor, MonitorConfig
+from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
+from rlcheck.core.sync_check import SyncCheckConfig
 from rlcheck.core.types import Offender, StepReport
 from rlcheck.errors import (
     ActorDiedError,
@@ -31,7 +34,8 @@ from rlcheck.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ActorDiedError", "Alarm", "ConfigError", "DetectorsConfig", "GuardViolation", "HaltConfig", "InputError",
-    "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "RLCheckError", "RecordWriteError", "Run",
-    "RunDirError", "SinkInitError", "StatsConfig", "StepBatch", "StepReport", "UnsupportedVLLMError", "__version__",
+    "ActorDiedError", "Alarm", "ConfigError", "CorrectionConfig", "DetectorsConfig", "GuardViolation", "HaltConfig",
+    "InputError", "MismatchHalt", "Monitor", "MonitorConfig", "Offender", "PathError", "QuarantineConfig",
+    "RLCheckError", "RecordWriteError", "Run", "RunDirError", "SinkInitError", "StatsConfig", "StepBatch",
+    "StepReport", "SyncCheckConfig", "UnsupportedVLLMError", "__version__",
 ]
