@@ -13,7 +13,7 @@ from rlcheck.core.stats import PartialStats, merge
 from rlcheck.core.types import Alarm
 from rlcheck.errors import ConfigError
 
-_PER_RANK = ("sums", "maxima", "minima", "hists", "offenders", "num_sequences")
+_PER_RANK = ("sums", "maxima", "minima", "hists", "offenders", "num_sequences", "versions")
 
 
 def _layout(p: PartialStats) -> tuple:
@@ -22,6 +22,17 @@ def _layout(p: PartialStats) -> tuple:
     hist_shapes = tuple((k, p.hists[k].shape) for k in sorted(p.hists))
     shared = tuple((f.name, getattr(p, f.name)) for f in fields(p) if f.name not in _PER_RANK)
     return sorted(p.sums), sorted(p.maxima), sorted(p.minima), hist_shapes, shared
+
+
+def _difference(layouts: list[tuple]) -> str:
+    """Where the first rank whose layout differs from rank 0's does: the keys one of them lacks, or the field."""
+    rank = next(r for r, lay in enumerate(layouts) if lay != layouts[0])
+    names = ("sum keys", "max keys", "min keys", "histograms")
+    for name, a, b in zip(names, layouts[0][:4], layouts[rank][:4], strict=True):
+        if a != b:
+            return f"{name}: rank 0 alone has {sorted(set(a) - set(b))}, rank {rank} alone {sorted(set(b) - set(a))}"
+    fields_differ = [a[0] for a, b in zip(layouts[0][4], layouts[rank][4], strict=True) if a != b]
+    return f"rank 0 and rank {rank} differ in {fields_differ}"
 
 
 def _reduce(values: dict[str, float], op, group, device) -> dict[str, float]:
@@ -63,10 +74,8 @@ def all_reduce_partial(partial: PartialStats, group=None, top_k: int | None = No
     dist.all_gather_object(gathered, small, group=group)
     layouts = [g[0] for g in gathered]
     if any(lay != layouts[0] for lay in layouts):
-        raise ConfigError(
-            "all_reduce_partial: ranks hold statistics of different layouts (keys, thresholds, top_k "
-            "or histogram bins differ); every rank must use the same StatsConfig"
-        )
+        raise ConfigError("all_reduce_partial: ranks hold statistics of different layouts; every rank must use "
+                          f"the same StatsConfig and batch fields ({_difference(layouts)})")
 
     # Offenders, sequence counts and weight versions through `merge` (rank order, index offsets);
     # heavy fields empty.

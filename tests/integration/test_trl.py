@@ -38,15 +38,15 @@ def _length_reward(completions, **_):
     return [float(len(c)) for c in completions]
 
 
-def _grpo_args(out_dir, steps: int, lr: float, fp32: bool):
+def _grpo_args(out_dir, steps: int, lr: float, fp32: bool, **extra: Any):
     from trl import GRPOConfig
 
-    return GRPOConfig(
-        output_dir=str(out_dir), max_steps=steps, learning_rate=lr, logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, use_cpu=True, bf16=not fp32, seed=0,
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128, vllm_gpu_memory_utilization=0.05,
-    )
+    return GRPOConfig(**{
+        "output_dir": str(out_dir), "max_steps": steps, "learning_rate": lr, "logging_steps": 1,
+        "save_strategy": "no", "report_to": [], "disable_tqdm": True, "use_cpu": True, "bf16": not fp32, "seed": 0,
+        "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+        "use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 128, "vllm_gpu_memory_utilization": 0.05,
+        **extra})
 
 
 def _dataset():
@@ -226,6 +226,74 @@ class TestRLCheckGRPOTrainer:
                 trl_sync()
         else:
             trl_sync()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+class TestIterationsAndAccumulation:
+    @pytest.mark.supports("TRL", "num_iterations", "2")
+    @pytest.mark.supports("TRL", "steps_per_generation x num_iterations vs gradient_accumulation_steps",
+                          "spg x iterations >= GA")
+    def test_two_passes_over_accumulated_generations(self, tiny_model, tmp_path, monkeypatch):
+        """gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2: TRL generates once
+        every 4 micro-batches, every other optimizer step, so the Monitor observes steps 0, 2, 4 (TRL's
+        global_step at each generation); 0 and 2 are clean (no alarm, the sync check agrees), and with
+        stale-weights@3 the sync before step 4's generation does not happen: step 4 halts on the
+        weights alarm, its rows two updates behind."""
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
+
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        args = _grpo_args(tmp_path, 6, 5e-2, fp32=False, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2)
+        trainer = RLCheckGRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward, args=args,
+                                     train_dataset=_dataset(),
+                                     monitor=MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
+                                     rlcheck_options=TRLOptions(inject="stale-weights@3"))
+        with pytest.raises(MismatchHalt) as halted:
+            trainer.train()
+        lines = _metrics_lines(tmp_path / "rlcheck")
+        assert [line["step"] for line in lines] == [0, 2, 4]
+        for line in lines[:2]:
+            assert line["alarms"] == [] and line["metrics"]["sync/fingerprint_differs"] == 0
+            assert line["metrics"][K.SEQ_COUNT] == 8  # one generation: 4 rows x steps_per_generation 2
+        report = halted.value.report
+        assert report.step == 4 and "weights" in {a.kind for a in report.alarms if a.severity == "critical"}
+        (alarm,) = [a for a in report.alarms if a.kind == "weights"]
+        assert alarm.details["trainer_version"] == 4 and set(report.batch.weight_version) == {2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.supports("TRL", "processes", "2")
+def test_two_processes_halt_together_naming_each_engine(tiny_model, tmp_path):
+    """`torchrun --nproc_per_node 2 recipes/trl_grpo.py`: two processes, one colocated vLLM each, rank 0's
+    Monitor judging both ranks' sequences (`observe_across_ranks`). Steps 0 and 1 are clean; from
+    permute-sync=q_proj@1 each rank's own sync before step 2 sends its q_proj rows rolled, each rank's
+    own sync check fails, and step 2 halts both ranks (exit 1) with one alarm per engine (rank 1's
+    named) and one dump of both ranks' 16 sequences."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "recipes/trl_grpo.py",
+           "--model", str(tiny_model("llama")), "--steps", "4", "--inject", "permute-sync=q_proj@1", "--lr", "5e-2",
+           "--run-dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = _metrics_lines(run / "rlcheck")
+    assert [line["step"] for line in lines] == [0, 1, 2], done.stderr[-3000:]
+    assert all(line["alarms"] == [] and line["metrics"][K.SEQ_COUNT] == 16 for line in lines[:2])
+    weights = [a for a in lines[2]["alarms"] if a["kind"] == "weights"]
+    assert len(weights) == 2 and sum(a["message"].startswith("rank 1: ") for a in weights) == 1
+    dumps = sorted((run / "rlcheck" / "dumps").iterdir())
+    ranks = pq.read_table(dumps[-1] / "sequences.parquet").column("rank").to_pylist()
+    assert sorted(set(ranks)) == [0, 1] and len(ranks) == 16
 
 
 @pytest.mark.slow
