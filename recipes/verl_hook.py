@@ -24,8 +24,11 @@ env_vars) the Monitor quarantines instead of halting on a few bad sequences, and
 batch gets their rows out of `response_mask` before the actor trains on it (the v1 trainer's batch
 lives in TransferQueue: there the report says which rows, `report.keep`, but nothing is written back). Not run here: this machine cannot run
 verl's trainer (no GPU); the adapter it calls is tested on verl's DataProto in tests/integration/test_verl.py.
-With trainer.v1.trainer_mode set to an async mode, rollouts may come from older weights: the mismatch then
-includes that staleness, so expect a higher baseline than in sync mode.
+verl's own step counter goes in as `global_steps` (step G's rows carry the weights of the sync at the
+end of step G-1). The fully async trainer (`verl.experimental.fully_async_policy`) is observed with its
+`current_param_version` and `async_training` settings: only the rows generated entirely on the trainer's
+weights are compared, and a row lagging more than ceil(staleness_threshold) + partial_rollout versions
+halts (`rlcheck.integrations._verl_async`).
 """
 
 from __future__ import annotations
@@ -57,8 +60,23 @@ def _wrap_legacy(original):
     @functools.wraps(original)
     def _compute_old_log_prob(self, batch):
         old_log_prob, mfu = original(self, batch)
+        if hasattr(self, "current_param_version"):  # the fully async trainer: its own wrapper observes
+            return old_log_prob, mfu
         rlcheck_verl.observe(monitor(), self.global_steps, batch,  # quarantined rows leave its response_mask
-                             logp_train=old_log_prob.batch["old_log_probs"])
+                             logp_train=old_log_prob.batch["old_log_probs"], global_steps=self.global_steps)
+        return old_log_prob, mfu
+    return _compute_old_log_prob
+
+
+def _wrap_fully_async(original):
+    @functools.wraps(original)
+    def _compute_old_log_prob(self, batch):
+        old_log_prob, mfu = original(self, batch)
+        # old_log_probs come from the weights of current_param_version; rows generated on other versions are
+        # left out of the comparison, their lag bounded by verl's async_training settings
+        rlcheck_verl.observe(monitor(), self.global_steps, batch, logp_train=old_log_prob.batch["old_log_probs"],
+                             param_version=self.current_param_version,
+                             async_training=self.config.async_training)
         return old_log_prob, mfu
     return _compute_old_log_prob
 
@@ -72,7 +90,7 @@ def _wrap_v1(original):
 
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
         rlcheck_verl.observe(monitor(), self.global_steps, DataProto(batch=data.to_padded_tensor()),
-                             metrics, request_ids=[str(k) for k in batch.keys])
+                             metrics, request_ids=[str(k) for k in batch.keys], global_steps=self.global_steps)
         return batch
     return _compute_old_log_prob
 
@@ -81,7 +99,9 @@ def install() -> list[str]:
     """Wrap `_compute_old_log_prob` of each verl trainer importable here; returns what was wrapped."""
     wrapped = []
     for module, cls, wrap in (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", _wrap_legacy),
-                              ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", _wrap_v1)):
+                              ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", _wrap_v1),
+                              ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer",
+                               _wrap_fully_async)):
         try:
             trainer = getattr(__import__(module, fromlist=[cls]), cls)
         except ImportError:  # this process lacks that trainer's dependencies: it cannot run it either

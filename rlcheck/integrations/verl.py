@@ -26,9 +26,12 @@ Weight versions: where the batch has `min_global_steps`, each sequence's `weight
 oldest weights that generated any of its tokens). Legacy `RayPPOTrainer` and v1: pass verl's own
 `observe(..., global_steps=self.global_steps)`; step G runs on the weights synced at the end of step
 G-1 (`rollout_version`), and rows older than that by more than `MonitorConfig.max_weight_lag` (0,
-on-policy) raise the critical `weights` alarm. The fully async trainer: `trainer_version=` the version
-its rows should carry. `async_training.staleness_threshold` is a fraction of samples, not a lag: it
-is no value for `max_weight_lag`.
+on-policy) raise the critical `weights` alarm. The fully async trainer (partial rollouts or not):
+`observe(..., param_version=self.current_param_version, async_training=config.async_training)`: the
+rows generated entirely on that version are compared, the lagged ones (off-policy by design) are left
+out and counted, and a row further behind than verl's settings allow is the `weights` alarm
+(`rlcheck.integrations._verl_async`: the bound is ceil(staleness_threshold) + partial_rollout;
+`staleness_threshold` is a fraction of samples, not itself a lag).
 
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
@@ -61,6 +64,7 @@ from rlcheck.core.batch import StepBatch, to_numpy
 from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.types import StepReport
 from rlcheck.errors import ConfigError, InputError
+from rlcheck.integrations._verl_async import fully_async_max_lag, on_version
 from rlcheck.integrations._verl_fields import (  # noqa: F401 - the keys are this module's API too
     MASK_KEY,
     RESPONSES_KEY,
@@ -235,11 +239,15 @@ def forwarded_metrics(metrics: Mapping[str, Any] | None,
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
             forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,
-            global_steps: int | None = None, correction: CorrectionConfig | None = None) -> StepReport:
+            global_steps: int | None = None, correction: CorrectionConfig | None = None,
+            param_version: int | None = None, async_training: Any = None) -> StepReport:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
     logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
     rows' `min_global_steps` where verl recorded them; `global_steps` (legacy, v1): verl's own step
-    counter instead, mapped to the rollout's version by `rollout_version`. Then `update_batch(data, report, correction)`:
+    counter instead, mapped to the rollout's version by `rollout_version`; `param_version` with
+    `async_training` (the fully async trainer): its `current_param_version` and its `async_training`
+    settings, the rows on other versions left out of the comparison and their lag bounded
+    (`rlcheck.integrations._verl_async`). Then `update_batch(data, report, correction)`:
     quarantined rows and rejected tokens leave `response_mask`, `rollout_is_weights` is set with
     `correction.rollout_is` (module docstring). Returns the `StepReport`, raises `MismatchHalt` when the
     policy halts (`data` untouched)."""
@@ -248,8 +256,16 @@ def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | Non
     check_tested("verl", what="the verl adapter (it reads DataProto's fields)")
     trainer_version = rollout_version(global_steps, trainer_version)
     batch = to_step_batch(data, logp_train=logp_train, request_ids=request_ids)
-    if batch.weight_version is None:
+    extra, alarms = forwarded_metrics(metrics, forward), []
+    if param_version is not None:
+        if trainer_version is not None or async_training is None:
+            raise ConfigError("observe: the fully async trainer passes param_version=current_param_version with "
+                              "async_training=config.async_training, and neither trainer_version nor global_steps")
+        batch, lag_metrics, alarms = on_version(batch, fields_of(data)[1], step, int(param_version),
+                                                fully_async_max_lag(async_training))
+        extra.update(lag_metrics)
+    elif batch.weight_version is None:
         trainer_version = None  # nothing to compare it with
-    report = monitor.observe(step, batch, extra=forwarded_metrics(metrics, forward), trainer_version=trainer_version)
+    report = monitor.observe(step, batch, extra=extra, trainer_version=trainer_version, alarms=alarms)
     update_batch(data, report, correction, logp_train=logp_train)
     return report

@@ -22,7 +22,7 @@ from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.run.dump import read_dump
-from rlcheck.errors import InputError, MismatchHalt
+from rlcheck.errors import ConfigError, InputError, MismatchHalt
 from rlcheck.integrations import verl as V
 
 pytestmark = pytest.mark.slow
@@ -164,6 +164,40 @@ class TestVerlDataProto:
         assert alarm.details["stale"] == 3 and set(alarm.details["request_ids"]) == set(ids[-3:])
         dumped, _ = read_dump(exc.value.dump_dir)
         assert sorted(r["weight_version"] for r in dumped) == [5] * 3 + [7] * (rows - 3)
+
+    @pytest.mark.supports("verl", "trainer", "fully async, partial rollouts", status=(
+        "tested here on real DataProtos shaped as the fully async trainer assembles them (its trainer needs "
+        "GPUs): rows on the trainer's version compared, lagged rows left out, a lag past verl's settings halts"))
+    def test_fully_async_compares_the_current_version_and_bounds_the_lag(self, tmp_path):
+        """The fully async trainer at current_param_version 5, staleness_threshold 0.5 with partial
+        rollouts (rows may lag ceil(0.5) + 1 = 2 versions): half the rows generated on version 5, a
+        quarter resumed across the last sync (min 4, max 5), a quarter on version 3, the lagged ones
+        0.3-0.5 nats off (the policy moved, by design). The lagged rows are left out of the statistics
+        and counted, nothing alarms; a row 3 versions behind halts on the weights alarm. Before,
+        trainer_version=5 at max_weight_lag 0 halted the healthy step."""
+        def step(seed: int, oldest: int) -> DataProto:
+            batch, _ = verl_step(seed=seed)
+            rows, q = len(batch), len(batch) // 4
+            first = np.array([5] * (rows - 2 * q) + [4] * q + [oldest] * q, dtype=object)
+            last = np.array([5] * (rows - q) + [oldest] * q, dtype=object)
+            batch.non_tensor_batch["min_global_steps"], batch.non_tensor_batch["max_global_steps"] = first, last
+            lag = torch.tensor([0.0] * (rows - 2 * q) + [0.3] * q + [0.5] * q)[:, None]  # (B, 1)
+            batch.batch["old_log_probs"] = batch.batch["old_log_probs"] - lag * batch.batch["response_mask"]
+            return batch
+
+        async_training = {"staleness_threshold": 0.5, "partial_rollout": True, "trigger_parameter_sync_step": 4}
+        with Monitor(MonitorConfig(run_dir=tmp_path / "async", sinks=("jsonl",))) as mon:
+            report = V.observe(mon, 1, step(1, 3), param_version=5, async_training=async_training)
+            assert report.alarms == [] and report.metrics["verl_async/lagged_frac"] == 0.5
+            assert report.metrics[K.ABS_DIFF_MAX] < 0.05 and report.metrics["verl_async/max_lag"] == 2
+            with pytest.raises(MismatchHalt) as halted:
+                V.observe(mon, 2, step(2, 2), param_version=5, async_training=async_training)
+        (alarm,) = [a for a in halted.value.report.alarms if a.kind == "weights"]
+        assert alarm.severity == "critical" and "allowed lag 2" in alarm.message
+        with Monitor(MonitorConfig(run_dir=tmp_path / "before", sinks=("jsonl",))) as mon, pytest.raises(MismatchHalt):
+            V.observe(mon, 1, step(1, 3), trainer_version=5)
+        with pytest.raises(ConfigError, match="param_version"):
+            V.observe(None, 1, step(1, 3), param_version=5, trainer_version=5, async_training=async_training)
 
     def test_bypass_mode_refused(self):
         """verl's bypass mode (old_log_probs = rollout_log_probs) is refused: nothing was recomputed."""
