@@ -11,6 +11,7 @@ trainer's raw recomputation; a halt raises `rlcheck.MismatchHalt` out of `traine
     .venv/bin/python recipes/trl_grpo.py --inject stale-weights@3 --lr 1e-2   # syncs stop at step 3; halts
                                                                            # once the weights moved (step 6)
     .venv/bin/torchrun --nproc_per_node 2 recipes/trl_grpo.py --steps 3    # 2 processes, one vLLM each
+    .venv/bin/torchrun --nproc_per_node 2 recipes/trl_grpo.py --vllm-tp 2  # 2 processes sharing one vLLM
 
 The run's files go to `--run-dir` (TRL's output_dir; rlcheck's metrics.jsonl, state.json and dumps/
 in its `rlcheck/`); read them with `rlcheck summarize RUN_DIR/rlcheck`. Exits 1 if the monitor halted.
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--inject", help="a fault for a fire drill, e.g. stale-weights@3 or skip-sync-every=2")
     arg("--fp32", action="store_true", help="train and sample in float32 (TRL's default is bf16)")
     arg("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    arg("--vllm-tp", type=int, default=1, help="vllm_tensor_parallel_size: processes sharing one colocated vLLM "
+        "(divides the process count; default: %(default)s)")
     arg("--wandb", action="store_true", help="rlcheck also logs to W&B (offline unless WANDB_MODE says otherwise)")
     return ap.parse_args(argv)
 
@@ -73,7 +76,7 @@ def addition_reward(completions: list[str], answer: list[int], **_) -> list[floa
     return [reward(c, a) for c, a in zip(completions, answer, strict=True)]
 
 
-def grpo_config(run_dir: str, steps: int, fp32: bool, lr: float):
+def grpo_config(run_dir: str, steps: int, fp32: bool, lr: float, vllm_tp: int = 1):
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -81,6 +84,7 @@ def grpo_config(run_dir: str, steps: int, fp32: bool, lr: float):
         report_to=[], use_cpu=True, bf16=not fp32, seed=0,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128, vllm_gpu_memory_utilization=0.05,
+        vllm_tensor_parallel_size=vllm_tp,
     )
 
 
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlcheck.integrations.trl import RLCheckGRPOTrainer, TRLOptions
 
     trainer = RLCheckGRPOTrainer(
-        model=model, reward_funcs=addition_reward, args=grpo_config(run_dir, args.steps, args.fp32, args.lr),
+        model=model, reward_funcs=addition_reward, args=grpo_config(run_dir, args.steps, args.fp32, args.lr, args.vllm_tp),
         train_dataset=dataset(),
         monitor=MonitorConfig(run_dir=os.path.join(run_dir, "rlcheck"),
                               sinks=("jsonl", "console") + (("wandb",) if args.wandb else ())),

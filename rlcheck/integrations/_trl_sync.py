@@ -126,6 +126,18 @@ def _streaming(vllm_generation: Any, spoil: str | None, fp: dict | None, clock: 
             del vg._iter_named_params  # the class's method again
 
 
+def _agreed(due: bool) -> bool:
+    """Rank 0's decision on every process (the engine's fingerprint is a collective over vLLM's
+    tensor-parallel group, and each rank's budget runs on its own clock)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return due
+    box = [due]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
 class WeightSync:
     """Stands in for `vllm_generation.sync_weights` (TRL calls it with no arguments before a
     generation whose step differs from the last synced one). Records `synced_step`, the trainer step
@@ -162,7 +174,7 @@ class WeightSync:
             self.skipped.append(step)
             return
         spec = self.spoil(step - 1) if self.spoil is not None and step > 0 else None
-        fp, clock = ({} if self.check and self._due() else None), [0.0]
+        fp, clock = ({} if self.check and _agreed(self._due()) else None), [0.0]
         with _streaming(self.vllm_generation, spec, fp, clock):
             if self.method == "reload":
                 reload_sync(self.vllm_generation)

@@ -348,12 +348,17 @@ def test_server_mode_with_a_stand_in_server(tiny_model, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.supports("TRL", "processes", "2")
-def test_two_processes_halt_together_naming_each_engine(tiny_model, tmp_path):
-    """`torchrun --nproc_per_node 2 recipes/trl_grpo.py`: two processes, one colocated vLLM each, rank 0's
-    Monitor judging both ranks' sequences (`observe_across_ranks`). Steps 0 and 1 are clean; from
-    permute-sync=q_proj@1 each rank's own sync before step 2 sends its q_proj rows rolled, each rank's
-    own sync check fails, and step 2 halts both ranks (exit 1) with one alarm per engine (rank 1's
-    named) and one dump of both ranks' 16 sequences."""
+@pytest.mark.supports("TRL", "vllm_tensor_parallel_size", "1", "2")
+@pytest.mark.parametrize("vllm_tp", [1, 2])
+def test_two_processes_halt_together_naming_each_engine(tiny_model, tmp_path, vllm_tp):
+    """`torchrun --nproc_per_node 2 recipes/trl_grpo.py`: two processes, one colocated vLLM each
+    (`--vllm-tp 1`) or one vLLM sharded over both (`--vllm-tp 2`: each process holds half of every
+    layer; the sync check gathers the shards over vLLM's tensor-parallel group), rank 0's Monitor
+    judging both ranks' sequences (`observe_across_ranks`). Steps 0 and 1 are clean; from
+    permute-sync=q_proj@1 the sync before step 2 sends the q_proj rows rolled, every rank's sync check
+    fails, and step 2 halts both ranks (exit 1) with one alarm per rank (rank 1's named) and one dump
+    of both ranks' 16 sequences. (TP 2 hung at its fourth step before: the check's budget runs on each
+    rank's clock, and a fingerprint is a collective: rank 0 now decides for all.)"""
     import subprocess
     import sys
 
@@ -362,7 +367,7 @@ def test_two_processes_halt_together_naming_each_engine(tiny_model, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "recipes/trl_grpo.py",
            "--model", str(tiny_model("llama")), "--steps", "4", "--inject", "permute-sync=q_proj@1", "--lr", "5e-2",
-           "--run-dir", str(run)]
+           "--run-dir", str(run), "--vllm-tp", str(vllm_tp)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env=env,
                           capture_output=True, text=True, timeout=540)
