@@ -30,6 +30,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from rlcheck.integrations._patch import replaced
+
 KEEP_KEY = "rlcheck_keep"
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
@@ -95,7 +97,7 @@ def _padded_gathers(accelerator: Any, kept: int, size: int) -> Iterator[None]:
     if getattr(accelerator, "num_processes", 1) <= 1:
         yield
         return
-    gather, own = accelerator.gather, "gather" in vars(accelerator)
+    gather = accelerator.gather
 
     def padded(tensor: Any) -> Any:
         import torch
@@ -106,11 +108,5 @@ def _padded_gathers(accelerator: Any, kept: int, size: int) -> Iterator[None]:
             tensor = torch.cat([tensor, pad])
         return gather(tensor)
 
-    accelerator.gather = padded
-    try:
+    with replaced(accelerator, "gather", padded):
         yield
-    finally:
-        if own:
-            accelerator.gather = gather
-        else:
-            del accelerator.gather  # the class's method again

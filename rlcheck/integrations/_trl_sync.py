@@ -39,6 +39,7 @@ from typing import Any
 
 from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
 from rlcheck.errors import ConfigError
+from rlcheck.integrations._patch import replaced
 
 METHODS = ("auto", "reload", "trl")
 BURST = 3
@@ -108,7 +109,7 @@ def _streaming(vllm_generation: Any, spoil: str | None, fp: dict | None, clock: 
     from rlcheck.trainers.fingerprint import fingerprinting, linear_tails
     from rlcheck.trainers.logprobs import unwrap
 
-    vg, real, own = vllm_generation, vllm_generation._iter_named_params, "_iter_named_params" in vars(vllm_generation)
+    vg, real = vllm_generation, vllm_generation._iter_named_params
     tails = linear_tails(unwrap(vg.model)) if fp is not None else set()
     dtype = engine_dtype(vg) if fp is not None else None
 
@@ -116,14 +117,8 @@ def _streaming(vllm_generation: Any, spoil: str | None, fp: dict | None, clock: 
         named = real() if fp is None else fingerprinting(real(), fp, dtype, tails, clock)
         return spoil_sync(named, spoil)
 
-    vg._iter_named_params = stream
-    try:
+    with replaced(vg, "_iter_named_params", stream):
         yield
-    finally:
-        if own:
-            vg._iter_named_params = real
-        else:
-            del vg._iter_named_params  # the class's method again
 
 
 def _agreed(due: bool) -> bool:
