@@ -93,13 +93,18 @@ hooked here. The CPU backend has no Triton, so it runs V1 anyway."""
 def hookable_settings(kwargs: Mapping[str, Any], environ: Mapping[str, str]):
     """What an engine the guard or an engine fault will hook needs: `vllm.LLM` kwargs with
     enforce_eager (full CUDA graphs replay their captured slot indices, a compiled forward need not
-    call module hooks) and the V1 model runner. Returns (kwargs, environment variables to set, a line naming what changed and why, or None)."""
+    call module hooks), synchronous scheduling (the hooks were validated with it; vLLM turns async
+    scheduling on by default on CUDA, the CPU build forces it off) and the V1 model runner. Returns
+    (kwargs, environment variables to set, a line naming what changed and why, or None)."""
     env = {k: v for k, v in HOOKABLE_ENV.items() if environ.get(k) != v}
-    changed = ([] if kwargs.get("enforce_eager") else ["enforce_eager=True"]) + [f"{k}={v}" for k, v in env.items()]
+    changed = (([] if kwargs.get("enforce_eager") else ["enforce_eager=True"])
+               + ([] if kwargs.get("async_scheduling") is False else ["async_scheduling=False"])
+               + [f"{k}={v}" for k, v in env.items()])
     note = None if not changed else (
         f"rlcheck: vLLM engine built with {', '.join(changed)}: the engine guard and engine faults hook "
-        "the V1 model runner's eager forward, which CUDA graphs and the V2 runner (vLLM 0.32's CUDA default) bypass")
-    return {**kwargs, "enforce_eager": True}, env, note
+        "the V1 model runner's eager forward, step by step, which CUDA graphs, async scheduling and the V2 "
+        "runner (vLLM 0.32's CUDA default) bypass")
+    return {**kwargs, "enforce_eager": True, "async_scheduling": False}, env, note
 
 
 def hookable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -252,14 +252,15 @@ def _rerun_forced(seqs: DumpSequences, chosen: list[int], model_dir: Path, model
 
 
 def _forced_engine(meta: dict[str, Any], model_dir: Path, dtype: str, max_len: int) -> Any:
-    """A greedy one-token engine with the dump's engine settings, long enough for its sequences."""
+    """A greedy one-token engine with the dump's engine settings, long enough for its sequences,
+    hookable (localize hooks every decoder layer; a dump's engine fault is injected into it)."""
     from rlcheck.engines.vllm import VLLMConfig, VLLMEngine
     from rlcheck.errors import ConfigError
 
     settings = _engine_settings(meta)
     cfg = VLLMConfig(model=str(model_dir), dtype=dtype, greedy=True, max_tokens=1, engine_id="localize",
                      max_model_len=max(256, max_len), kv_cache_bytes=settings.get("kv_cache_bytes") or 64 << 20,
-                     max_num_seqs=settings.get("max_num_seqs"))
+                     max_num_seqs=settings.get("max_num_seqs"), hookable=True)
     try:
         return VLLMEngine(cfg)
     except (ValueError, RuntimeError) as exc:

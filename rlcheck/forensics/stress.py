@@ -128,14 +128,15 @@ def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
 
 
 def engine_config(cfg: StressConfig):
-    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`."""
+    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`,
+    hookable (the slot trace, the faults and the guard hook vLLM's V1 runner: `VLLMConfig.hookable`)."""
     from rlcheck.engines.guard import GuardConfig
     from rlcheck.engines.vllm import VLLMConfig
 
     return VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
                       max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
                       max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      kv_cache_bytes=cfg.kv_cache_bytes,
+                      kv_cache_bytes=cfg.kv_cache_bytes, hookable=True,
                       guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
 
 

@@ -17,19 +17,21 @@ class TestHookableSettings:
         """CUDA graphs on and no runner choice: eager, V1 runner, and the line names both and why."""
         kwargs = {"model": "m", "enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}}
         out, env, note = hookable_settings(kwargs, {})
-        assert out == {**kwargs, "enforce_eager": True}
+        assert out == {**kwargs, "enforce_eager": True, "async_scheduling": False}
         assert kwargs["enforce_eager"] is False  # the caller's dict is left alone
         assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
         assert "enforce_eager=True" in note and "VLLM_USE_V2_MODEL_RUNNER=0" in note and "V2 runner" in note
+        assert "async_scheduling=False" in note
 
     def test_nothing_to_change_says_nothing(self):
         """Already eager with the V1 runner chosen: same kwargs, nothing to set, no line."""
-        out, env, note = hookable_settings({"enforce_eager": True}, dict(HOOKABLE_ENV))
-        assert out == {"enforce_eager": True} and env == {} and note is None
+        out, env, note = hookable_settings({"enforce_eager": True, "async_scheduling": False}, dict(HOOKABLE_ENV))
+        assert out == {"enforce_eager": True, "async_scheduling": False} and env == {} and note is None
 
     def test_v2_runner_asked_for_is_overridden(self):
         """VLLM_USE_V2_MODEL_RUNNER=1 in the environment: set back to 0 (the hooks cannot work on V2)."""
-        _, env, note = hookable_settings({"enforce_eager": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+        _, env, note = hookable_settings({"enforce_eager": True, "async_scheduling": False},
+                                         {"VLLM_USE_V2_MODEL_RUNNER": "1"})
         assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "enforce_eager" not in note
 
 
@@ -85,3 +87,18 @@ class TestGPURecipe:
         hookable = {inject: _gpu_common.loop_config(ap.parse_args(["--model", "m", *inject]), "fsdp2").rollout.hookable
                     for inject in (("--inject", "stale-state"), ("--inject", "skip-sync-every=4"), ())}
         assert hookable == {("--inject", "stale-state"): True, ("--inject", "skip-sync-every=4"): False, (): False}
+
+
+class TestForensicEngines:
+    def test_stress_and_localize_ask_for_a_hookable_engine(self, tmp_path, monkeypatch):
+        """`rlcheck stress` (its slot trace, faults, guard) and `rlcheck localize` (its layer hooks) build
+        their engines hookable, so on CUDA vLLM 0.32 cannot pick its V2 runner under them."""
+        from rlcheck.engines import vllm as engine
+        from rlcheck.forensics import localize, stress
+
+        cfg = stress.StressConfig(model=str(tmp_path))
+        assert stress.engine_config(cfg).hookable
+        built = []
+        monkeypatch.setattr(engine, "VLLMEngine", lambda config: built.append(config))
+        localize._forced_engine({"context": {}}, tmp_path, "float32", 64)
+        assert built and built[0].hookable
