@@ -262,9 +262,9 @@ class VLLMEngine:
 
 
 def _build_llm(cfg: VLLMConfig):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: no __main__ guard needed
-    if cfg.tensor_parallel_size > 1:  # worker processes: rlcheck's functions (sync check, syncs) go pickled
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from rlcheck.engines.vllm_env import engine_env
+
+    engine_env(cfg.dtype, cfg.tensor_parallel_size)  # in-process core; TP pickling; fp32 Triton on CUDA
     if not os.path.isdir(cfg.model):
         raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
     from vllm import LLM

@@ -102,3 +102,23 @@ class TestForensicEngines:
         monkeypatch.setattr(engine, "VLLMEngine", lambda config: built.append(config))
         localize._forced_engine({"context": {}}, tmp_path, "float32", 64)
         assert built and built[0].hookable
+
+
+class TestEngineEnv:
+    def test_fp32_on_cuda_gets_ieee_triton_dots(self, capsys):
+        """A float32 engine on CUDA: TRITON_F32_DEFAULT=ieee (Triton's tl.dot would run TF32), one stderr
+        line; a bf16 engine, a CPU host or the user's own setting: nothing changed, nothing said."""
+        from rlcheck.engines.vllm_env import engine_env
+
+        env: dict[str, str] = {}
+        engine_env("float32", 1, cuda=True, environ=env)
+        assert env["TRITON_F32_DEFAULT"] == "ieee" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert capsys.readouterr().err.count("TRITON_F32_DEFAULT=ieee") == 1
+        for dtype, cuda, given in (("bfloat16", True, {}), ("float32", False, {}), ("float32", True, {"TRITON_F32_DEFAULT": "tf32"})):
+            env = dict(given)
+            engine_env(dtype, 1, cuda=cuda, environ=env)
+            assert env.get("TRITON_F32_DEFAULT") == given.get("TRITON_F32_DEFAULT")
+        assert capsys.readouterr().err == ""
+        env = {}
+        engine_env("bfloat16", 2, cuda=False, environ=env)
+        assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
