@@ -49,6 +49,7 @@ from rlcheck.forensics.stress_config import (
     SLOT_FAULTS,
     Progress,
     StressConfig,
+    check_kv_budget,
     parse_inject,
 )
 from rlcheck.forensics.stress_results import StressResult
@@ -141,8 +142,11 @@ def engine_config(cfg: StressConfig):
 
 
 def start_engine(cfg: StressConfig):
-    """The stress run's engine, started (vLLM's refusal of the settings as a ConfigError)."""
+    """The stress run's engine, started (a cache too small for the model refused first, with the figures;
+    vLLM's refusal of the settings as a ConfigError)."""
     from rlcheck.engines.vllm import VLLMEngine
+
+    check_kv_budget(cfg)
 
     try:
         return VLLMEngine(engine_config(cfg))

@@ -149,3 +149,36 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ConfigError(f"{text!r} is not a size: write bytes, or a number with KiB, MiB or GiB")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> tuple[int, str]:
+    """(bytes of KV cache one token takes in `model`'s attention layers in `dtype`, what they are);
+    (0, "") when its config cannot be read or it has no attention layer (Mamba state is sized apart)."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model).get_text_config()
+    except (OSError, ValueError, KeyError):
+        return 0, ""
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    layers = sum("attention" in str(t) for t in types) if types else int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    if getattr(cfg, "model_type", "") in ("mamba", "mamba2"):
+        layers = 0
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0))
+    size = 4 if str(dtype) in ("float32", "fp32", "float") else 2
+    return 2 * layers * kv_heads * head_dim * size, f"{layers} attention layers x {kv_heads} kv heads x {head_dim}"
+
+
+def check_kv_budget(cfg: StressConfig) -> None:
+    """Refuse, before vLLM starts, a cache budget too small for one `max_model_len` sequence of the
+    model's attention layers (vLLM's own refusal names neither the figures nor the flag)."""
+    per_token, what = kv_bytes_per_token(cfg.model, cfg.dtype)
+    need = per_token * cfg.max_model_len
+    if per_token and cfg.kv_cache_bytes < need:
+        mib = lambda n: f"{n / 2**20:.3g}MiB"  # noqa: E731
+        raise ConfigError(
+            f"--kv-cache {mib(cfg.kv_cache_bytes)} cannot hold one {cfg.max_model_len}-token sequence of this model: "
+            f"{what} in {cfg.dtype} take {per_token} bytes a token, {mib(need)} a sequence; pass --kv-cache "
+            f"{mib(4 * need)} (a few sequences' worth: stress works under memory pressure on purpose) or more")

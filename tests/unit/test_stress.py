@@ -110,6 +110,26 @@ class TestStressConfig:
             config(**kw)
 
 
+class TestKVBudget:
+    def test_a_big_model_at_the_tiny_default_is_refused_with_the_figures(self, tmp_path, tiny_model):
+        """A 1.5B-shaped config (28 layers x 2 kv heads x 128, float32: 57,344 bytes a token) cannot hold one
+        256-token sequence in the default 8 MiB: refused before vLLM starts, with the figures and the flag;
+        the tiny llama (2 KiB a token) and a Mamba2 model (no KV) pass."""
+        import json
+
+        from rlcheck.forensics.stress_config import check_kv_budget, kv_bytes_per_token
+
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+            "hidden_size": 1536, "intermediate_size": 8960, "vocab_size": 151936}))
+        assert kv_bytes_per_token(str(tmp_path), "float32")[0] == 2 * 28 * 2 * 128 * 4
+        with pytest.raises(ConfigError, match=r"--kv-cache 8MiB cannot hold one 256-token sequence.*"
+                                              r"28 attention layers x 2 kv heads x 128.*pass --kv-cache 56MiB"):
+            check_kv_budget(StressConfig(model=str(tmp_path)))
+        check_kv_budget(StressConfig(model=str(tiny_model("llama"))))
+        assert kv_bytes_per_token(str(tiny_model("mamba2")), "float32")[0] == 0
+
+
 class TestGreedyEngineConfig:
     def test_greedy_allows_temperature_zero(self):
         """VLLMConfig(greedy=True) is the documented temperature-0 path; temperature 0 alone is refused."""
