@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import MutableMapping
+from typing import Any
 
 FP32 = ("float32", "fp32", "float")
 
@@ -34,3 +35,27 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def effective_settings(llm: Any) -> dict[str, Any]:
+    """How a started `vllm.LLM` runs, as vLLM resolved it (a dump of a failure must say so): dtype,
+    eager or graphs, async scheduling, the cache (bytes asked for, blocks, block size), and in this
+    process the model runner's class and the attention backends."""
+    vc = llm.llm_engine.vllm_config
+    out: dict[str, Any] = {
+        "dtype": str(vc.model_config.dtype).removeprefix("torch."), "enforce_eager": bool(vc.model_config.enforce_eager),
+        "cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
+        "async_scheduling": bool(vc.scheduler_config.async_scheduling),
+        "kv_cache_memory_bytes": getattr(vc.cache_config, "kv_cache_memory_bytes", None),
+        "num_blocks": vc.cache_config.num_gpu_blocks, "block_size": vc.cache_config.block_size,
+        "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        "model_runner": "in another process", "attention_backends": [],
+    }
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    worker = getattr(getattr(core, "model_executor", None), "driver_worker", None)
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    if runner is not None:
+        out["model_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"
+        groups = [g for gs in (getattr(runner, "attn_groups", None) or []) for g in gs]
+        out["attention_backends"] = sorted({getattr(g.backend, "__name__", str(g.backend)) for g in groups})
+    return out

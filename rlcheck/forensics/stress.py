@@ -176,6 +176,7 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
     """One greedy vLLM pass over every prompt at once, with the slot trace (and the fault) on, then the
     audits that use the same engine (`rlcheck.forensics.stress_audits.engine_audits`): the rollouts,
     the StressResult fields that come from the engine, and the `EngineAudits`."""
+    from rlcheck.engines.vllm_env import effective_settings
     from rlcheck.forensics.stress_audits import engine_audits
 
     engine = start_engine(cfg)
@@ -189,6 +190,7 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
             "request_ids": tuple(r.vllm_request_id for r in rollouts), "trace": trace, "fault_affected": {},
             "num_blocks": engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "num_steps": None,
             "seconds": {"build": t1 - t0, "generate": time.perf_counter() - t1},
+            "settings": effective_settings(engine.llm),
         }
         fields["contexts"] = tuple(SlotContext(i) for i in range(len(rollouts)))
         if handle is not None:

@@ -73,7 +73,7 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
                      "max_tokens": cfg.max_tokens},  # greedy logprobs are untempered: replay at T = 1
         "stress": {"judge": result.judge, "audits": list(cfg.audits), "fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,
                    "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
-                   "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace},
+                   "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace, "engine_settings": result.settings},
     }
     if result.guard is not None:
         context["guard"] = guard_dict(result.guard, max_violations=20)

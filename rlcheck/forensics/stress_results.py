@@ -30,6 +30,7 @@ class StressResult:
     guard: Any = None  # the engine guard's `GuardOutput` (summary, violations, trace) with cfg.guard
     judge: str = "reference"  # what max_abs_diff is against: "reference", "decode-prefill" or "none"
     audits: dict[str, Any] = field(default_factory=dict)  # "decode_prefill", "batch_invariance" (audits.py)
+    settings: dict[str, Any] = field(default_factory=dict)  # how the engine ran (`engines.vllm_env.effective_settings`)
 
     @cached_property
     def guard_checks(self) -> dict[str, list[str]]:
@@ -98,7 +99,8 @@ class StressResult:
             "fault": {"name": self.config.fault, "boundary": self.config.fault_boundary,
                       **({"layer": self.config.layer} if self.config.layer is not None else {}),
                       "affected_request_ids": sorted(self.fault_affected, key=id_key)},
-            "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace},
+            "engine": {"num_blocks": self.num_blocks, "num_steps": self.num_steps, "trace": self.trace,
+                       **self.settings},
             "seconds": self.seconds, "requests_per_second": self.requests_per_second,
             "config": asdict(self.config), "dump_dir": self.dump_dir, "failing": failing,
             "guard": None if self.guard is None else guard_dict(self.guard), "judge": self.judge,

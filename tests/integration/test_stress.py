@@ -133,6 +133,10 @@ class TestCLI:
         assert data["num_requests"] == 24 and data["failing_request_ids"] and data["judge"] == "decode-prefill"
         assert set(data["failing_request_ids"]) == set(data["fault"]["affected_request_ids"])
         assert data["audits"]["decode_prefill"]["failing_request_ids"] == data["failing_request_ids"]
+        engine = data["engine"]  # how the engine ran, as vLLM resolved it
+        assert engine["dtype"] == "float32" and engine["enforce_eager"] is True and engine["async_scheduling"] is False
+        assert engine["model_runner"].endswith("ModelRunner") and engine["num_blocks"] > 0 and engine["block_size"] > 0
+        assert engine["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "kv_cache_memory_bytes" in engine
         diag = subprocess.run([RLCHECK, "diagnose", str(out), "--json"], capture_output=True, text=True, env=env,
                               timeout=300)
         assert diag.returncode == 1 and json.loads(diag.stdout)["verdict"]["cause"] == "index_aliasing"
