@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench lint lint-docker clean
+.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench lint lint-docker clean gpu-check
 
 install: $(STAMP)
 
@@ -75,6 +75,11 @@ matrix: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_stats.py
 	$(PY) benchmarks/bench_periodic.py
+
+# On a CUDA machine (torch, transformers, triton; no vLLM or Ray needed): the GPU path's device check.
+# `make test` runs it with --smoke (tiny sizes, CPU). Without the venv: python benchmarks/gpu_check.py
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) benchmarks/gpu_check.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards
