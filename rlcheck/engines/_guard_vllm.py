@@ -75,11 +75,13 @@ def _addressing(t: Any, num_blocks: int, layer: str) -> GroupOffsets | None:
 
 
 def pool_info(runner: Any) -> PoolInfo:
-    """The pool size and, per KV group, the addressing of its worst cache tensor (largest end offset)."""
+    """The pool size and, per KV group, the addressing of its worst cache tensor (largest end offset);
+    the groups none of whose tensors has a dimension of num_blocks, for check (iv) to say it did not run."""
     num_blocks = int(runner.kv_cache_config.num_blocks)
     ctx = runner.compilation_config.static_forward_context
     offsets: dict[int, GroupOffsets] = {}
-    for gid, g in enumerate(runner.kv_cache_config.kv_cache_groups):
+    groups = runner.kv_cache_config.kv_cache_groups
+    for gid, g in enumerate(groups):
         for name in g.layer_names:
             layer = ctx.get(name)
             for t in _tensors(getattr(layer, "kv_cache", None)):
@@ -87,7 +89,7 @@ def pool_info(runner: Any) -> PoolInfo:
                 best = offsets.get(gid)
                 if o is not None and (best is None or o.end_offset(num_blocks - 1) > best.end_offset(num_blocks - 1)):
                     offsets[gid] = o
-    return PoolInfo(num_blocks, offsets)
+    return PoolInfo(num_blocks, offsets, tuple(g for g in range(len(groups)) if g not in offsets))
 
 
 class StepReader:

@@ -340,3 +340,25 @@ class TestReportGuardSection:
         page = write_report(tmp_path).read_text()
         assert "<h2>Engine guard</h2>" in page and "request r9 has no computed tokens" in page
         assert "stale recurrent state" in page  # the verdict, from the guard's evidence
+
+
+class TestUnaddressedPool:
+    def test_groups_without_a_block_dimension_are_said_to_be_unchecked(self):
+        """A KV group whose cache tensors have no dimension of num_blocks (CUDA: attention split into
+        kernel blocks) gets no offsets; the pool's record says check (iv) did not run for it."""
+        from types import SimpleNamespace
+
+        import torch
+
+        from rlcheck.engines._guard_vllm import pool_info
+
+        mamba, attention = torch.zeros(16, 4, 8), torch.zeros(2, 64, 32, 8)  # 16 blocks; 64 kernel blocks
+        runner = SimpleNamespace(
+            kv_cache_config=SimpleNamespace(num_blocks=16, kv_cache_groups=[SimpleNamespace(layer_names=["m"]),
+                                                                            SimpleNamespace(layer_names=["a"])]),
+            compilation_config=SimpleNamespace(static_forward_context={"m": SimpleNamespace(kv_cache=[mamba]),
+                                                                       "a": SimpleNamespace(kv_cache=[attention])}))
+        pool = pool_info(runner)
+        assert set(pool.offsets) == {0} and pool.unaddressed == (1,)
+        record = pool.to_dict(limit=2**31, margin=0.5)
+        assert [g["group"] for g in record["offset_fits_not_run"]] == [1] and list(record["groups"]) == ["0"]

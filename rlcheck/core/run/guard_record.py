@@ -107,13 +107,18 @@ class PoolInfo:
 
     num_blocks: int  # block ids 0 .. num_blocks - 1; 0 is vLLM's null block
     offsets: dict[int, GroupOffsets] = field(default_factory=dict)  # KV group id -> addressing
+    unaddressed: tuple[int, ...] = ()
+    """KV groups whose cache tensors have no dimension of num_blocks (on CUDA an attention cache split
+    into kernel blocks): check (iv) does not run for them, and the guard's summary says so."""
 
     def to_dict(self, limit: int, margin: float) -> dict[str, Any]:
         bound = int(limit * margin)
         return {"num_blocks": self.num_blocks, "offset_limit": limit, "offset_margin": margin, "groups": {
             str(g): {"layer": o.layer, "stride": o.stride, "extent": o.extent, "itemsize": o.itemsize,
                      "pool_end_offset": o.end_offset(self.num_blocks - 1), "max_safe_slot": o.max_safe_slot(bound)}
-            for g, o in self.offsets.items()}}
+            for g, o in self.offsets.items()},
+            "offset_fits_not_run": [{"group": g, "why": "no cache dimension equals num_blocks (the cache is "
+                                     "split into kernel blocks): offsets not known"} for g in self.unaddressed]}
 
 
 @dataclass(frozen=True)
