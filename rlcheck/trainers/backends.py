@@ -64,6 +64,42 @@ class PlainBackend:
         return [(n, t.detach().cpu().clone()) for n, t in self.module.state_dict().items()]
 
 
+class HFBackend(PlainBackend):
+    """One process, the `hf` backend. With a bfloat16 (or float16) `cfg.dtype` the model computes in
+    that dtype, exactly as the engine does, and AdamW updates float32 master copies of its parameters,
+    rounded into the model after every step (as FSDP2's masters, `FSDP2Backend`): AdamW on the bf16
+    parameters themselves rounds most updates away at RL learning rates (BENCHMARKS.md, "bf16 master
+    weights"). Synced weights are the model's, in its dtype."""
+
+    masters: list[torch.Tensor] | None = None
+
+    def _optimizer(self):
+        if self.cfg.dtype == "float32":
+            return super()._optimizer()
+        self.working = [p for p in self.module.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.working]
+        c = self.cfg
+        return torch.optim.AdamW(self.masters, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+
+    def begin_step(self, num_micro_batches: int) -> None:
+        self.module.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        if self.masters is None:
+            return super().step()
+        for m, p in zip(self.masters, self.working, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm or math.inf)
+        self.optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.working, strict=True):
+                p.copy_(m)  # rounded to the model's dtype
+        self.module.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+
 class FSDP2Backend(PlainBackend):
     """`fully_shard` on every decoder layer, then the root (embeddings, final norm, LM head).
 
@@ -158,7 +194,7 @@ class DeepSpeedBackend(PlainBackend):
         return [(n, t.detach().cpu().clone()) for n, t in entries]
 
 
-BACKEND_TYPES = {"hf": PlainBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}
+BACKEND_TYPES = {"hf": HFBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}
 
 GATHER_NUMEL = 2**26
 """ZeRO-3 `full_state_dict` gathers parameters in groups of at most this many elements (a larger one
