@@ -25,7 +25,7 @@ from rlcheck.core.quarantine import (
 )
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial
 from rlcheck.core.types import Alarm
-from rlcheck.distributed.reduce import broadcast, root
+from rlcheck.distributed.reduce import root
 
 _NO_COUNTS = np.zeros(5, dtype=np.float64)
 
@@ -52,10 +52,11 @@ def judge_across_ranks(batch: StepBatch | None, stats: StatsConfig, cfg: Quarant
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     flags = None if batch is None else per_sequence_flags(batch, stats)
-    counts: list = [None] * world
-    dist.all_gather_object(counts, _NO_COUNTS if flags is None else burst_counts(flags), group=group)
-    trainer_version, signature = broadcast((trainer_version, signature), group)
-    burst = is_burst(np.sum(counts, axis=0), signature)  # the whole step's, the same on every rank
+    shared: list = [None] * world  # each rank's burst counts; rank 0's trainer version and signature
+    dist.all_gather_object(shared, (_NO_COUNTS if flags is None else burst_counts(flags), trainer_version, signature),
+                           group=group)
+    _, trainer_version, signature = shared[0]
+    burst = is_burst(np.sum([counts for counts, _, _ in shared], axis=0), signature)  # the whole step's
     if batch is None:
         own = Verdict(np.zeros(0, dtype=bool), (), 0, 0)
     else:

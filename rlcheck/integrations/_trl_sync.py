@@ -199,7 +199,9 @@ class WeightSync:
         t0 = time.perf_counter()
         engine = fingerprint_llm(self.vllm_generation.llm)
         self._last = time.perf_counter() - t0 + streamed_seconds
-        self._credit = (BURST if not self.checked else 0) * self._last + self._credit - self._last
+        if not self.checked:  # the bucket starts full
+            self._credit = BURST * self._last
+        self._credit -= self._last
         self.checked.append(step)
         return compare(step, engine, trainer, seconds=self._last)
 
