@@ -167,7 +167,9 @@ def kv_bytes_per_token(model: str, dtype: str) -> tuple[int, str]:
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0))
-    size = 4 if str(dtype) in ("float32", "fp32", "float") else 2
+    from rlcheck.engines.vllm_env import FP32
+
+    size = 4 if str(dtype) in FP32 else 2
     return 2 * layers * kv_heads * head_dim * size, f"{layers} attention layers x {kv_heads} kv heads x {head_dim}"
 
 
