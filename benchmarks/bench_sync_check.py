@@ -61,7 +61,8 @@ def run_one(name: str, model: Path, steps: int, out: Path) -> dict:
     totals = [t["total"] - t.get("sync_check", 0.0) for t in result.timings]
 
     def median(key: str) -> float:
-        return statistics.median(m[key] for m in checked) if checked else float("nan")
+        values = [m[key] for m in checked if key in m]  # the engine's load check runs no probe
+        return statistics.median(values) if values else float("nan")
 
     step = statistics.median(totals)
     fp, probe = median("sync/fingerprint_seconds"), median("sync/probe_seconds")
