@@ -71,7 +71,7 @@ def run_one(name: str, model: Path, steps: int, out: Path) -> dict:
         "halted": result.halted, "weights_alarms": sum(a["kind"] == "weights" for r in records for a in r["alarms"]),
         "alarms": sum(len(r["alarms"]) for r in records), "checks": len(checked),
         "fingerprint_differs": sum(m["sync/fingerprint_differs"] for m in checked),
-        "probe_mean_abs_max": max((m["sync/probe_mean_abs"] for m in checked), default=float("nan")),
+        "probe_mean_abs_max": max((m["sync/probe_mean_abs"] for m in checked if "sync/probe_mean_abs" in m), default=float("nan")),
         "step_s": step, "fingerprint_s": fp, "probe_s": probe,
         "fingerprint_share": fp / step, "probe_share": probe / step, "default_share": (fp + probe / 10) / step,
         "wall_s": wall,

@@ -18,9 +18,13 @@ Checks (what the CPU tests cannot answer):
 - fingerprint: the sync check's sums of an embedding-sized bf16 tensor (151936 x 896): equal to float64
   sums of the whole, peak memory beyond the tensor under a float64 copy's size (chunked).
 - hf_device: the tiny llama, mamba2 and hybrid in HF float32 on the device against the CPU: max |d|.
-- fsdp2: FSDP2 at world size 1 on a random Qwen2 of 0.5B shape, fp32 masters and bf16 compute (as
-  `rlcheck.trainers.backends.FSDP2Backend`): logprobs against an unsharded bf16 copy, the full state
-  dict's keys and time, the trainer's fingerprint equal to a fresh copy's.
+- fsdp2: `rlcheck.trainers.backends.FSDP2Backend` at world size 1 on a random tied Qwen2 of 0.5B shape
+  (fp32 masters, bf16 compute): logprobs against an unsharded bf16 copy; the synced weights (cast on
+  the device, gathered, pinned) equal to the bf16 model, the tied weight gathered once, their time
+  against a float32 gather cast on the host, and the host syncs; a micro-batch's logprobs to the host
+  in one copy; the trainer's fingerprint equal to a fresh copy's.
+- sync_group: the collective weight sync's own group (`rlcheck.engines.vllm_collective.SyncGroup`) on
+  NCCL at world size 1 (gloo with --smoke): layout and buckets through rlcheck's send code, GB/s.
 - gloo: a 1 GiB broadcast between two processes over gloo (the collective weight sync's transport),
   pinned and pageable host memory: GB/s.
 """
@@ -50,6 +54,24 @@ def _device(smoke: bool) -> torch.device:
 
 def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+
+
+def _host_syncs(device: torch.device, fn):
+    """(fn's result, how many times it made the host wait for the GPU: torch's sync debug mode warns
+    at each; None on CPU)."""
+    if device.type != "cuda":
+        return fn(), None
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchronizing" in str(w.message) for w in seen)
 
 
 def _reset(device: torch.device) -> None:
@@ -158,16 +180,17 @@ def check_stats(dev: torch.device, smoke: bool) -> tuple[str, dict]:
     batch = StepBatch.from_packed(torch.from_numpy(lr).to(dev), torch.from_numpy(lt).to(dev), cu, ids)
     backends = ("numpy", "torch-eager") + (() if smoke else ("torch",))
     got, seconds = {}, {}
+    syncs = {}
     for name in backends:
         compute(batch, StatsConfig(backend=name))  # warm-up (the compiled one compiles here)
         t0 = time.perf_counter()
-        got[name], _ = compute(batch, StatsConfig(backend=name))
+        (got[name], _), syncs[name] = _host_syncs(dev, lambda name=name: compute(batch, StatsConfig(backend=name)))
         seconds[name] = time.perf_counter() - t0
     ref = got["numpy"]
     worst = max(abs(got[b][k] - v) / max(abs(v), 1e-12) for b in backends for k, v in ref.items()
                 if isinstance(v, float) and np.isfinite(v))
     return ("PASS" if worst < 1e-4 else "FAIL"), {"tokens": tokens, "device": str(dev), "seconds by backend": seconds,
-                                                   "worst relative difference": worst}
+                                                   "host syncs by backend": syncs, "worst relative difference": worst}
 
 
 def check_fingerprint(dev: torch.device, smoke: bool) -> tuple[str, dict]:
@@ -220,12 +243,15 @@ def _free_port() -> int:
 
 def check_fsdp2(dev: torch.device, smoke: bool) -> tuple[str, dict]:
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlcheck.core.sync_check import differing_keys
+    from rlcheck.trainers.backends import FSDP2Backend
+    from rlcheck.trainers.config import TrainerConfig
     from rlcheck.trainers.fingerprint import module_fingerprint
     from rlcheck.trainers.logprobs import token_logprobs
+    from rlcheck.trainers.policy import _to_host
 
     shape = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=1024) if smoke else
@@ -236,37 +262,65 @@ def check_fsdp2(dev: torch.device, smoke: bool) -> tuple[str, dict]:
                             rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).to(dev)
         plain = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
         plain.load_state_dict(model.state_dict())
         plain.to(dev).eval()
-        model.float()  # the masters, as FSDP2Backend keeps them
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model.to(dev)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        # rlcheck's FSDP2 trainer: float32 masters, bf16 compute, bf16 synced weights
+        backend = FSDP2Backend(TrainerConfig(model="-", backend="fsdp2", dtype="bfloat16", device=dev.type), model)
         ids = torch.randint(3, cfg.vocab_size, (4, 128 if not smoke else 32), generator=torch.Generator().manual_seed(2))
         ids = ids.to(dev)
         with torch.no_grad():
-            sharded = token_logprobs(model, ids).logp.float()
+            sharded = token_logprobs(backend.module, ids).logp.float()
             ref = token_logprobs(plain, ids).logp.float()
         t0 = time.perf_counter()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        state_s = time.perf_counter() - t0
-        keys_ok = set(full) == set(plain.state_dict())
-        mine = module_fingerprint(model, torch.bfloat16, sharding="fsdp2", rank=0, world_size=1)
-        fresh = module_fingerprint(plain, torch.bfloat16)
-        differ = differing_keys(mine, fresh)
+        old = {n: t.to(torch.bfloat16) for n, t in get_model_state_dict(
+            backend.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
+        old_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        synced, syncs = _host_syncs(dev, backend.full_state_dict)
+        new_s = time.perf_counter() - t0
+        synced = dict(synced)
+        want = {n: t.cpu() for n, t in plain.state_dict().items()}
+        keys_ok = synced.keys() == want.keys() == old.keys()
+        exact = keys_ok and all(torch.equal(synced[n], want[n]) for n in want)
+        tied_once = synced["lm_head.weight"] is synced["model.embed_tokens.weight"]
+        pinned = dev.type != "cuda" or all(t.is_pinned() for t in synced.values())
+        # the trainer's logprobs of a micro-batch of 64 sequences to the host: one copy, not 64
+        parts = [(sharded[0, : 16 + i % 8],) for i in range(64)]
+        _, copy_syncs = _host_syncs(dev, lambda: _to_host(parts))
+        mine = module_fingerprint(backend.module, torch.bfloat16, sharding="fsdp2", rank=0, world_size=1)
+        differ = differing_keys(mine, module_fingerprint(plain, torch.bfloat16))
         d = float((sharded - ref).abs().mean())
-        ok = d < 0.05 and keys_ok and differ == []
-        return ("PASS" if ok else "FAIL"), {"params": sum(p.numel() for p in plain.parameters()),
-                                            "mean |d| sharded vs plain": d, "state dict keys equal": keys_ok,
-                                            "full state dict s": state_s, "fingerprint differs": differ}
+        ok = d < 0.05 and exact and tied_once and pinned and differ == [] and copy_syncs in (None, 1)
+        return ("PASS" if ok else "FAIL"), {
+            "params": sum(p.numel() for p in plain.parameters()), "mean |d| sharded vs plain": d,
+            "synced weights equal the bf16 model": exact, "tied weight gathered once": tied_once, "pinned": pinned,
+            "full_state_dict s (rlcheck / fp32 gather then cast)": [new_s, old_s], "full_state_dict host syncs": syncs,
+            "64 sequences' logprobs to host, host syncs": copy_syncs, "fingerprint differs": differ}
     finally:
         dist.destroy_process_group()
+
+
+def check_sync_group(dev: torch.device, smoke: bool) -> tuple[str, dict]:
+    """The collective weight sync's group on this device's backend (NCCL on CUDA, gloo on CPU) at world
+    size 1 (one GPU: NCCL takes one rank a device): the layout and the buckets through rlcheck's own
+    send code, from pinned host memory into the group's device buffers."""
+    from rlcheck.engines.vllm_collective import SyncGroup, send_weights
+
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    group = SyncGroup("127.0.0.1", _free_port(), 0, 1, 60.0, backend)
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 16 if smoke else 1 << 26
+    weights = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(n // 64, 64, generator=g).bfloat16()) for i in range(8)]
+    if dev.type == "cuda":
+        weights = [(name, t.pin_memory()) for name, t in weights]
+    t0 = time.perf_counter()
+    sent = send_weights(group, weights, bucket_bytes=n)  # world size 1: into the group's buffers, a broadcast to itself
+    seconds = time.perf_counter() - t0
+    ok = sent["bytes"] == sum(t.numel() * 2 for _, t in weights) and sent["buckets"] >= 2 and group.device.type == dev.type
+    return ("PASS" if ok else "FAIL"), {"backend": backend, "bytes": sent["bytes"], "buckets": sent["buckets"],
+                                        "GB/s host to group": sent["bytes"] / seconds / 1e9, "buffers on": str(group.device)}
 
 
 def _gloo_rank(rank: int, port: int, size: int, pinned: bool, out: str) -> None:
@@ -303,7 +357,7 @@ def check_gloo(dev: torch.device, smoke: bool) -> tuple[str, dict]:
 
 CHECKS = {"env": check_env, "triton_dot": check_triton_dot, "token_logprobs": check_token_logprobs,
           "stats": check_stats, "fingerprint": check_fingerprint, "hf_device": check_hf_device,
-          "fsdp2": check_fsdp2, "gloo": check_gloo}
+          "fsdp2": check_fsdp2, "sync_group": check_sync_group, "gloo": check_gloo}
 
 
 def main(argv: list[str] | None = None) -> int:

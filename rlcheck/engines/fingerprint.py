@@ -250,3 +250,14 @@ def score_tokens(llm: Any, prompts: list[list[int]], responses: list[list[int]])
         ids = list(p) + list(r)
         scored.append(np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(len(p), len(ids))], dtype=np.float32))
     return scored
+
+
+def greedy_tokens(llm: Any, prompts: list[list[int]], count: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, exactly `count` tokens (end-of-sequence ignored): tokens the
+    model finds likely, whose logprobs carry less of a low-precision kernel's error than random ids
+    do (the sync check's probe batch scores them)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=count, min_tokens=count, ignore_eos=True, temperature=0.0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outs]

@@ -1,16 +1,18 @@
 """Weights from trainer rank 0 into the rollout engines through a collective, in flattened buckets.
 
     layout = plan_buckets(specs_of(weights), bucket_bytes=512 * 2**20)  # names, shapes, dtypes, offsets
-    group = SyncGroup(host, port, rank, world_size, timeout_s)         # 0: trainer rank 0, 1..: engines
+    group = SyncGroup(host, port, rank, world_size, timeout_s, "gloo")  # 0: trainer rank 0, 1..: engines
     send_weights(group, weights, bucket_bytes)                         # on rank 0
     receive_into(engine, group, version)                               # on each engine, at the same time
 
-The group is its own: a `torch.distributed.TCPStore` (served by rank 0) and a `ProcessGroupGloo` built
-on it directly, never `init_process_group`, so the trainer ranks' default group is not touched and the
-rollout actor needs none. The same idea as vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`
-(vLLM's rlhf example, TRL's vllm_client) and OpenRLHF's `init_process_group` helper (a named group
-besides the default one); on GPUs a `ProcessGroupNCCL` over the same store is the swap, not done here
-(this machine has none). Rank 0 first broadcasts the layout (JSON: a length, then the bytes), then each
+The group is its own: a `torch.distributed.TCPStore` (served by rank 0) and a process group built on it
+directly, never `init_process_group`, so the trainer ranks' default group is not touched and the
+rollout actor needs none: `ProcessGroupGloo` (buckets in host memory, over TCP) or, on GPUs,
+`ProcessGroupNCCL` (buckets on each side's current GPU: rank 0 copies each bucket from its pinned host
+weights to the device once, the engine loads from device memory), the same code either way, only the
+process group and the buckets' device differ (`BACKENDS`). The same idea as vLLM's
+`StatelessProcessGroup` + `PyNcclCommunicator` (vLLM's rlhf example, TRL's vllm_client) and OpenRLHF's
+`init_process_group` helper (a named group besides the default one). Rank 0 first broadcasts the layout (JSON: a length, then the bytes), then each
 bucket as one uint8 tensor, as verl's and vLLM's packed weight transfer do (vLLM: 1 GB buckets); OpenRLHF
 broadcasts tensor by tensor, a round trip per tensor. Each engine turns a bucket into views and loads
 it with one `reload_weights` before the next arrives (`load_buckets`): memory on the engine side is one
@@ -33,11 +35,12 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from rlcheck.errors import InputError, WeightSyncError
+from rlcheck.errors import ConfigError, InputError, WeightSyncError
 
 ALIGN_BYTES = 64
 """Every tensor starts at a multiple of this in its bucket (a uint8 slice views as any dtype there)."""
 DEFAULT_BUCKET_MB = 512
+BACKENDS = ("gloo", "nccl")
 _LAYER_INDEX = re.compile(r"^(.*?\.\d+)\.")
 
 
@@ -122,8 +125,9 @@ def flatten(slots: tuple[TensorSlot, ...], tensors: list[Any], out):
     bucket's part of `out` (its first `bucket_bytes` bytes)."""
     import torch
 
-    for slot, t in zip(slots, tensors, strict=True):
-        out[slot.offset:slot.offset + slot.num_bytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    for slot, t in zip(slots, tensors, strict=True):  # from pinned host memory to a GPU: asynchronous
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        out[slot.offset:slot.offset + slot.num_bytes].copy_(src, non_blocking=src.is_pinned() and out.is_cuda)
     return out[:slots[-1].offset + slots[-1].num_bytes]
 
 
@@ -136,17 +140,26 @@ def unflatten(slots: tuple[TensorSlot, ...], flat) -> list[tuple[str, Any]]:
 
 
 class SyncGroup:
-    """Rank `rank` of a gloo group of `world_size` processes rendezvoused at host:port (rank 0 serves
-    the store); every wait longer than `timeout_s` raises `WeightSyncError`."""
+    """Rank `rank` of a `backend` group ("gloo" or "nccl", `BACKENDS`) of `world_size` processes
+    rendezvoused at host:port (rank 0 serves the store); every wait longer than `timeout_s` raises
+    `WeightSyncError`. `device`: where its buffers live (host memory for gloo, this process's current
+    GPU for nccl)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+        import torch
         import torch.distributed as dist
 
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        if backend not in BACKENDS:
+            raise ConfigError(f"weight-sync backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ConfigError("weight-sync backend 'nccl' needs CUDA and NCCL in both processes (this one has "
+                              "none): WeightSyncConfig(backend='gloo') syncs through host memory")
+        self.rank, self.world_size, self.timeout_s, self.backend = rank, world_size, timeout_s, backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
         with _failing(self, f"joining the weight-sync group at {host}:{port}"):
             self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rlcheck-weight-sync", self.store), rank, world_size, timeout)
+            self.pg = _process_group(backend, dist.PrefixStore("rlcheck-weight-sync", self.store), rank, world_size, timeout)
 
     def broadcast(self, tensor, what: str) -> None:
         """Rank 0's `tensor` into every rank's `tensor`, in place."""
@@ -156,6 +169,17 @@ class SyncGroup:
         opts.rootRank = 0
         with _failing(self, what):
             self.pg.broadcast([tensor], opts).wait()
+
+
+def _process_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The bare process group of `backend` on `store` (`broadcast([tensor], opts)` either way)."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 
 @contextmanager
@@ -180,7 +204,7 @@ def send_weights(group: SyncGroup, weights: list[tuple[str, Any]], bucket_bytes:
     layout = plan_buckets(specs_of(weights), bucket_bytes)
     _broadcast_text(group, layout.to_json())
     by_name = dict(weights)
-    buf = torch.empty(max(layout.bucket_bytes(i) for i in range(len(layout.buckets))), dtype=torch.uint8)
+    buf = torch.empty(max(layout.bucket_bytes(i) for i in range(len(layout.buckets))), dtype=torch.uint8, device=group.device)
     for i, slots in enumerate(layout.buckets):
         group.broadcast(flatten(slots, [by_name[s.name] for s in slots], buf), f"sending bucket {i}")
     return {"bytes": float(layout.num_bytes), "buckets": float(len(layout.buckets)), "send_s": time.perf_counter() - t0}
@@ -192,7 +216,7 @@ def receive_buckets(group: SyncGroup, stats: dict[str, float]) -> Iterator[list[
     import torch
 
     layout = BucketLayout.from_json(_broadcast_text(group, None))
-    buf = torch.empty(max(layout.bucket_bytes(i) for i in range(len(layout.buckets))), dtype=torch.uint8)
+    buf = torch.empty(max(layout.bucket_bytes(i) for i in range(len(layout.buckets))), dtype=torch.uint8, device=group.device)
     stats.update(bytes=float(layout.num_bytes), buckets=float(len(layout.buckets)), receive_s=0.0)
     for i, slots in enumerate(layout.buckets):
         t = time.perf_counter()
@@ -257,11 +281,14 @@ def _broadcast_text(group: SyncGroup, text: str | None) -> str:
     import torch
 
     data = (text or "").encode()
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=group.device)
     group.broadcast(size, "the layout's size")
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    if group.rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8, device=group.device)
     group.broadcast(buf, "the layout")
-    return bytes(buf.numpy()).decode()
+    return bytes(buf.cpu().numpy()).decode()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

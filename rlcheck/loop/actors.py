@@ -44,12 +44,13 @@ class RolloutWorker:
         self.engine.sync_weights(list(spoil_sync(weights, spoil)), version)
         return version
 
-    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                        backend: str = "gloo") -> None:
         """Join a weight-sync group with trainer rank 0 (`rlcheck.loop.weight_sync`), replacing any before."""
         from rlcheck.engines.vllm_collective import SyncGroup
 
         self.sync_group = None
-        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s)
+        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s, backend)
 
     def receive_weights(self, version: int, spoil: str | None = None) -> dict[str, float]:
         """Take rank 0's broadcast weights as `version`, bucket by bucket (`spoil`: as `sync_weights`);
@@ -69,6 +70,12 @@ class RolloutWorker:
         from rlcheck.engines.fingerprint import score_tokens
 
         return score_tokens(self.engine.llm, prompts, responses)
+
+    def continue_greedy(self, prompts: list[list[int]], count: int) -> list[list[int]]:
+        """Each prompt's greedy continuation of `count` tokens (the sync check's probe responses)."""
+        from rlcheck.engines.fingerprint import greedy_tokens
+
+        return greedy_tokens(self.engine.llm, prompts, count)
 
     def rescore(self, prompts: list[list[int]], responses: list[list[int]]) -> list:
         """The engine's logprobs of its own rollouts from a fresh prefill (the decode-prefill audit,
@@ -159,12 +166,13 @@ class TrainerWorker:
         weights, self._weights = self._weights, None
         return weights
 
-    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                        backend: str = "gloo") -> None:
         """Rank 0: serve a weight-sync group with the engines (`rlcheck.loop.weight_sync`), replacing any before."""
         from rlcheck.engines.vllm_collective import SyncGroup
 
         self.sync_group = None  # the old store's port is freed before the new group is waited for
-        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s)
+        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s, backend)
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
         """Rank 0: broadcast the last `gather_weights` to the engines in buckets, handed over once."""

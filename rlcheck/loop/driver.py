@@ -72,18 +72,20 @@ class GRPOLoop:
         from rlcheck.loop.guarding import with_run_dir
 
         self.rollout_cfg = cfg.fault.rollout_config(with_run_dir(cfg.rollout, monitor.run_dir))
-        self.engine = RolloutSupervisor(self.rollout_cfg, cfg.placement, cfg.fault.engine_fault(),
-                                        cfg.max_engine_restarts, cfg.call_timeout_s)
+        # The trainers first: vLLM sizes its cache from the memory it finds free, so an engine sharing a
+        # GPU with a rank (a fractional placement) leaves the rank what it loaded, not the reverse.
+        self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement,
+                                  call_timeout_s=cfg.call_timeout_s, collective_timeout_s=cfg.collective_timeout_s)
         try:
-            self.group = TrainerGroup(cfg.fault.trainer_config(cfg.trainer), cfg.world_size, cfg.placement,
-                                      call_timeout_s=cfg.call_timeout_s,
-                                      collective_timeout_s=cfg.collective_timeout_s)
+            self.engine = RolloutSupervisor(self.rollout_cfg, cfg.placement, cfg.fault.engine_fault(),
+                                            cfg.max_engine_restarts, cfg.call_timeout_s)
         except BaseException:
-            self.engine.kill()
+            self.group.shutdown(graceful=False)
             raise
         from rlcheck.loop.weight_sync import make_sync
 
-        self.send_weights = make_sync(cfg.weight_sync, self.group, self.engine, cfg.collective_timeout_s)
+        self.send_weights = make_sync(cfg.weight_sync, self.group, self.engine, cfg.collective_timeout_s,
+                                      cfg.trainer.device)
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
         self.spoiled = False  # the last sync was spoiled by the fault (self-tests' ground truth)

@@ -7,9 +7,11 @@
 
 Fingerprints (`rlcheck.core.sync_check`): the rollout actor fingerprints the vLLM model in its worker,
 every trainer rank its own shard, the driver adds the ranks' parts and compares. The probe: a fixed
-teacher-forced batch (the task's first prompts, each followed by the same `probe_tokens` token ids),
-scored by the engine (prompt logprobs) and the trainer at temperature 1, judged by its mean |d|
-against `PROBE_TOLERANCE` of the engine's dtype. The check's findings travel to the Monitor as an
+teacher-forced batch (the task's first prompts, each followed by the engine's greedy continuation of
+`probe_tokens` tokens, drawn at the first probe and kept for the run), scored by the engine (prompt
+logprobs) and the trainer at temperature 1, judged by its mean |d| against `PROBE_TOLERANCE` of the
+engine's dtype. Tokens the model finds likely: random ids sit in the distribution's tail, where a
+low-precision kernel's error is largest, and the tolerance would be measuring the tail. The check's findings travel to the Monitor as an
 alarm of the next step (the step whose rollouts those weights generate) and, as `sync/...` scalars,
 in that step's `extra`.
 """
@@ -35,11 +37,8 @@ class SyncChecker:
         self.dtype = cfg.rollout.dtype
         self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
         self.pending: SyncCheck | None = None
-        prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
-        rng = np.random.default_rng(0x5C)
-        vocab = max(int(getattr(tokenizer, "vocab_size", 0) or 0), 16)
-        responses = [rng.integers(3, vocab, self.cfg.probe_tokens).tolist() for _ in prompts]
-        self.probe_batch = Sequences.build(prompts, responses)
+        self.probe_prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
+        self.probe_batch: Sequences | None = None  # drawn from the engine at the first probe
 
     def check(self, loop: Any, version: int, *, at_start: bool = False) -> SyncCheck | None:
         """Check the sync just made (to `version`); its result is taken by the next step. `at_start`:
@@ -67,6 +66,10 @@ class SyncChecker:
         return found
 
     def _probe(self, loop: Any) -> ProbeResult:
+        if self.probe_batch is None:
+            prompts, count = self.probe_prompts, self.cfg.probe_tokens
+            responses = loop.engine.call(lambda actor: actor.continue_greedy.remote(prompts, count))
+            self.probe_batch = Sequences.build(prompts, responses)
         b = self.probe_batch
         engine = loop.engine.call(lambda actor: actor.score.remote(b.prompts, b.responses))
         trainer = loop.group.logprobs(b, loop.group.plan(b), temperature=1.0)

@@ -3,8 +3,9 @@
 - "object-store" (the default): every rank takes part in gathering the full weights, rank 0 returns
   them into Ray's object store and the rollout actor pulls them (`RolloutWorker.sync_weights`). Simple,
   and fine for small models; each sync costs a copy into the store and one out of it.
-- "collective": the same gather, then rank 0 broadcasts the weights to the engine over a gloo group of
-  their own (rank 0 = trainer rank 0, 1 = the rollout actor's process, where vLLM runs in-process) in
+- "collective": the same gather, then rank 0 broadcasts the weights to the engine over a group of
+  their own (`backend`: gloo through host memory, or NCCL from GPU to GPU; "auto": NCCL when the
+  trainer runs on CUDA) (rank 0 = trainer rank 0, 1 = the rollout actor's process, where vLLM runs in-process) in
   flattened buckets of `bucket_mb`, which the engine loads bucket by bucket
   (`rlcheck.engines.vllm_collective`). The driver starts rank 0's send and the engine's receive together
   and joins both. The group is opened at the first sync, and again after an engine restart: the
@@ -25,6 +26,7 @@ from rlcheck.errors import ConfigError
 from rlcheck.loop.recovery import join
 
 METHODS = ("object-store", "collective")
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,27 @@ class WeightSyncConfig:
     bucket_mb: float = 512.0
     """The collective's bucket size in MiB (vLLM's packed transfer uses 1 GiB): the engine holds one
     bucket at a time besides its weights; a decoder layer larger than this goes in a bucket of its own."""
+    backend: str = "auto"
+    """The collective's process group: "gloo" (host memory, TCP), "nccl" (GPU to GPU: trainer and
+    engine on CUDA), or "auto" (nccl when the trainer's device is CUDA, else gloo)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"weight_sync method must be one of {METHODS}, got {self.method!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"weight_sync backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"weight_sync bucket_mb must be > 0, got {self.bucket_mb}")
 
     @property
     def bucket_bytes(self) -> int:
         return max(int(self.bucket_mb * 2**20), 1)
+
+    def group_backend(self, trainer_device: str) -> str:
+        """The collective's backend for a trainer on `trainer_device` ("cpu", "cuda", "cuda:1")."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if trainer_device.startswith("cuda") else "gloo"
 
 
 class ObjectStoreSync:
@@ -61,8 +74,9 @@ class CollectiveSync:
     """Rank 0's gathered weights broadcast to the engine in buckets; the group is (re)opened whenever
     the engine is not the one it was opened with (the first sync, after a restart)."""
 
-    def __init__(self, cfg: WeightSyncConfig, group: Any, engine: Any, collective_timeout_s: float):
+    def __init__(self, cfg: WeightSyncConfig, group: Any, engine: Any, collective_timeout_s: float, backend: str = "gloo"):
         self.cfg, self.group, self.engine, self.timeout_s = cfg, group, engine, collective_timeout_s
+        self.backend = backend
         self.peer = None  # the rollout actor the group was opened with
         self.last: dict[str, float] = {}  # the last sync's engine-side stats (bytes, receive_s, load_s)
 
@@ -79,8 +93,8 @@ class CollectiveSync:
         trainer, actor = self.group.workers[0], self.engine.actor
         self.peer = None
         host, port = join([trainer.address.remote()], self.group.names[:1], self.engine.timeout_s)[0]
-        self._both(trainer.open_sync_group.remote(host, port, 0, 2, self.timeout_s),
-                   actor.open_sync_group.remote(host, port, 1, 2, self.timeout_s))
+        self._both(trainer.open_sync_group.remote(host, port, 0, 2, self.timeout_s, self.backend),
+                   actor.open_sync_group.remote(host, port, 1, 2, self.timeout_s, self.backend))
         self.peer = actor
 
     def _both(self, trainer_ref: Any, engine_ref: Any) -> list:
@@ -88,8 +102,8 @@ class CollectiveSync:
         return join([trainer_ref, engine_ref], [self.group.names[0], self.engine.name], self.engine.timeout_s)
 
 
-def make_sync(cfg: WeightSyncConfig, group: Any, engine: Any, collective_timeout_s: float):
+def make_sync(cfg: WeightSyncConfig, group: Any, engine: Any, collective_timeout_s: float, trainer_device: str = "cpu"):
     """The loop's sync (called as `sync(version, spoil)`) for `cfg.method`."""
     if cfg.method == "collective":
-        return CollectiveSync(cfg, group, engine, collective_timeout_s)
+        return CollectiveSync(cfg, group, engine, collective_timeout_s, cfg.group_backend(trainer_device))
     return ObjectStoreSync(group, engine)

@@ -16,8 +16,7 @@ import torch
 
 from rlcheck.errors import ConfigError
 from rlcheck.trainers.config import TrainerConfig
-
-Weights = list[tuple[str, torch.Tensor]]
+from rlcheck.trainers.staging import Weights, host_weights
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -61,7 +60,7 @@ class PlainBackend:
         return float(norm)
 
     def full_state_dict(self) -> Weights | None:
-        return [(n, t.detach().cpu().clone()) for n, t in self.module.state_dict().items()]
+        return host_weights(self.module.state_dict(keep_vars=True).items(), _whole, keep=True)
 
 
 class HFBackend(PlainBackend):
@@ -126,12 +125,13 @@ class FSDP2Backend(PlainBackend):
         return model
 
     def full_state_dict(self) -> Weights | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Entry by entry: each shard cast to the synced dtype on its device, then gathered
+        (`rlcheck.trainers.staging`); every rank takes part, rank 0 keeps the result."""
+        def full(name: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().to(self.sync_dtypes[name])
+            return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
-            return None
-        return [(n, t.to(self.sync_dtypes.get(n, t.dtype))) for n, t in full.items()]
+        return host_weights(self.module.state_dict(keep_vars=True).items(), full, keep=self.rank == 0)
 
 
 class DeepSpeedBackend(PlainBackend):
@@ -186,12 +186,13 @@ class DeepSpeedBackend(PlainBackend):
 
     def full_state_dict(self) -> Weights | None:
         module = self.engine.module
-        entries = zero3_state_dict(module) if self.cfg.zero_stage == 3 else module.state_dict().items()
-        if self.rank != 0:
-            for _ in entries:  # take part in every gather, keep nothing
-                pass
-            return None
-        return [(n, t.detach().cpu().clone()) for n, t in entries]
+        entries = zero3_state_dict(module) if self.cfg.zero_stage == 3 else module.state_dict(keep_vars=True).items()
+        return host_weights(entries, _whole, keep=self.rank == 0)  # every rank takes part in every gather
+
+
+def _whole(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An entry already whole where it lies (one process, ZeRO 1-2, a gathered ZeRO-3 parameter)."""
+    return t
 
 
 BACKEND_TYPES = {"hf": HFBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}
@@ -202,15 +203,16 @@ alone): each rank holds one group unsharded at a time, never the whole model."""
 
 
 def zero3_state_dict(module: torch.nn.Module, max_numel: int = GATHER_NUMEL):
-    """(name, tensor) for every entry of `module.state_dict()` (parameters and buffers, in its order),
-    each ZeRO-3 parameter gathered while it is yielded: valid until the next item, so copy it. A
-    collective: every rank iterates it to the end."""
+    """(name, tensor) for every entry of `module.state_dict(keep_vars=True)` (parameters and buffers,
+    in its order; a tied parameter the same object under each name), each ZeRO-3 parameter gathered
+    while it is yielded: valid until the next item, so copy it. A collective: every rank iterates it
+    to the end."""
     import deepspeed
 
     for group in _gather_groups(list(module.state_dict(keep_vars=True).items()), max_numel):
         params = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())  # a tied weight once
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield from ((n, t.detach()) for n, t in group)
+            yield from group
 
 
 def _gather_groups(entries: list[tuple[str, torch.Tensor]], max_numel: int):

@@ -54,8 +54,8 @@ class PolicyTrainer:
         with torch.no_grad():
             for mb in self._my_batches(plan):
                 scored = self._scores(seqs, mb, temperature, top_k)  # also when empty (a dummy): a collective
-                for i, parts in zip(mb, scored if mb else [], strict=True):
-                    out[i] = tuple(None if x is None else x.cpu().numpy() for x in parts)
+                if mb:
+                    out.update(zip(mb, _to_host(scored), strict=True))
         return out
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
@@ -160,3 +160,17 @@ class PolicyTrainer:
                              top_k=top_k, topk_ids=topk_ids)  # (B, W-1) and (B, W-1, K)
         parts = [out.logp, *(out.topk or (None, None))]
         return [tuple(None if x is None else x[b, span] for x in parts) for b, span in enumerate(spans)]
+
+
+def _to_host(scored: list[tuple]) -> list[tuple]:
+    """Each sequence's parts as numpy arrays, with one device-to-host copy per kind of part for the
+    whole micro-batch (not one per sequence: each is a host synchronization on a GPU)."""
+    lengths = [len(parts[0]) for parts in scored]
+    kinds = []
+    for k in range(len(scored[0])):
+        if scored[0][k] is None:
+            kinds.append([None] * len(scored))
+            continue
+        whole = torch.cat([parts[k] for parts in scored]).cpu().numpy()
+        kinds.append(np.split(whole, np.cumsum(lengths)[:-1]))
+    return list(zip(*kinds, strict=True))

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from rlcheck import Monitor, MonitorConfig  # noqa: E402
 from rlcheck.core.sync_check import differing_keys  # noqa: E402
-from rlcheck.engines.fingerprint import fingerprint_llm  # noqa: E402
+from rlcheck.engines.fingerprint import fingerprint_llm, greedy_tokens, score_tokens  # noqa: E402
 from rlcheck.engines.hf import HFScorer, HFScorerConfig  # noqa: E402
 from rlcheck.engines.vllm import VLLMConfig, VLLMEngine, to_step_batch  # noqa: E402
 from rlcheck.engines.vllm_sync import stale_conv_mixers  # noqa: E402
@@ -89,13 +89,21 @@ class TestVLLMEngine:
     @pytest.mark.vllm_compat
     def test_seeded_reruns_and_top_logprobs(self, tiny_model):
         """The same step draws the same tokens again; top-k logprobs come with every position and
-        hold the sampled token's logprob when it is among them."""
+        hold the sampled token's logprob when it is among them; the greedy continuation (the sync
+        probe's responses) is fixed, of the length asked, and scores far above random token ids."""
         model_dir = str(tiny_model("llama"))
         cfg = VLLMConfig(model=model_dir, max_tokens=8, max_model_len=256, top_logprobs=3, kv_cache_bytes=KV)
         with VLLMEngine(cfg) as engine:
             a = engine.generate(prompts(model_dir), step=5, n=2)
             b = engine.generate(prompts(model_dir), step=5, n=2)
             c = engine.generate(prompts(model_dir), step=6, n=2)
+            greedy = greedy_tokens(engine.llm, prompts(model_dir), 10)  # the sync check's probe responses
+            again = greedy_tokens(engine.llm, prompts(model_dir), 10)
+            rng = np.random.default_rng(0)
+            random = [rng.integers(3, 100, 10).tolist() for _ in greedy]
+            likely, tail = (np.concatenate(score_tokens(engine.llm, prompts(model_dir), r)) for r in (greedy, random))
+        assert greedy == again and all(len(g) == 10 for g in greedy)
+        assert likely.mean() > tail.mean() + 2.0  # greedy tokens are likely ones, not the distribution's tail
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
         assert [r.token_ids for r in a] != [r.token_ids for r in c]
         assert [r.request_id for r in a] != [r.request_id for r in b]  # ids stay unique on a rerun

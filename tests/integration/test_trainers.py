@@ -86,7 +86,8 @@ def assert_weights_close(got: dict, want: dict, before: dict) -> None:
 class TestPolicyTrainer:
     @pytest.mark.parametrize("arch, packed", [("llama", True), ("hybrid", False)])
     def test_logprobs_equal_hf_scorer(self, tiny_model, arch, packed):
-        """Scored over several micro-batches (packed or padded), logprobs equal HFScorer's."""
+        """Scored over several micro-batches (packed or padded), logprobs equal HFScorer's, each
+        micro-batch's copied to the host at once."""
         model = str(tiny_model(arch))
         trainer = PolicyTrainer(TrainerConfig(model=model, backend="hf", micro_batch_tokens=BUDGET,
                                               temperature=TEMPERATURE))
@@ -94,8 +95,15 @@ class TestPolicyTrainer:
         seqs = sequences(0, 11)
         plan = plan_micro_batches(seqs, 1, BUDGET)
         assert plan.num_micro_batches >= 5 and max(len(mb) for mb in plan.ranks[0]) > 1
-        got = trainer.logprobs(seqs, plan)
+        copies = []
+        real_cpu = torch.Tensor.cpu
+        torch.Tensor.cpu = lambda self, *a, **k: copies.append(tuple(self.shape)) or real_cpu(self, *a, **k)
+        try:
+            got = trainer.logprobs(seqs, plan)
+        finally:
+            torch.Tensor.cpu = real_cpu
         assert sorted(got) == list(range(len(seqs)))
+        assert len(copies) == plan.num_micro_batches  # one copy to the host per micro-batch, not per sequence
         want = HFScorer(HFScorerConfig(model=model)).score(seqs.prompts, seqs.responses, temperature=TEMPERATURE)
         assert_logprobs_close(in_order(got), want, atol=1e-5)
 
@@ -113,6 +121,21 @@ class TestPolicyTrainer:
         assert got["loss_sum"] == pytest.approx(want["loss_sum"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         assert_weights_close(dict(small.full_state_dict()), dict(whole.full_state_dict()), before)
+
+    def test_tied_weights_gathered_once_under_both_names(self, tiny_model, tmp_path):
+        """A tied model's synced weights hold `lm_head.weight` and `model.embed_tokens.weight` as one
+        host tensor (gathered and copied once; the engine needs both names), fresh at every call."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.save_pretrained(tmp_path)
+        trainer = PolicyTrainer(TrainerConfig(model=str(tmp_path), backend="hf"))
+        first, second = dict(trainer.full_state_dict()), dict(trainer.full_state_dict())
+        assert first["lm_head.weight"] is first["model.embed_tokens.weight"]
+        assert first.keys() == trainer.backend.module.state_dict().keys()
+        assert all(first[n] is not second[n] and torch.equal(first[n], second[n]) for n in first)
 
     def test_train_step_needs_update_inputs(self, tiny_model):
         """Sequences without advantages and old logprobs are refused before any forward."""

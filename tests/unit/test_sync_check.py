@@ -3,6 +3,7 @@ its alarm; the trainer's side on a real tiny HF model (plain, streamed, and ZeRO
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rlcheck.core.sync_check import (
@@ -189,3 +190,49 @@ class TestTrainerSide:
         assert [k for k in clean if clean[k][:3] != rolled[k][:3]] == []
         assert differing_keys(clean, rolled) == ["2:linear"]
         assert all(math.isnan(v[3]) for k, v in clean.items() if not k.endswith(":linear"))
+
+
+class TestProbeBatch:
+    """The loop's probe batch is the engine's greedy continuation, drawn once (`SyncChecker`)."""
+
+    def test_drawn_from_the_engine_at_the_first_probe_and_kept(self):
+        """The probe's responses are what the engine's `continue_greedy` returned, asked once for the
+        run; both sides score that same batch at every probe."""
+        import types
+
+        from rlcheck.loop.sync_check import SyncChecker
+        from rlcheck.loop.task import AdditionTask
+
+        class Tokenizer:
+            bos_token_id, vocab_size = 1, 50
+
+            def encode(self, text, add_special_tokens=False):
+                return [ord(c) % 40 + 3 for c in text]
+
+        asked, scored = [], []
+
+        class Actor:
+            class continue_greedy:  # noqa: N801 (a Ray method handle's shape: .remote(...))
+                @staticmethod
+                def remote(prompts, count):
+                    asked.append((prompts, count))
+                    return [[7 + i] * count for i in range(len(prompts))]
+
+            class score:  # noqa: N801
+                @staticmethod
+                def remote(prompts, responses):
+                    scored.append(responses)
+                    return [np.full(len(r), -0.5, np.float32) for r in responses]
+
+        engine = types.SimpleNamespace(call=lambda fn: fn(Actor))
+        group = types.SimpleNamespace(plan=lambda b: None,
+                                      logprobs=lambda b, plan, temperature: [np.full(len(r), -0.5) for r in b.responses])
+        loop = types.SimpleNamespace(engine=engine, group=group)
+        cfg = types.SimpleNamespace(sync_check=SyncCheckConfig(fingerprint_every=0, probe_every=1, probe_tokens=5),
+                                    rollout=types.SimpleNamespace(dtype="bfloat16"), task=AdditionTask(num_prompts=4))
+        checker = SyncChecker(cfg, Tokenizer())
+        assert checker.probe_batch is None  # nothing asked of the engine before the first probe
+        first, second = checker.check(loop, 1), checker.check(loop, 2)
+        assert len(asked) == 1 and asked[0][1] == 5 and len(asked[0][0]) == 2
+        assert [[list(r) for r in rs] for rs in scored] == [[[7] * 5, [8] * 5]] * 2
+        assert first.ok and second.ok and first.probe.tokens == 10 and first.probe.tolerance == 0.15

@@ -15,6 +15,8 @@ from rlcheck.engines.vllm_collective import (
     flatten,
     layer_key,
     plan_buckets,
+    receive_buckets,
+    send_weights,
     specs_of,
     unflatten,
 )
@@ -91,6 +93,43 @@ class TestWeightSyncConfig:
             WeightSyncConfig("nccl")
         with pytest.raises(ConfigError, match="bucket_mb"):
             WeightSyncConfig("collective", bucket_mb=0)
+        with pytest.raises(ConfigError, match="backend must be one of"):
+            WeightSyncConfig("collective", backend="mpi")
+
+    def test_backend_follows_the_trainer_device(self):
+        """"auto" is NCCL for a CUDA trainer, gloo otherwise; a named backend is kept."""
+        auto = WeightSyncConfig("collective")
+        assert [auto.group_backend(d) for d in ("cpu", "cuda", "cuda:1")] == ["gloo", "nccl", "nccl"]
+        assert WeightSyncConfig("collective", backend="gloo").group_backend("cuda") == "gloo"
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+    def test_nccl_without_cuda_is_refused_before_any_rendezvous(self):
+        with pytest.raises(ConfigError, match="'nccl' needs CUDA.*backend='gloo'"):
+            SyncGroup("127.0.0.1", _free_port(), 0, 2, timeout_s=1.0, backend="nccl")
+
+
+class TestSendReceive:
+    def test_weights_arrive_bit_exact_in_their_buckets(self):
+        """Rank 0's `send_weights` and an engine's `receive_buckets` over a real gloo group (two
+        threads): every tensor arrives bit for bit, in buckets that keep layers whole."""
+        port, weights, groups = _free_port(), _weights(), {}
+        sender = threading.Thread(target=lambda: groups.setdefault(0, SyncGroup("127.0.0.1", port, 0, 2, 30.0)))
+        sender.start()
+        groups[1] = SyncGroup("127.0.0.1", port, 1, 2, 30.0)
+        sender.join()
+        sent = {}
+        sender = threading.Thread(target=lambda: sent.update(send_weights(groups[0], weights, 2048)))
+        sender.start()
+        stats, got, bucket_of = {}, {}, {}
+        for i, bucket in enumerate(receive_buckets(groups[1], stats)):
+            got.update((n, t.clone()) for n, t in bucket)
+            for n, _ in bucket:
+                bucket_of.setdefault(layer_key(n), set()).add(i)
+        sender.join()
+        assert all(len(b) == 1 for b in bucket_of.values())
+        assert groups[1].device.type == "cpu" and sent["buckets"] == stats["buckets"] > 1
+        assert got.keys() == dict(weights).keys()
+        assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in weights)
 
 
 def _free_port() -> int:
