@@ -39,9 +39,11 @@ import os
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.integrations import verl as rlcheck_verl
+from rlcheck.preflight import as_context
 
 FIELDS = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
 _monitor: Monitor | None = None
+_preflight: tuple = ()  # the static preflight's findings, recorded in the Monitor's context
 
 
 def monitor() -> Monitor:
@@ -52,7 +54,7 @@ def monitor() -> Monitor:
         run_dir = os.environ.get("RLCHECK_RUN_DIR", "runs/verl")
         quarantine = QuarantineConfig() if os.environ.get("RLCHECK_QUARANTINE") == "1" else None
         _monitor = Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console"), quarantine=quarantine,
-                                         context={"framework": "verl"}))
+                                         context={"framework": "verl", "preflight": as_context(_preflight)}))
     return _monitor
 
 
@@ -95,8 +97,18 @@ def _wrap_v1(original):
     return _compute_old_log_prob
 
 
+def _wrap_init_workers(original):
+    @functools.wraps(original)
+    def init_workers(self, *args, **kwargs):
+        global _preflight
+        _preflight = rlcheck_verl.preflight(self.config)  # before verl starts vLLM: a warning block, critical refused
+        return original(self, *args, **kwargs)
+    return init_workers
+
+
 def install() -> list[str]:
-    """Wrap `_compute_old_log_prob` of each verl trainer importable here; returns what was wrapped."""
+    """Wrap `_compute_old_log_prob` of each verl trainer importable here, and its `init_workers` (where it
+    has one) with rlcheck's static preflight first; returns what was wrapped."""
     wrapped = []
     for module, cls, wrap in (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", _wrap_legacy),
                               ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", _wrap_v1),
@@ -109,6 +121,9 @@ def install() -> list[str]:
         if not getattr(trainer._compute_old_log_prob, "_rlcheck", False):
             trainer._compute_old_log_prob = wrap(trainer._compute_old_log_prob)
             trainer._compute_old_log_prob._rlcheck = True
+        if hasattr(trainer, "init_workers") and not getattr(trainer.init_workers, "_rlcheck", False):
+            trainer.init_workers = _wrap_init_workers(trainer.init_workers)
+            trainer.init_workers._rlcheck = True
         wrapped.append(f"{module}.{cls}")
     return wrapped
 

@@ -4,6 +4,7 @@ its commands, listed in `COMMANDS` in the order `rlcheck --help` shows them:
 - `run_commands`: summarize, report, demo (a run directory: read it, or make one);
 - `inspection`: diagnose, replay (a run or a dump, after the fact);
 - `models`: make-model;
+- `preflight`: preflight (before a run: the settings on which the engine and the trainer would differ);
 - `forensics`: stress, sweep (vLLM under load, replayed against the reference), localize (the first
   divergent decoder layer).
 
@@ -14,12 +15,12 @@ import typer
 
 # the commands register as their modules are imported: this order is the order of `rlcheck --help`
 # isort: off
-from rlcheck.cli import run_commands, inspection, models, forensics
+from rlcheck.cli import run_commands, inspection, models, preflight, forensics
 # isort: on
 from rlcheck.cli.base import EXIT_USAGE, app
 from rlcheck.errors import RLCheckError
 
-COMMANDS = (run_commands, inspection, models, forensics)
+COMMANDS = (run_commands, inspection, models, preflight, forensics)
 """The command modules; each registers its commands on `app` when it is imported."""
 
 

@@ -22,6 +22,7 @@ from rlcheck.errors import ConfigError
 from rlcheck.faults import Fault, parse_inject
 from rlcheck.integrations._trl_batch import FORWARD_PREFIXES
 from rlcheck.integrations._trl_sync import METHODS
+from rlcheck.preflight import as_context
 
 TRAINER_METRICS = (K.ABS_DIFF_MEAN, K.ABS_DIFF_MAX, K.KL_K3, K.RATIO_ESS, K.ALARM_COUNT)
 DROPPED_SEQUENCES = "rlcheck/trl/dropped_sequences"
@@ -126,7 +127,8 @@ def check_trainer(trainer: Any) -> None:
 
 def trl_context(trainer: Any) -> dict[str, Any]:
     """What decides the two sides' numerics, for every dump's meta.json: sampling settings, the
-    trainer's precision and vLLM's dtype (TRL leaves it "auto": bf16 for a float32 checkpoint)."""
+    trainer's precision, vLLM's dtype (TRL leaves it "auto": bf16 for a float32 checkpoint) and the
+    preflight's findings."""
     args = trainer.args
     ctx: dict[str, Any] = {
         "framework": "trl",
@@ -143,6 +145,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
         "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
         "importance_sampling": args.vllm_importance_sampling_mode if trainer.vllm_importance_sampling_correction
         else None,
+        "preflight": as_context(getattr(trainer, "rlcheck_preflight", None)),  # `_trl_preflight`'s findings
     }
     llm = getattr(trainer.vllm_generation, "llm", None)
     if llm is not None:

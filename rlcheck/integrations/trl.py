@@ -18,7 +18,8 @@ reporters (W&B, TensorBoard, console) on TRL's steps. Eval generations are not o
 and per-row meta: `rlcheck.integrations._trl_batch`. Sampling settings that make vLLM's logprobs differ
 from the trainer's (top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1) are refused when
 attaching, each GRPOConfig field named (`TRLOptions.allow_logit_processing` to go on; see
-`rlcheck.integrations._trl_config`).
+`rlcheck.integrations._trl_config`). The static preflight (`rlcheck.integrations._trl_preflight`) runs then too,
+before vLLM starts: its findings print as one warning block and go into the Monitor's context.
 
 Beyond the sampled token (`TRLOptions(top_logprobs=20)`, or `StatsConfig(distribution=True)`): vLLM returns its
 top-K logprobs per completion position, the trainer scores the same ids in one more no-grad forward per
@@ -68,13 +69,12 @@ from rlcheck.integrations._trl_config import (
     DROPPED_TOKENS,
     TRAINER_METRICS,
     TRLOptions,
-    check_config,
     check_fault,
-    check_sampling,
     check_trainer,
     trl_context,
 )
 from rlcheck.integrations._trl_loss import MULTIMODAL_KEYS, kept_loss, mark_kept
+from rlcheck.integrations._trl_preflight import check_attach, check_before_start
 from rlcheck.integrations._trl_rundir import start_run
 from rlcheck.integrations._trl_sync import WeightSync
 from rlcheck.integrations._trl_topk import attach_topk, build_step_topk
@@ -94,7 +94,7 @@ class RLCheckHook:
         check_trainer(trainer)
         self.trainer = trainer
         self.options = options or TRLOptions()
-        check_sampling(trainer.args, self.options.allow_logit_processing)
+        check_attach(trainer, self.options)  # sampling refusals, then the preflight (unless run before vLLM started)
         self.fault = check_fault(self.options.inject)
         if monitor is None:
             monitor = MonitorConfig(run_dir=Path(trainer.args.output_dir) / "rlcheck")
@@ -291,9 +291,7 @@ def _trainer_class() -> type:
             config = kwargs.get("args", args[2] if len(args) > 2 else None)
             options = rlcheck_options or TRLOptions()
             check_fault(options.inject)  # refuse what the settings alone show before vLLM starts
-            if config is not None:
-                check_config(config)
-                check_sampling(config, options.allow_logit_processing, warn=False)
+            self.rlcheck_preflight = check_before_start(config, options, args, kwargs)  # config refusals, preflight
             super().__init__(*args, **kwargs)
             RLCheckHook(self, monitor, rlcheck_options)
 

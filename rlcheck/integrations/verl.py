@@ -36,6 +36,9 @@ out and counted, and a row further behind than verl's settings allow is the `wei
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
 
+Before the run: `preflight(config)` (verl's config) runs rlcheck's static preflight before verl starts vLLM
+(`recipes/verl_hook.py` does it in `init_workers`); its findings go into the Monitor's context.
+
 Handing the verdict back: `observe` then updates `data` in place, as verl's own
 `compute_rollout_correction_and_add_to_batch` does (`update_batch`; row b is sequence b of the report):
 
@@ -234,6 +237,15 @@ def forwarded_metrics(metrics: Mapping[str, Any] | None,
         if np.isfinite(number):
             out[key] = number
     return out
+
+
+def preflight(config: Any) -> tuple:
+    """The static preflight of verl's trainer config (`actor_rollout_ref`), before verl starts its workers
+    and vLLM (`rlcheck.integrations._verl_preflight`): the findings print as one warning block, critical
+    ones raise `ConfigError`; put them in the Monitor's context (`rlcheck.preflight.as_context`)."""
+    from rlcheck.integrations._verl_preflight import verl_preflight
+
+    return verl_preflight(config)
 
 
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,

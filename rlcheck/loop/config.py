@@ -74,7 +74,10 @@ class LoopConfig:
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
 
     def context(self) -> dict[str, Any]:
-        """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling."""
+        """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling, and
+        the static preflight's findings."""
+        from rlcheck.loop.preflight_wiring import loop_findings
+
         r, t = self.rollout, self.trainer
         return {
             "model": r.model,
@@ -86,6 +89,7 @@ class LoopConfig:
                         "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
             "fault": self.fault.describe(),
             "correction": None if self.correction is None else dataclasses.asdict(self.correction),
+            "preflight": loop_findings(self),  # the static preflight's findings (rlcheck.loop.preflight_wiring)
         }
 
     def __post_init__(self) -> None:

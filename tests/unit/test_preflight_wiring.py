@@ -1,0 +1,195 @@
+"""The static preflight at attach time: the TRL adapter (before GRPOTrainer starts vLLM, and on an
+existing trainer), the verl adapter (verl's trainer config) and rlcheck's own loop (`LoopConfig`): each
+maps its settings onto the two sides, warns with one block, refuses critical findings, and records the
+findings in the Monitor's context."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from rlcheck.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def copy_with(llama, tmp_path):
+    """`copy_with(**config_fields) -> folder`: the tiny llama (weights too) with its config edited."""
+    def make(**fields):
+        out = tmp_path / "copy"
+        shutil.copytree(llama, out)
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **fields}))
+        return out
+    return make
+
+
+class TestTRL:
+    @pytest.fixture
+    def grpo(self, tmp_path):
+        trl = pytest.importorskip("trl")
+        return lambda **kw: trl.GRPOConfig(**{"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                              "use_vllm": True, "bf16": False, **kw})
+
+    def test_model_in_memory_vs_its_folder(self, llama, grpo):
+        """A model whose RoPE base was changed in code: vLLM loads the folder's, so rope_theta is an
+        error; vLLM's "auto" on the float32 checkpoint against an fp32 trainer is the dtype warning."""
+        from transformers import AutoModelForCausalLM
+
+        from rlcheck.integrations._trl_preflight import trl_preflight
+
+        model = AutoModelForCausalLM.from_pretrained(llama)
+        model.config.rope_parameters["rope_theta"] = 20000.0
+        with pytest.warns(RuntimeWarning, match=r"(?s)rlcheck preflight \(TRL, before vLLM starts\).*rope_theta"):
+            found = trl_preflight(grpo(), model)
+        assert [(f.key, f.trainer, f.engine) for f in found][0] == ("rope_theta", 20000.0, 10000.0)
+        assert [f.key for f in found] == ["rope_theta", "dtype"]
+
+    def test_before_grpo_trainer_starts(self, llama, grpo, monkeypatch):
+        """RLCheckGRPOTrainer runs the preflight (bf16 on both sides here: nothing found) before
+        GRPOTrainer.__init__, and keeps its findings for the Monitor's context."""
+        import trl
+
+        from rlcheck.integrations._trl_config import trl_context
+        from rlcheck.integrations.trl import RLCheckGRPOTrainer
+
+        seen = {}
+
+        def started(self, *args, **kwargs):
+            seen["preflight"] = self.rlcheck_preflight
+            raise RuntimeError("stop here")
+
+        monkeypatch.setattr(trl.GRPOTrainer, "__init__", started)
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="stop here"):
+            warnings.simplefilter("error", RuntimeWarning)
+            RLCheckGRPOTrainer(model=str(llama), reward_funcs=len, args=grpo(bf16=True))
+        assert seen["preflight"] == ()
+        trainer = SimpleNamespace(args=grpo(), model=SimpleNamespace(config=SimpleNamespace()), temperature=1.0,
+                                  top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, vllm_generation=None,
+                                  vllm_importance_sampling_correction=False, rlcheck_preflight=seen["preflight"])
+        assert trl_context(trainer)["preflight"] == []
+
+    def test_attach_monitor_reads_the_running_engines_dtype(self, llama, grpo):
+        """On a built trainer the preflight takes the dtype vLLM runs in (float32 here: nothing found),
+        records its findings on the trainer, and is not run twice."""
+        from transformers import AutoModelForCausalLM
+
+        from rlcheck.integrations._trl_config import TRLOptions
+        from rlcheck.integrations._trl_preflight import check_attach
+
+        llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32")))
+        trainer = SimpleNamespace(args=grpo(), model=AutoModelForCausalLM.from_pretrained(llama),
+                                  vllm_generation=SimpleNamespace(llm=llm))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            check_attach(trainer, TRLOptions())
+        assert trainer.rlcheck_preflight == ()
+        llm.llm_engine.model_config.dtype = "torch.bfloat16"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            check_attach(trainer, TRLOptions())  # already run: no second preflight, no warning
+        del trainer.rlcheck_preflight
+        with pytest.warns(RuntimeWarning, match=r"(?s)TRL, attach_monitor.*dtype: trainer float32 \| engine bfloat16"):
+            check_attach(trainer, TRLOptions())
+
+    def test_no_local_folder_is_skipped(self, grpo):
+        """A hub id (or a stand-in without a model) has nothing to read: no findings, no warning."""
+        from rlcheck.integrations._trl_preflight import trl_preflight
+
+        assert trl_preflight(grpo(), "Qwen/Qwen3-0.6B") == ()
+
+
+class TestVerl:
+    def config(self, path, **rollout):
+        omegaconf = pytest.importorskip("omegaconf")
+        return omegaconf.OmegaConf.create({"actor_rollout_ref": {
+            "model": {"path": str(path), "override_config": rollout.pop("override_config", {})},
+            "rollout": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "dtype": "bfloat16",
+                        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True, **rollout},
+            "actor": {"fsdp_config": {"dtype": "bfloat16"}}}})
+
+    def test_verls_defaults_are_clean(self, llama):
+        """verl's defaults (bf16 both sides, processed logprobs, the prefix cache reset by verl): nothing."""
+        from rlcheck.integrations.verl import preflight
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert preflight(self.config(llama)) == ()
+
+    def test_override_config_is_the_trainers_alone(self, llama):
+        """model.override_config changes the actor's config, not vLLM's: a rope_theta error; raw
+        logprobs at T=0.6 too."""
+        from rlcheck.integrations.verl import preflight
+
+        cfg = self.config(llama, override_config={"rope_theta": 1e6}, temperature=0.6, logprobs_mode="raw_logprobs")
+        with pytest.warns(RuntimeWarning, match=r"rlcheck preflight \(verl"):
+            found = preflight(cfg)
+        assert [(f.key, f.trainer) for f in found] == [("rope_theta", 1e6), ("logprobs_mode", "T=0.6")]
+
+    def test_logits_mode_is_refused(self, llama):
+        """A *_logits mode leaves nothing to compare: ConfigError before verl starts."""
+        from rlcheck.integrations.verl import preflight
+
+        with pytest.raises(ConfigError, match="logprobs_mode"):
+            preflight(self.config(llama, logprobs_mode="raw_logits"))
+
+
+    def test_recipe_runs_it_before_init_workers(self, llama, monkeypatch):
+        """recipes/verl_hook.py's init_workers wrapper: the preflight first (a refusal stops verl before
+        it starts anything), its findings kept for the Monitor's context."""
+        monkeypatch.syspath_prepend("recipes")
+        import verl_hook
+
+        monkeypatch.setattr(verl_hook, "_preflight", ())  # restored after the test
+
+        class Trainer:
+            config = self.config(llama, temperature=0.5, logprobs_mode="raw_logprobs")
+            started = False
+
+            def init_workers(self):
+                self.started = True
+
+        trainer = Trainer()
+        with pytest.warns(RuntimeWarning, match="logprobs_mode"):
+            verl_hook._wrap_init_workers(Trainer.init_workers)(trainer)
+        assert trainer.started and [f.key for f in verl_hook._preflight] == ["logprobs_mode"]
+        Trainer.config = self.config(llama, logprobs_mode="processed_logits")
+        with pytest.raises(ConfigError, match="logprobs_mode"):
+            verl_hook._wrap_init_workers(Trainer.init_workers)(Trainer())
+
+
+class TestLoop:
+    def loop_config(self, model, **rollout):
+        from rlcheck.engines.vllm import VLLMConfig
+        from rlcheck.loop.config import LoopConfig
+        from rlcheck.trainers import TrainerConfig
+
+        return LoopConfig(rollout=VLLMConfig(model=str(model), **rollout), trainer=TrainerConfig(model=str(model)))
+
+    def test_mapping(self, llama):
+        """The engine side is VLLMConfig's (dtype, mode, sampling; the loop resets the prefix cache), the
+        trainer side TrainerConfig's."""
+        from rlcheck.loop.preflight_wiring import loop_preflight_config
+
+        cfg = loop_preflight_config(self.loop_config(llama, dtype="bfloat16", allow_logit_processing=True,
+                                                     sampling={"top_p": 0.95, "top_k": None}))
+        assert (cfg.dtype, cfg.trainer_dtype, cfg.top_p, cfg.top_k, cfg.resets_prefix_cache) == (
+            "bfloat16", "float32", 0.95, 0, True)
+
+    def test_check_and_context(self, llama):
+        """check_loop warns with the block; the run's context records the same findings."""
+        from rlcheck.loop.preflight_wiring import check_loop
+
+        cfg = self.loop_config(llama, dtype="bfloat16")
+        with pytest.warns(RuntimeWarning, match=r"(?s)rlcheck's loop.*dtype: trainer float32 \| engine bfloat16"):
+            assert [f.key for f in check_loop(cfg)] == ["dtype"]
+        assert [f["key"] for f in cfg.context()["preflight"]] == ["dtype"]
+        assert self.loop_config(llama).context()["preflight"] == []
