@@ -49,9 +49,8 @@ def trainer_side(model, prompt: list[int], completion: list[int]) -> tuple[np.nd
 def run_case(path: Path, dtype: str, flip: float, seeds: list[int], args, model, tok) -> list[dict]:
     import vllm
 
-    from rlcheck.core.moe import Routing, routing_stats
+    from rlcheck.core.moe import CONCENTRATION, MIN_SHARE, Routing, routing_stats
     from rlcheck.engines.moe_capture import RouteCapture
-    from rlcheck.forensics.moe_rule import CONCENTRATION, MIN_SHARE
     from rlcheck.loop.task import AdditionTask, encode_prompts
     from rlcheck.modelzoo import vllm_cpu_kwargs
 

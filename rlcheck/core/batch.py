@@ -11,15 +11,15 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
                                            (compared with `Monitor.observe(..., trainer_version=V)`)
     topk                      TopK         optional: both sides' top-K logprobs, one row per token
                                            (`rlcheck.core.topk`; dumps do not store it)
+    routing                   Routing      optional: both sides' MoE experts per token (`rlcheck.core.moe`)
     device_tensors            dict or None the packed fields as torch tensors on the caller's GPU
                                            (`rlcheck.core.batch_torch`; the statistics read them)
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
 mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
 several (the ranks' batches of one step, for its dump). Every constructor validates and raises
-`rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout. Reading
-and packing the constructors' inputs is `rlcheck.core.batch_build`.
-"""
+`rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout (reading and
+packing the constructors' inputs: `rlcheck.core.batch_build`)."""
 
 from __future__ import annotations
 
@@ -118,9 +118,8 @@ class StepBatch:
         topk: TopK | None = None,
         routing: Routing | None = None,
     ) -> StepBatch:
-        """From already packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets).
-        `weight_version`: the weights version that generated the sequences (one int, or one per sequence);
-        `topk`: both sides' top-K logprobs, `routing` both sides' MoE experts, one row per token."""
+        """From packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets); `weight_version`:
+        one int or one per sequence; `topk`, `routing`: one row per token (the module docstring)."""
         tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
@@ -160,12 +159,13 @@ class StepBatch:
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
         topk: TopK | None = None,
+        routing: Routing | None = None,
     ) -> StepBatch:
-        """From one 1-D array (or list) per sequence for each per-token field (`topk`: one row per
-        token, in the same order; build it with `TopK.from_ragged`)."""
+        """From one 1-D array (or list) per sequence for each per-token field (`topk`, `routing`: one row
+        per token in that order: `TopK.from_ragged`, `Routing.from_sequences`)."""
         packed = packed_from_ragged(logp_rollout, logp_train, tokens, mask, tokens_train)
         return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
-                               weight_version=weight_version, topk=topk, **packed)
+                               weight_version=weight_version, topk=topk, routing=routing, **packed)
 
     @classmethod
     def from_padded(
@@ -286,8 +286,8 @@ class StepBatch:
         """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
         indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
         A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
-        tokens, prompts, meta columns, weight versions and top-k are kept when every batch has them; request ids must stay
-        unique across the batches. One batch is returned as it is."""
+        tokens, prompts, meta columns, weight versions, top-k and routing are kept when every batch has
+        them; request ids must stay unique across the batches. One batch is returned as it is."""
         if not batches:
             raise InputError("concat_batches needs at least one batch")
         if len(batches) == 1:

@@ -14,16 +14,25 @@ pure numpy (no torch, no I/O).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core.types import Alarm
 from rlcheck.errors import InputError
 
-__all__ = ["Routing", "RoutingStats", "first_diff_layer", "routing_metrics", "routing_stats", "same_experts"]
+__all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "first_diff_layer", "routing_alarms",
+           "routing_metrics", "routing_stats", "same_experts"]
+
+MIN_SHARE = 0.5
+"""Routing drives a step's mismatch when the tokens routed differently carry at least this share of its
+sum |d| ..."""
+CONCENTRATION = 2.0
+"""... and at least this many times their share of the tokens (bf16 router noise alone reroutes 0.2-1.6%
+of the tokens of the tiny MoE, which carry 2-13% of sum |d|: BENCHMARKS.md, "MoE routing agreement")."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,3 +157,15 @@ def routing_metrics(routing: Routing, diff: np.ndarray, mask: np.ndarray | None 
     if np.isfinite(s.abs_diff_lift):
         out[K.MOE_ABS_DIFF_LIFT] = s.abs_diff_lift
     return out
+
+
+def routing_alarms(step: int, metrics: Mapping[str, float]) -> list[Alarm]:
+    """A warning when the step's tokens routed differently carry its mismatch (`MIN_SHARE`,
+    `CONCENTRATION`) from its `rlcheck/moe/*` metrics; none without them."""
+    share, agree = metrics.get(K.MOE_ABS_DIFF_SHARE), metrics.get(K.MOE_ROUTE_AGREE_FRAC)
+    if share is None or agree is None or agree >= 1.0 or share < max(MIN_SHARE, CONCENTRATION * (1.0 - agree)):
+        return []
+    message = (f"{1.0 - agree:.1%} of the tokens went to other experts in the engine than in the trainer and "
+               f"carry {share:.0%} of the summed |d|: routing differs between the two sides")
+    return [Alarm("threshold", K.MOE_ABS_DIFF_SHARE, step, "warn", message,
+                  {"value": share, "route_agree_frac": agree, "limit": MIN_SHARE})]

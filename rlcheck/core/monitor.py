@@ -5,17 +5,17 @@ alarms, logs and, when the run has gone wrong, a halt with the evidence on disk.
     report = mon.observe(step, StepBatch.from_ragged(...))   # may raise MismatchHalt
 
 `observe` validates, computes (`rlcheck.core.stats`), runs every detector, appends the step's record to the
-run's journal (metrics.jsonl, through the `Run` it owns), shows it to every sink, saves the detector state
-atomically (`state.json`, so a new Monitor on the same run dir resumes), then applies the halt policy: on
-halt it flushes the sinks, writes the step's dump, closes the run (lock released), raises `MismatchHalt`.
-Hard limits alarm (critical) whether or not halting is on, and a NaN/inf logprob always does, whatever
-`hard_limits` holds; halting off only skips the halt. A step with no token to compare (every token
-masked, e.g. TRL's `mask_truncated_completions`, or no sequence on any rank) is logged as empty
-(`"empty": true`, counts only) with a warning and skipped by the detectors, never an exception.
+run's journal (metrics.jsonl, through its `Run`), shows it to every sink, saves the detector state atomically
+(`state.json`: a new Monitor resumes), then applies the halt policy: on halt it flushes the sinks, writes the
+dump, closes the run (lock released), raises `MismatchHalt`. Hard limits alarm (critical) with halting on
+or off, a NaN/inf logprob always; halting off skips the halt. A step with no token to compare (all masked,
+e.g. TRL's `mask_truncated_completions`, or no sequence on any rank) is logged as empty (`"empty": true`,
+counts only) with a warning and skipped by the detectors, never an exception.
 
-One live Monitor per run dir (`Run.create` locks it, released by `close()`, a halt and process death); a
-Monitor that resumes a run warns naming the step it resumes after, counts the resume in state.json
-(`resumes`) and marks its first record (`"resumed": {"after_step": ..., "count": ...}`).
+One live Monitor per run dir (`Run.create` locks it, released by `close()`, a halt and process death); one
+that resumes a run warns naming the step, counts it in state.json and marks its first record (`"resumed"`).
+A batch with MoE routing adds the `rlcheck/moe/*` metrics and, when rerouted tokens carry the mismatch, a
+warning (`rlcheck.core.moe.routing_alarms`).
 
 Quarantine (`MonitorConfig.quarantine`, `rlcheck.core.quarantine`): the sequences the rules condemn are
 taken out before the detectors judge the step (the report's `keep` and `quarantined` say which and why);
@@ -24,10 +24,8 @@ their request ids and reasons go into the step's record (`"quarantined"`) and th
 
 Crash safety (`rlcheck.core.run.files` has the fsync rules): each step's metrics.jsonl line is fsynced
 before state.json is saved; a new Monitor replays any line a killed process logged after its last state
-save, so the detectors' history continues exactly and no step is logged twice. A disk that fills mid-run
-raises `RecordWriteError` (the step's report on it) after the sinks got the step; on a halting step the
-halt is raised all the same, naming what could not be written.
-"""
+save (no step lost or logged twice). A full disk raises `RecordWriteError` after the sinks got the step
+(on a halting step the halt is raised all the same, naming what could not be written)."""
 
 from __future__ import annotations
 
@@ -48,6 +46,7 @@ from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
 from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
+from rlcheck.core.moe import routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
@@ -190,8 +189,9 @@ class Monitor:
             metrics.update(quarantine_metrics)
         if self.cfg.correction is not None and batch is not None:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
-        metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics.update({} if batch is None else batch.routing_metrics(), **extra)  # rlcheck/moe/*, if any
+        alarms += routing_alarms(step, metrics)
+        metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)
         if verdict is not None:

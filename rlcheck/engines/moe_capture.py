@@ -6,6 +6,10 @@ which experts vLLM's routers picked for every token of every request, threaded b
     experts = capture.response_experts("7", prompt_len, num_tokens)   # (T, L, k) int64
     capture.clear()                                 # between steps; capture.remove() at the end
 
+`VLLMEngine` records routing itself (`VLLMConfig.moe_routing`, `EngineRoutes`): with these hooks where
+it can (one in-process V1 worker: CPU, or a hookable engine), else through vLLM's own
+`enable_return_routed_experts` (the V2 runner on CUDA); each `Rollout.experts` is then (T, L, k).
+
 A forward hook on every MoE router (`rlcheck.engines.moe_routing.moe_gates`) reads the top-k of its
 logits (the experts the softmax-then-top-k router picks), row by row. Which row is whose comes from
 `LayerCapture`'s mechanism (`rlcheck.forensics.localize_vllm`): the runner's `execute_model` and
@@ -19,7 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.engines.moe_routing import NEAR_TIE, RouteFlip, moe_gates, response_rows
+from rlcheck.engines.moe_routing import (
+    NEAR_TIE,
+    RouteFlip,
+    is_moe_model,
+    moe_gates,
+    response_rows,
+    routed_experts_response,
+)
 from rlcheck.errors import ConfigError
 from rlcheck.forensics.localize_vllm import LayerCapture
 
@@ -99,3 +110,61 @@ class RouteCapture(LayerCapture):
                     per_layer[layer].append((pos, chosen[part].astype(np.int64)))
 
         return hook
+
+
+ROUTING_MODES = ("auto", "on", "off")
+
+
+def routing_plan(cfg: Any, cuda: bool | None = None) -> str:
+    """How an engine of `cfg` (a `VLLMConfig`) records MoE routing: "hooks" (`RouteCapture`), "vllm"
+    (`enable_return_routed_experts`, the V2 runner on CUDA) or "off". `cfg.moe_routing` "auto" is on
+    for an MoE model where either way works; "on" refuses (ConfigError) where neither does. `cuda`
+    None: ask torch."""
+    if cfg.moe_routing == "off" or (cfg.moe_routing == "auto" and not is_moe_model(cfg.model)):
+        return "off"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    hookable = cfg.hookable or cfg.guard is not None
+    if cuda and not hookable:
+        return "vllm"
+    if cfg.tensor_parallel_size > 1:
+        if cfg.moe_routing == "on":
+            raise ConfigError(f"moe_routing='on' with tensor_parallel_size={cfg.tensor_parallel_size}: the router "
+                              "hooks need one in-process worker (vLLM's routed_experts needs its V2 runner, CUDA); "
+                              "use tensor_parallel_size=1 or moe_routing='auto'")
+        return "off"
+    if not cfg.enforce_eager:
+        if cfg.moe_routing == "on":
+            raise ConfigError("moe_routing='on' needs enforce_eager=True on this runner (a compiled graph calls no hooks)")
+        return "off"
+    return "hooks"
+
+
+class EngineRoutes:
+    """The routing record of one `VLLMEngine` (see the module docstring): `response` gives a
+    completion's (T, L, k) experts, `clear` forgets a call's requests."""
+
+    def __init__(self, engine: Any, plan: str):
+        self.plan = plan
+        self.capture = RouteCapture(engine) if plan == "hooks" else None
+
+    def response(self, completion: Any, vllm_request_id: str, prompt_len: int, num_tokens: int) -> np.ndarray:
+        if self.capture is None:
+            return routed_experts_response(completion.routed_experts, prompt_len, num_tokens)
+        return self.capture.response_experts(vllm_request_id, prompt_len, num_tokens)
+
+    def clear(self) -> None:
+        if self.capture is not None:
+            self.capture.clear()
+
+    def remove(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+
+def engine_routes(engine: Any) -> EngineRoutes | None:
+    """The MoE routing record of a `VLLMEngine` (its `cfg`'s `routing_plan`), or None when off."""
+    plan = routing_plan(engine.cfg)
+    return None if plan == "off" else EngineRoutes(engine, plan)

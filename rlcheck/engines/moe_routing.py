@@ -41,6 +41,23 @@ def moe_gates(model: Any) -> list[Any]:
     return gates
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""config.json keys that give an MoE model's expert count (Qwen-MoE, Mixtral/gpt-oss, DeepSeek)."""
+
+
+def is_moe_model(model_dir: str) -> bool:
+    """Whether the HF model directory's config.json (or its text config) describes a mixture of experts."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    config = {**config, **config.get("text_config", {})}
+    return any(int(config.get(key) or 0) > 1 for key in EXPERT_COUNT_KEYS)
+
+
 def flip_near_ties(logits: Any, top_k: int, frac: float, near_tie: float, generator: Any) -> Any:
     """`logits` (N, E) with the k-th and (k+1)-th logits swapped on a fraction `frac` of the rows
     whose two lie within `near_tie` (a copy; the input is left alone)."""
@@ -93,14 +110,20 @@ class RouteFlip:
         self._hooks = llm.apply_model(self._install)[0]
 
     def _install(self, model: Any) -> list[Any]:
+        import torch
+
         top_k = int(model.config.num_experts_per_tok)
 
         def hook(module: Any, args: Any, out: Any) -> Any:
+            if not torch.is_inference_mode_enabled():
+                return None  # not the engine's forward (vLLM runs it in inference mode): the sync check's
+                # one-hot probes of the router's weights, which router noise does not change
             logits = out[0] if isinstance(out, tuple) else out
             flipped = flip_near_ties(logits, top_k, self.flip, self.near_tie, self.generator)
             return (flipped, *out[1:]) if isinstance(out, tuple) else flipped
 
-        return [gate.register_forward_hook(hook) for gate in moe_gates(model)]
+        # prepended: the routing the engine used is the flipped one, whenever a recorder was hooked
+        return [gate.register_forward_hook(hook, prepend=True) for gate in moe_gates(model)]
 
     def remove(self) -> None:
         """Unhook the routers (idempotent)."""

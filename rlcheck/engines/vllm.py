@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.engines.guard import GuardConfig
+from rlcheck.engines.vllm_env import build_llm
 from rlcheck.errors import ConfigError, InputError
 
 LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")
@@ -78,6 +79,9 @@ class VLLMConfig:
     hookable: bool = False
     """Build it for an engine fault (`rlcheck.engines.vllm_faults`): eager, vLLM's V1 model runner
     (`vllm_faults.hookable_settings`, said on stderr). A guard implies it."""
+    moe_routing: str = "auto"
+    """Record each response token's MoE experts (`Rollout.experts`, for `rlcheck.core.moe`): "auto"
+    (on for an MoE model where it can be), "on", "off"; `rlcheck.engines.moe_capture.routing_plan`."""
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROB_MODES:
@@ -99,6 +103,8 @@ class VLLMConfig:
             )
         if not self.engine_id or "/" in self.engine_id:
             raise ConfigError(f"engine_id must be non-empty without '/', got {self.engine_id!r}")
+        if self.moe_routing not in ("auto", "on", "off"):
+            raise ConfigError(f"moe_routing must be 'auto', 'on' or 'off', got {self.moe_routing!r}")
         if self.guard is not None and not isinstance(self.guard, GuardConfig):
             raise ConfigError(f"guard must be a rlcheck.engines.guard.GuardConfig or None, got {self.guard!r}")
 
@@ -119,6 +125,7 @@ class Rollout:
     finish_reason: str | None
     weight_version: int
     step: int
+    experts: np.ndarray | None = None  # (len(token_ids), L, k) int64: the MoE experts of each token, if recorded
 
 
 class VLLMEngine:
@@ -127,7 +134,10 @@ class VLLMEngine:
     def __init__(self, cfg: VLLMConfig):
         self.cfg = cfg
         self.weight_version = 0
-        self.llm = _build_llm(cfg)
+        from rlcheck.engines.moe_capture import engine_routes
+
+        self.llm = build_llm(cfg)
+        self.routes = engine_routes(self)  # MoE models: each rollout's experts
         self.guard = None
         if cfg.guard is not None or os.environ.get("RLCHECK_BREAK_ON"):
             from rlcheck.engines.guard import install_guard
@@ -194,7 +204,10 @@ class VLLMEngine:
         )
         if self.guard is not None and len(self.guard.violations) > found:
             self.guard.flush()  # the trace around the new violations, on disk now
-        return [r for i, out in enumerate(outputs) for r in self._rollouts(i, out, step)]
+        rollouts = [r for i, out in enumerate(outputs) for r in self._rollouts(i, out, step)]
+        if self.routes is not None:
+            self.routes.clear()
+        return rollouts
 
     def take_guard_violations(self) -> list[dict[str, Any]]:
         """The guard's violations since the previous call, as dicts with the rollout's id
@@ -230,6 +243,7 @@ class VLLMEngine:
                 finish_reason=c.finish_reason,
                 weight_version=self.weight_version,
                 step=step,
+                experts=None if self.routes is None else self.routes.response(c, vllm_id, len(out.prompt_token_ids), len(ids)),
             ))
         return rollouts
 
@@ -261,42 +275,13 @@ class VLLMEngine:
         self.close()
 
 
-def _build_llm(cfg: VLLMConfig):
-    from rlcheck.engines.vllm_env import engine_env
-
-    engine_env(cfg.dtype, cfg.tensor_parallel_size)  # in-process core; TP pickling; fp32 Triton on CUDA
-    if not os.path.isdir(cfg.model):
-        raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = {
-        "model": cfg.model,
-        "dtype": cfg.dtype,
-        "seed": cfg.seed,
-        "max_model_len": cfg.max_model_len,
-        "enforce_eager": cfg.enforce_eager,
-        "logprobs_mode": cfg.logprobs_mode,
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "max_logprobs": max(cfg.top_logprobs, 20),
-    }
-    optional = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                "kv_cache_memory_bytes": cfg.kv_cache_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
-                "block_size": cfg.block_size}
-    kwargs.update({k: v for k, v in optional.items() if v is not None})
-    kwargs.update(cfg.engine_kwargs)
-    if cfg.hookable or cfg.guard is not None or os.environ.get("RLCHECK_BREAK_ON"):
-        from rlcheck.engines.vllm_faults import hookable_kwargs
-
-        kwargs = hookable_kwargs(kwargs)
-    return LLM(**kwargs)
-
-
 def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens_train: Sequence[Any] | None = None,
-                  topk: Any = None):
+                  topk: Any = None, routing: Any = None):
     """The monitor's `StepBatch` of these rollouts against the trainer's logprobs of the same tokens
     (one array per rollout, same order); ids, tokens and engine context travel along. `tokens_train`:
     the ids the trainer scored, per rollout, if it tokenised on its own (checked against the sampled ids);
-    `topk`: both sides' top-K (`rlcheck.core.topk.TopK`, built by `rlcheck.loop.topk_wiring.recompute`)."""
+    `topk`: both sides' top-K (`rlcheck.core.topk.TopK`, built by `rlcheck.loop.topk_wiring.recompute`),
+    `routing` both sides' MoE experts (`rlcheck.core.moe.Routing`, from the same)."""
     from rlcheck.core.batch import StepBatch
 
     if len(logp_train) != len(rollouts):
@@ -310,6 +295,7 @@ def to_step_batch(rollouts: Sequence[Rollout], logp_train: Sequence[Any], tokens
         prompt_tokens=[np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rollouts],
         weight_version=[r.weight_version for r in rollouts],
         topk=topk,
+        routing=routing,
         meta={
             "vllm_request_id": [r.vllm_request_id for r in rollouts],
             "prompt_index": [r.prompt_index for r in rollouts],

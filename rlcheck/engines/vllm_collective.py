@@ -256,14 +256,15 @@ def receive_into(engine: Any, group: SyncGroup, version: int, spoil: str | None 
 
 def load_buckets(engine: Any, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
     """Load new weights into `engine` (a `VLLMEngine`) in place, one `reload_weights` per bucket (any
-    subset of the weights; a bucket is taken from `buckets` only once the one before is loaded), bring
-    the Mamba conv buffers that vLLM 0.32's CPU backend leaves on the old weights up to date
+    subset of the weights; a bucket is taken from `buckets` only once the one before is loaded; CPU MoE
+    experts prepacked again as they load, `vllm_sync.prepack_moe_on_reload`), bring the Mamba conv buffers that vLLM 0.32's CPU backend leaves on the old weights up to date
     (`vllm_sync.refresh_mamba_conv_weights`, a no-op elsewhere; docs/mamba-conv-sync.md) and drop every
     cache computed with the old weights (prefix cache); rollouts generated afterwards carry `version`."""
-    from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
+    from rlcheck.engines.vllm_sync import prepack_moe_on_reload, refresh_mamba_conv_weights
 
     if version <= engine.weight_version:
         raise InputError(f"weight version must increase: {version} after {engine.weight_version}")
+    engine.llm.apply_model(prepack_moe_on_reload)  # vLLM 0.32 CPU MoE: prepack the experts on updates too
     num_tensors = 0
     for bucket in buckets:
         if bucket:

@@ -1,4 +1,5 @@
-"""Environment variables a `VLLMEngine` sets before vLLM starts (vLLM's worker processes inherit them).
+"""Environment variables a `VLLMEngine` sets before vLLM starts (vLLM's worker processes inherit them),
+and the engine itself (`build_llm`).
 
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` (unless set): the engine core in this process.
 - `VLLM_ALLOW_INSECURE_SERIALIZATION=1` with tensor parallelism: rlcheck's functions (the sync check's
@@ -15,6 +16,8 @@ import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any
+
+from rlcheck.errors import InputError
 
 FP32 = ("float32", "fp32", "float")
 
@@ -59,3 +62,38 @@ def effective_settings(llm: Any) -> dict[str, Any]:
         groups = [g for gs in (getattr(runner, "attn_groups", None) or []) for g in gs]
         out["attention_backends"] = sorted({getattr(g.backend, "__name__", str(g.backend)) for g in groups})
     return out
+
+
+def build_llm(cfg: Any):
+    """The `vllm.LLM` of a `VLLMConfig`: this process's environment set first (`engine_env`), the
+    config's settings, hookable ones where hooks will be used, vLLM's routed experts where the MoE
+    routing is read from it (`rlcheck.engines.moe_capture.routing_plan`)."""
+    engine_env(cfg.dtype, cfg.tensor_parallel_size)  # in-process core; TP pickling; fp32 Triton on CUDA
+    if not os.path.isdir(cfg.model):
+        raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "max_model_len": cfg.max_model_len,
+        "enforce_eager": cfg.enforce_eager,
+        "logprobs_mode": cfg.logprobs_mode,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "max_logprobs": max(cfg.top_logprobs, 20),
+    }
+    optional = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "kv_cache_memory_bytes": cfg.kv_cache_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                "block_size": cfg.block_size}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(cfg.engine_kwargs)
+    if cfg.hookable or cfg.guard is not None or os.environ.get("RLCHECK_BREAK_ON"):
+        from rlcheck.engines.vllm_faults import hookable_kwargs
+
+        kwargs = hookable_kwargs(kwargs)
+    from rlcheck.engines.moe_capture import routing_plan
+
+    if routing_plan(cfg) == "vllm":
+        kwargs["enable_return_routed_experts"] = True
+    return LLM(**kwargs)

@@ -167,3 +167,55 @@ def _restore_conv_buffers(model: Any, old: dict[str, Any]) -> int:
 def keep_conv_buffers_stale(engine: Any) -> StaleConvBuffers:
     """Install the `stale-buffer` fault on a `VLLMEngine` (see `StaleConvBuffers`)."""
     return StaleConvBuffers(engine)
+
+
+def prepack_moe_on_reload(model: Any) -> int:
+    """Make every MoE layer whose CPU kernel prepacks its expert weights prepack them again on a
+    weight update; returns how many layers it fixed. vLLM 0.32's unquantized MoE method prepacks
+    (and pads) the experts' weights for the CPU grouped GEMM only on the first load
+    (`UnquantizedFusedMoEMethod._setup_kernel` skips `fused_experts.process_weights_after_loading`
+    on an update), so after `reload_weights` the kernel reads the new weights, unpacked, as if
+    packed: every expert computes garbage and nothing fails (tests/integration/test_moe_routing.py).
+    The fix runs that step on updates too, inside the layerwise reload, before the processed values
+    are copied into the kernel's storage. Runs inside the engine, once after the first load
+    (`llm.apply_model`); a no-op on GPUs, zentorch, models without MoE layers, and a second call."""
+    fixed = 0
+    for method in prepacked_moe_methods(model):
+        if not getattr(method, "rlcheck_prepacks_updates", False):
+            method._setup_kernel = _prepacking_setup(method, method._setup_kernel)
+            method.rlcheck_prepacks_updates = True
+            fixed += 1
+    return fixed
+
+
+def prepacked_moe_methods(model: Any) -> list[Any]:
+    """The MoE layers' methods whose CPU kernel prepacks the experts' weights (vLLM 0.32's CPU
+    unquantized experts; not zentorch, which keeps them as loaded). Runs inside the engine."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM layout: nothing of this kind
+        return []
+    out = []
+    for _, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            out.append(method)
+    return out
+
+
+def has_prepacked_moe(model: Any) -> bool:
+    """Whether `model` (inside the engine) has MoE layers with prepacked CPU expert weights, which
+    only `reload_weights` with `prepack_moe_on_reload` can update (a plain `load_weights` writes the
+    new weights, unpacked, into the packed storage)."""
+    return bool(prepacked_moe_methods(model))
+
+
+def _prepacking_setup(method: Any, setup: Any):
+    """`setup` (a bound `_setup_kernel`), then the experts' pad-and-prepack on the reloaded layer."""
+
+    def setup_kernel(layer: Any, w13: Any, w2: Any) -> None:
+        setup(layer=layer, w13=w13, w2=w2)
+        method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    return setup_kernel

@@ -12,14 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core.moe import CONCENTRATION, MIN_SHARE
 from rlcheck.forensics.evidence import Evidence
 from rlcheck.forensics.findings import Finding
 from rlcheck.forensics.queries import affected_ids, alarm_steps, alarms_of, metric_series
-
-MIN_SHARE = 0.5
-"""The rerouted tokens carry at least this share of sum |d| on the alarmed steps (median)."""
-CONCENTRATION = 2.0
-"""... and at least this many times their share of the tokens."""
 
 
 def moe_routing(ev: Evidence) -> Finding | None:

@@ -25,7 +25,9 @@ The replacement streams the same (name, tensor) pairs through
 Parameters, loads them and runs `process_weights_after_loading` again, so the kernel packs the new
 weights), then resets the prefix cache as TRL does. It is used only when needed: `method="auto"`
 probes the engine's linear layers (`llm.apply_model`) and keeps TRL's own sync whenever they still
-carry their weight loaders, and always in server mode (the server has its own update path).
+carry their weight loaders and no MoE layer has CPU-prepacked experts (TRL's `load_weights` would
+write new expert weights, unpacked, into the packed storage: `vllm_sync.prepack_moe_on_reload`), and
+always in server mode (the server has its own update path).
 tests/integration/test_trl.py runs the fire drill on the branch this CPU takes and again with vLLM's
 dispatch made to take the other one.
 """
@@ -37,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlcheck.engines.vllm_sync import refresh_mamba_conv_weights
+from rlcheck.engines.vllm_sync import has_prepacked_moe, prepack_moe_on_reload, refresh_mamba_conv_weights
 from rlcheck.errors import ConfigError
 from rlcheck.integrations._patch import replaced
 
@@ -68,7 +70,9 @@ def resolve_method(vllm_generation: Any, method: str) -> str:
         return "trl"
     if method != "auto":
         return method
-    return "reload" if any(vllm_generation.llm.apply_model(linear_params_lack_loader)) else "trl"
+    llm = vllm_generation.llm
+    lacking, moe = (any(llm.apply_model(check)) for check in (linear_params_lack_loader, has_prepacked_moe))
+    return "reload" if lacking or moe else "trl"
 
 
 def reload_sync(vllm_generation: Any) -> None:
@@ -83,6 +87,7 @@ def reload_sync(vllm_generation: Any) -> None:
     # Cloned one at a time while TRL's iterator holds the parameter gathered (ZeRO-3, FSDP) or the
     # adapter merged (PEFT): vLLM may keep a tensor until the rest of its layer arrives.
     weights = ((name, t.detach().clone()) for name, t in vg._iter_named_params())
+    vg.llm.apply_model(prepack_moe_on_reload)  # vLLM 0.32 CPU MoE: prepack the experts on updates too
     vg.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     refresh_mamba_conv_weights(vg.llm)  # vLLM 0.32 CPU leaves bf16 Mamba convs stale (docs/mamba-conv-sync.md)
     vg.llm.reset_prefix_cache()

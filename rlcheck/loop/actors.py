@@ -143,8 +143,8 @@ class TrainerWorker:
     def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None):
         return self.trainer.logprobs(seqs, plan, temperature)
 
-    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int):
-        return self.trainer.topk_logprobs(seqs, plan, top_k)
+    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int, routing: bool = False):
+        return self.trainer.topk_logprobs(seqs, plan, top_k, routing)
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
         return self.trainer.train_step(seqs, plan)

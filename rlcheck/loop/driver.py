@@ -44,6 +44,7 @@ from rlcheck.engines.vllm import to_step_batch
 from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
+from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
 from rlcheck.loop.topk_wiring import recompute
@@ -67,6 +68,7 @@ class GRPOLoop:
         from rlcheck.loop.resources import check_cluster
 
         check_cluster(cfg.placement, cfg.world_size)  # ClusterResourcesError now, not a wait forever
+        self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
         from rlcheck.loop.guarding import with_run_dir
@@ -163,7 +165,7 @@ class GRPOLoop:
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
         plan = self.group.plan(seqs)
         with t("recompute"):  # with the engine's top-k on, also both sides' top-k (rlcheck.loop.topk_wiring)
-            logp_train, topk = recompute(self.group, seqs, plan, rollouts, self.rollout_cfg.top_logprobs)
+            logp_train, topk, routing = recompute(self.group, seqs, plan, rollouts, self.rollout_cfg.top_logprobs)
         rewards = np.array([reward(r.text, items[r.prompt_index][1]) for r in rollouts])
         extra = {
             "loop/reward_mean": float(rewards.mean()),
@@ -172,7 +174,8 @@ class GRPOLoop:
             **self.engine.metrics(step),
             **guard_extra,
         }
-        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses, topk=topk))
+        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses, topk=topk,
+                                                                routing=routing))
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it

@@ -75,15 +75,16 @@ class TrainerGroup:
             merged.update(part)
         return [merged[i] for i in range(len(seqs))]
 
-    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int) -> list[tuple]:
+    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int, routing: bool = False) -> list[tuple]:
         """As `logprobs`, and from the same pass each sequence's logprobs at `seqs.topk_ids` and its
         own top-`top_k` ids: one (logp (L,), logp_at (L, K) | None, ids (L, top_k) | None) per
-        sequence, in sequence order (`PolicyTrainer.topk_logprobs`)."""
+        sequence, in sequence order, and with `routing` its experts (L, layers, k) as well
+        (`PolicyTrainer.topk_logprobs`)."""
         import ray
 
         ref = ray.put(seqs)
         merged: dict[int, tuple] = {}
-        for part in self._all(lambda w: w.topk_logprobs.remote(ref, plan, top_k)):
+        for part in self._all(lambda w: w.topk_logprobs.remote(ref, plan, top_k, routing)):
             merged.update(part)
         return [merged[i] for i in range(len(seqs))]
 

@@ -2,9 +2,11 @@
 (`VLLMConfig.top_logprobs` = K > 0), the trainer's recompute scores the same positions' logprobs at the
 engine's top-K ids and its own top-K ids in the same chunked pass (`PolicyTrainer.topk_logprobs`), and
 the step's `StepBatch` carries both as a `TopK` (the Monitor's `rlcheck/dist/*` metrics, with
-`StatsConfig(distribution=True)`).
+`StatsConfig(distribution=True)`). An MoE engine's rollouts carry their experts (`Rollout.experts`,
+`VLLMConfig.moe_routing`); the trainer's routers are then read in the same forward and the batch
+carries both sides' `Routing` (the Monitor's `rlcheck/moe/*` metrics).
 
-    logp_train, topk = recompute(group, seqs, plan, rollouts, cfg.rollout.top_logprobs)   # topk: TopK | None
+    logp_train, topk, routing = recompute(group, seqs, plan, rollouts, cfg.rollout.top_logprobs)  # TopK, Routing or None
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.moe import Routing
 from rlcheck.core.topk import TopK, from_engine_dicts
 from rlcheck.errors import InputError
 from rlcheck.trainers import MicroBatchPlan, Sequences
@@ -36,19 +39,23 @@ def engine_topk(rollouts: Sequence[Any], k: int) -> list[tuple[np.ndarray, np.nd
 
 
 def recompute(group, seqs: Sequences, plan: MicroBatchPlan, rollouts: Sequence[Any],
-              top_k: int) -> tuple[list[np.ndarray], TopK | None]:
-    """The trainer's response-token logprobs of every sequence, and with `top_k` > 0 the step's `TopK`
-    (engine top-K ids and logprobs, the trainer's logprobs at those ids and its own top-K ids), all
-    from one forward per micro-batch; `top_k` 0: `group.logprobs`, no `TopK`."""
-    if not top_k:
-        return group.logprobs(seqs, plan), None
-    engine = engine_topk(rollouts, top_k)
-    asked = dataclasses.replace(seqs, topk_ids=tuple(ids for ids, _ in engine))
-    scored = group.topk_logprobs(asked, plan, top_k)  # per sequence: (logp, logp_at, own ids)
-    topk = TopK.from_ragged(
+              top_k: int) -> tuple[list[np.ndarray], TopK | None, Routing | None]:
+    """The trainer's response-token logprobs of every sequence; with `top_k` > 0 the step's `TopK`
+    (engine top-K ids and logprobs, the trainer's logprobs at those ids and its own top-K ids); when
+    the engine recorded every rollout's MoE experts (`Rollout.experts`), the step's `Routing` with
+    the trainer's experts from the same forward; all one forward per micro-batch. Neither asked:
+    `group.logprobs`."""
+    routing = bool(rollouts) and all(getattr(r, "experts", None) is not None for r in rollouts)
+    if not top_k and not routing:
+        return group.logprobs(seqs, plan), None, None
+    engine = engine_topk(rollouts, top_k) if top_k else None
+    asked = seqs if engine is None else dataclasses.replace(seqs, topk_ids=tuple(ids for ids, _ in engine))
+    scored = group.topk_logprobs(asked, plan, top_k, routing)  # per sequence: (logp, logp_at, own ids[, experts])
+    topk = None if engine is None else TopK.from_ragged(
         ids_rollout=[ids for ids, _ in engine],
         logp_rollout=[lp for _, lp in engine],
-        logp_train=[at for _, at, _ in scored],
-        ids_train=[own for _, _, own in scored],
+        logp_train=[s[1] for s in scored],
+        ids_train=[s[2] for s in scored],
     )
-    return [lp for lp, _, _ in scored], topk
+    moe = Routing.from_sequences([r.experts for r in rollouts], [s[3] for s in scored]) if routing else None
+    return [s[0] for s in scored], topk, moe

@@ -69,3 +69,16 @@ class RouteRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def response_experts(experts: np.ndarray, lengths: list[int], responses: list[int], width: int | None) -> list[np.ndarray]:
+    """Each sequence's (T, L, k) experts of its response tokens from one forward's record `experts`
+    (N, L, k): rows packed one after another (`width` None) or right-padded to `width` tokens."""
+    from rlcheck.engines.moe_routing import response_rows
+
+    out, start = [], 0
+    for n, t in zip(lengths, responses, strict=True):
+        rows = experts[start:start + n]
+        out.append(response_rows(rows, np.arange(n), n - t, t))
+        start += n if width is None else width
+    return out

@@ -8,6 +8,8 @@ never reaches one: attention is causal and the state flows forward).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -42,21 +44,47 @@ class PolicyTrainer:
         (at the config's temperature, or `temperature`: the sync check's probe scores at 1)."""
         return {i: s[0] for i, s in self._score_share(seqs, plan, temperature).items()}
 
-    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int) -> dict[int, tuple]:
-        """As `logprobs`, with more from the same chunked pass: sequence index -> (logp (L,) float32,
+    def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int, routing: bool = False) -> dict[int, tuple]:
+        """As `logprobs`, with more from the same forward: sequence index -> (logp (L,) float32,
         logprobs at `seqs.topk_ids` (L, K) float32, -inf at padding, or None without them, this
-        distribution's own top-`top_k` ids (L, top_k) int64, or None if top_k is 0)."""
-        return self._score_share(seqs, plan, None, top_k)
+        distribution's own top-`top_k` ids (L, top_k) int64, or None if top_k is 0, and with `routing`
+        the experts each MoE router picked for the response tokens (L, layers, k) int64, else None)."""
+        return self._score_share(seqs, plan, None, top_k, routing)
 
-    def _score_share(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None, top_k: int = 0):
+    def _score_share(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None, top_k: int = 0,
+                     routing: bool = False):
         out: dict[int, tuple] = {}
         self.backend.module.eval()
-        with torch.no_grad():
-            for mb in self._my_batches(plan):
-                scored = self._scores(seqs, mb, temperature, top_k)  # also when empty (a dummy): a collective
-                if mb:
-                    out.update(zip(mb, _to_host(scored), strict=True))
+        recorder = None
+        if routing:
+            from rlcheck.trainers.moe_routing import RouteRecorder
+
+            recorder = RouteRecorder(self.backend.module)
+        try:
+            with torch.no_grad():
+                for mb in self._my_batches(plan):
+                    scored = self._scores(seqs, mb, temperature, top_k)  # also when empty (a dummy): a collective
+                    experts = self._experts(seqs, mb, recorder)
+                    if mb:
+                        parts = _to_host(scored)
+                        out.update((i, (*p, e) if routing else p) for i, p, e in zip(mb, parts, experts, strict=True))
+        finally:
+            if recorder is not None:
+                recorder.remove()
         return out
+
+    def _experts(self, seqs: Sequences, mb: tuple[int, ...], recorder: Any) -> list:
+        """The response tokens' MoE experts of each sequence of the micro-batch just scored (None
+        each without a recorder); the recorder is cleared for the next one."""
+        if recorder is None:
+            return [None] * len(mb)
+        from rlcheck.trainers.moe_routing import response_experts
+
+        experts = recorder.experts()
+        recorder.clear()
+        lengths = [len(seqs.prompts[i]) + len(seqs.responses[i]) for i in mb]
+        width = None if self.packed and len(mb) > 1 else max(lengths, default=0)
+        return response_experts(experts, lengths, [len(seqs.responses[i]) for i in mb], width) if mb else []
 
     def train_step(self, seqs: Sequences, plan: MicroBatchPlan) -> dict[str, float]:
         """One optimizer step on the clipped surrogate over all ranks' tokens. The loss is the mean over

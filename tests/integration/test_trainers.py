@@ -122,6 +122,29 @@ class TestPolicyTrainer:
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         assert_weights_close(dict(small.full_state_dict()), dict(whole.full_state_dict()), before)
 
+    def test_moe_routing_read_in_the_recompute_forward(self, tiny_model):
+        """On the tiny MoE the trainer's recompute also returns each response token's experts, read by
+        the routers' hooks in the same packed forward: equal to one unpacked forward per sequence,
+        and the logprobs are the plain call's."""
+        from rlcheck.engines.moe_routing import response_rows
+        from rlcheck.trainers.moe_routing import RouteRecorder
+
+        model = str(tiny_model("moe"))
+        trainer = PolicyTrainer(TrainerConfig(model=model, backend="hf", micro_batch_tokens=BUDGET))
+        seqs = sequences(4, 7)
+        plan = plan_micro_batches(seqs, 1, BUDGET)
+        got = trainer.topk_logprobs(seqs, plan, 0, routing=True)
+        plain = trainer.logprobs(seqs, plan)
+        module = trainer.backend.module
+        for i in range(len(seqs)):
+            logp, at, own, experts = got[i]
+            assert at is None and own is None and np.array_equal(logp, plain[i])
+            ids = torch.tensor([list(seqs.prompts[i]) + list(seqs.responses[i])])
+            with RouteRecorder(module) as routes, torch.no_grad():
+                module(ids)
+            want = response_rows(routes.experts(), np.arange(ids.shape[1]), len(seqs.prompts[i]), len(seqs.responses[i]))
+            assert experts.shape == (len(seqs.responses[i]), 2, 2) and np.array_equal(np.sort(experts, -1), np.sort(want, -1))
+
     def test_tied_weights_gathered_once_under_both_names(self, tiny_model, tmp_path):
         """A tied model's synced weights hold `lm_head.weight` and `model.embed_tokens.weight` as one
         host tensor (gathered and copied once; the engine needs both names), fresh at every call."""

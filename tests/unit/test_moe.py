@@ -80,6 +80,8 @@ class TestMonitorRouting:
         batch = StepBatch.from_packed(lr, lr + ABS_DIFF, [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
         assert batch.select([1]).routing.num_tokens == 3
         other = StepBatch.from_packed(lr, lr, [0, 1, 4], ["c", "d"], routing=Routing(TRAIN, TRAIN))
+        ragged = StepBatch.from_ragged([lr[:1], lr[1:]], [lr[:1], lr[1:]], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
+        assert ragged.routing.num_tokens == 4  # the loop's path (engines.vllm.to_step_batch)
         joined = StepBatch.concat([batch, other])
         np.testing.assert_array_equal(joined.routing.experts_rollout[4:], TRAIN)
         with pytest.raises(InputError, match="routing has 3 rows for 4 tokens"):
@@ -89,6 +91,38 @@ class TestMonitorRouting:
         assert metrics[K.MOE_ROUTE_AGREE_FRAC] == 0.25 and metrics[K.moe_first_diff(0)] == 2.0
         plain = mon.observe(1, StepBatch.from_packed(lr, lr, [0, 1, 4], ["a", "b"])).metrics
         assert K.MOE_ROUTE_AGREE_FRAC not in plain
+
+
+class TestRoutingAlarms:
+    def test_warns_when_the_rerouted_tokens_carry_the_mismatch(self):
+        """A warning when the tokens routed differently carry at least half of sum |d| and twice their
+        share of the tokens; bf16-like noise (1% rerouted carrying 10%), full agreement, or no routing
+        metrics: none."""
+        from rlcheck.core.moe import routing_alarms
+
+        def metrics(agree, share):
+            return {K.MOE_ROUTE_AGREE_FRAC: agree, K.MOE_ABS_DIFF_SHARE: share}
+
+        (alarm,) = routing_alarms(3, metrics(0.9, 0.8))
+        assert (alarm.kind, alarm.metric, alarm.severity, alarm.step) == ("threshold", K.MOE_ABS_DIFF_SHARE, "warn", 3)
+        assert "10.0% of the tokens" in alarm.message and "80%" in alarm.message
+        assert routing_alarms(3, metrics(0.99, 0.10)) == []
+        assert routing_alarms(3, metrics(0.6, 0.7)) == []  # 40% rerouted carrying 70%: not concentrated
+        assert routing_alarms(3, metrics(1.0, 0.0)) == [] and routing_alarms(3, {}) == []
+
+    def test_the_monitor_raises_it(self, tmp_path):
+        """Through `Monitor.observe`: the step whose rerouted token carries the mismatch has the warning."""
+        from rlcheck.core.batch import StepBatch
+        from rlcheck.core.monitor import Monitor, MonitorConfig
+
+        lr = np.log(np.array([0.5, 0.4, 0.3, 0.2]))
+        mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=()))
+        engine = ROLLOUT.copy()
+        engine[3, 1] = [4, 0]  # the last token alone rerouted at layer 1, and it carries 0.6 of 1.0 nats
+        routing = Routing(engine, ROLLOUT)
+        report = mon.observe(0, StepBatch.from_packed(lr, lr + ABS_DIFF, [0, 1, 4], ["a", "b"], routing=routing))
+        assert [a.metric for a in report.alarms if a.metric.startswith("rlcheck/moe/")] == [K.MOE_ABS_DIFF_SHARE]
+        assert report.metrics[K.ALARM_COUNT] == len(report.alarms)
 
 
 def routed_batch(step: int, flip: float, seed: int = 0):

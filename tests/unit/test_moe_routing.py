@@ -111,3 +111,35 @@ class TestMoeRouteFlipFault:
 
         with pytest.raises(ConfigError, match="flip is required"):
             inject(object(), "moe-route-flip")
+
+
+class TestRoutingPlan:
+    """How an engine records MoE routing (`rlcheck.engines.moe_capture.routing_plan`)."""
+
+    def test_auto_follows_the_model_and_the_runner(self, tiny_model):
+        """"auto": router hooks for an MoE on the V1 runner (CPU, or hookable on CUDA), vLLM's
+        routed_experts on CUDA's V2 runner, nothing for a dense model or a tensor-parallel CPU engine."""
+        from rlcheck.engines.guard import GuardConfig
+        from rlcheck.engines.moe_capture import routing_plan
+        from rlcheck.engines.vllm import VLLMConfig
+
+        moe, dense = str(tiny_model("moe")), str(tiny_model("llama"))
+        assert routing_plan(VLLMConfig(model=moe), cuda=False) == "hooks"
+        assert routing_plan(VLLMConfig(model=moe), cuda=True) == "vllm"
+        assert routing_plan(VLLMConfig(model=moe, hookable=True), cuda=True) == "hooks"
+        assert routing_plan(VLLMConfig(model=moe, guard=GuardConfig()), cuda=True) == "hooks"
+        assert routing_plan(VLLMConfig(model=moe, tensor_parallel_size=2), cuda=False) == "off"
+        assert routing_plan(VLLMConfig(model=moe, moe_routing="off"), cuda=False) == "off"
+        assert routing_plan(VLLMConfig(model=dense), cuda=False) == "off"
+
+    def test_on_where_it_cannot_be_is_refused(self, tiny_model):
+        from rlcheck.engines.moe_capture import routing_plan
+        from rlcheck.engines.vllm import VLLMConfig
+
+        moe = str(tiny_model("moe"))
+        with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+            routing_plan(VLLMConfig(model=moe, moe_routing="on", tensor_parallel_size=2), cuda=False)
+        with pytest.raises(ConfigError, match="enforce_eager=True"):
+            routing_plan(VLLMConfig(model=moe, moe_routing="on", enforce_eager=False), cuda=False)
+        with pytest.raises(ConfigError, match="moe_routing must be"):
+            VLLMConfig(model=moe, moe_routing="yes")

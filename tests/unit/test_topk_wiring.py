@@ -31,10 +31,14 @@ class FakeGroup:
     def logprobs(self, seqs, plan):
         return [np.full(len(r), -1.0, np.float32) for r in seqs.responses]
 
-    def topk_logprobs(self, seqs, plan, top_k):
+    def topk_logprobs(self, seqs, plan, top_k, routing=False):
         self.asked = seqs.topk_ids
-        return [(np.full(len(r), -1.0, np.float32), np.where(ids >= 0, -0.5, -np.inf).astype(np.float32),
-                 np.tile(np.arange(7, 7 + top_k), (len(r), 1))) for r, ids in zip(seqs.responses, seqs.topk_ids, strict=True)]
+        ids = seqs.topk_ids or [None] * len(seqs)
+        return [(np.full(len(r), -1.0, np.float32),
+                 None if at is None else np.where(at >= 0, -0.5, -np.inf).astype(np.float32),
+                 np.tile(np.arange(7, 7 + top_k), (len(r), 1)) if top_k else None,
+                 *((np.tile([[0, 1], [2, 3]], (len(r), 1, 1)),) if routing else ()))
+                for r, at in zip(seqs.responses, ids, strict=True)]
 
 
 class TestRecompute:
@@ -43,20 +47,33 @@ class TestRecompute:
         rollouts = [rollout(0, [3, 4], 3), rollout(1, [5], 3)]
         seqs = Sequences.build([[1], [2]], [r.token_ids for r in rollouts])
         group = FakeGroup()
-        logp, topk = recompute(group, seqs, plan_micro_batches(seqs, 1, 100), rollouts, 2)
+        logp, topk, routing = recompute(group, seqs, plan_micro_batches(seqs, 1, 100), rollouts, 2)
         assert [x.tolist() for x in logp] == [[-1.0, -1.0], [-1.0]]
         assert [a.shape for a in group.asked] == [(2, 2), (1, 2)]
         assert group.asked[0][1].tolist() == [10, 11] and topk.num_tokens == 3 and topk.k == 2
         assert topk.ids_rollout[2].tolist() == [100, 101]
         np.testing.assert_allclose(topk.logp_rollout[0], [-0.1, -0.2], rtol=1e-6)
         assert (topk.logp_train == -0.5).all() and topk.ids_train[0].tolist() == [7, 8]
+        assert routing is None  # the rollouts carry no experts
+
+    def test_moe_rollouts_bring_the_trainers_routing(self):
+        """Rollouts with experts (an MoE engine): the trainer's routers are read in the same call
+        (top-k off), and the step's Routing holds both sides, token by token in sequence order."""
+        rollouts = [rollout(0, [3, 4], None), rollout(1, [5], None)]
+        for r, first in zip(rollouts, (0, 4), strict=True):
+            r.experts = np.tile([[first, 1], [2, 3]], (len(r.token_ids), 1, 1))
+        seqs = Sequences.build([[1], [2]], [r.token_ids for r in rollouts])
+        logp, topk, routing = recompute(FakeGroup(), seqs, plan_micro_batches(seqs, 1, 100), rollouts, 0)
+        assert topk is None and [len(x) for x in logp] == [2, 1]
+        assert routing.num_tokens == 3 and routing.num_layers == 2
+        assert routing.experts_rollout[:, 0, 0].tolist() == [0, 0, 4] and (routing.experts_train[:, 0, 0] == 0).all()
 
     def test_off_is_the_plain_recompute(self):
         """top_k 0: `group.logprobs`, no TopK, the rollouts' dicts are not read."""
         rollouts = [rollout(0, [3], None)]
         seqs = Sequences.build([[1]], [[3]])
-        logp, topk = recompute(FakeGroup(), seqs, plan_micro_batches(seqs, 1, 100), rollouts, 0)
-        assert topk is None and logp[0].tolist() == [-1.0]
+        logp, topk, routing = recompute(FakeGroup(), seqs, plan_micro_batches(seqs, 1, 100), rollouts, 0)
+        assert topk is None and routing is None and logp[0].tolist() == [-1.0]
 
     def test_engine_without_topk_is_refused(self):
         """A rollout without top-k dicts names the VLLMConfig setting that gives them."""

@@ -39,9 +39,10 @@ class TestHookableSettings:
 class TestBuildLLM:
     @pytest.fixture
     def built(self, tmp_path, monkeypatch):
-        """`build(**config) -> kwargs`: what `_build_llm` hands `vllm.LLM` (recorded, no engine started)."""
+        """`build(**config) -> kwargs`: what `build_llm` hands `vllm.LLM` (recorded, no engine started)."""
         vllm = pytest.importorskip("vllm")
         from rlcheck.engines import vllm as engine
+        from rlcheck.engines.vllm_env import build_llm
 
         seen = []
         monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
@@ -50,7 +51,7 @@ class TestBuildLLM:
             monkeypatch.delenv(name)
 
         def build(**config):
-            engine._build_llm(engine.VLLMConfig(model=str(tmp_path), enforce_eager=False, **config))
+            build_llm(engine.VLLMConfig(model=str(tmp_path), enforce_eager=False, **config))
             return seen.pop()
 
         return build
