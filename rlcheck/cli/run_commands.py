@@ -59,7 +59,7 @@ def demo(
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
     inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, top-p=P, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, drop-sync=PATTERN@S, and in the vLLM engine stale-state, index-wrap=B, stale-buffer, perturb-layer=K (see rlcheck.faults)."),
-    model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
+    model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained, moe-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
     quarantine: bool = typer.Option(False, "--quarantine", help="Quarantine the sequences the evidence condemns (out of the step and the loss) instead of halting; past 10%% of a step's sequences it still halts."),
