@@ -13,7 +13,8 @@ import pytest
 
 from rlcheck.core.run.guard_files import GuardOutput, load_guard, record_to_dict, safe_name
 from rlcheck.core.run.guard_record import CHECKS, GroupOffsets, PoolInfo, Ragged, StepRecord, Violation
-from rlcheck.engines._guard_checks import (
+from rlcheck.engines.guard import SIGNATURE, GuardConfig, violations_to_alarms
+from rlcheck.engines.guard.checks import (
     InvariantChecker,
     SlotHistory,
     check_in_pool,
@@ -21,8 +22,7 @@ from rlcheck.engines._guard_checks import (
     check_prefill_from_zero,
     check_slot_unique,
 )
-from rlcheck.engines._guard_vllm import MAX_LIST, to_json
-from rlcheck.engines.guard import SIGNATURE, GuardConfig, violations_to_alarms
+from rlcheck.engines.guard.reader import MAX_LIST, to_json
 from rlcheck.errors import ConfigError, GuardViolation
 
 POOL = PoolInfo(num_blocks=16, offsets={0: GroupOffsets(stride=1000, extent=800, itemsize=4, layer="layers.0.mixer")})
@@ -350,7 +350,7 @@ class TestUnaddressedPool:
 
         import torch
 
-        from rlcheck.engines._guard_vllm import pool_info
+        from rlcheck.engines.guard.reader import pool_info
 
         mamba, attention = torch.zeros(16, 4, 8), torch.zeros(2, 64, 32, 8)  # 16 blocks; 64 kernel blocks
         runner = SimpleNamespace(

@@ -1,5 +1,5 @@
 """The engine guard's record of one forward step, the cache pool it addresses, and a violation
-(pure data; `rlcheck.engines._guard_checks` checks the invariants on it, `rlcheck.engines.guard`
+(pure data; `rlcheck.engines.guard.checks` checks the invariants on it, `rlcheck.engines.guard`
 fills it from vLLM).
 
 A `StepRecord` holds, per request scheduled in the step (N rows, in the batch order the kernels see)

@@ -11,7 +11,7 @@ Logprob comparison sees the symptom; the guard sees the cause, at the step where
 every forward step it records which requests ran, each one's phase (prefill, chunked prefill,
 decode), its computed-token count, and the state slot and block ids its Mamba and attention layers
 address, keyed by the id `LLM.generate` reports; a ring buffer keeps the last `capacity` steps. It
-checks five invariants on each step (`rlcheck.engines._guard_checks`: (i) a request with no computed
+checks five invariants on each step (`rlcheck.engines.guard.checks`: (i) a request with no computed
 tokens runs as prefill from zeros, (ii) no two live requests share a state slot, (iii) ids within the
 pool, (iv) slot x stride fits a 32-bit offset with room to spare, (v) a freed slot is reinitialised
 before it is read) and applies each check's policy: record, warn (a RuntimeWarning, the first
@@ -25,9 +25,9 @@ Where it hooks: two instance attributes of the engine's model runner (no class i
 `set_forward_context` (gpu_model_runner.py:4189-4213), so the guard reads the metadata the kernels
 are about to read. An injected fault (`rlcheck.engines.vllm_faults`) rewrites that metadata earlier,
 in `_build_attention_metadata` (:4142); the two compose in either order of installation and the
-guard sees the fault's rewrite, as the kernels do. What it reads: `rlcheck.engines._guard_vllm`.
-Its settings, `GuardConfig`, are `rlcheck.engines._guard_config`; its alarms, `violations_to_alarms`,
-`rlcheck.engines._guard_alarms` (both re-exported here).
+guard sees the fault's rewrite, as the kernels do. What it reads: `rlcheck.engines.guard.reader`.
+Its settings, `GuardConfig`, are `rlcheck.engines.guard.config`; its alarms, `violations_to_alarms`,
+`rlcheck.engines.guard.alarms` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from typing import Any
 
 from rlcheck.core.run import guard_files as gio
 from rlcheck.core.run.guard_record import CHECKS, INVARIANT, StepRecord, Violation
-from rlcheck.engines._guard_alarms import GUARD_METRIC, SIGNATURE, violations_to_alarms
-from rlcheck.engines._guard_checks import InvariantChecker
-from rlcheck.engines._guard_config import BREAK_ENV, BREAK_PDB_ENV, POLICIES, GuardConfig
+from rlcheck.engines.guard.alarms import GUARD_METRIC, SIGNATURE, violations_to_alarms
+from rlcheck.engines.guard.checks import InvariantChecker
+from rlcheck.engines.guard.config import BREAK_ENV, BREAK_PDB_ENV, POLICIES, GuardConfig
 from rlcheck.errors import ConfigError, GuardViolation
 
 __all__ = ["BREAK_ENV", "BREAK_PDB_ENV", "CHECKS", "GUARD_METRIC", "INVARIANT", "MAX_WARNINGS", "POLICIES", "SIGNATURE",
@@ -58,7 +58,7 @@ class Guard:
     """The guard on one engine's model runner; see the module docstring."""
 
     def __init__(self, runner: Any, cfg: GuardConfig):
-        from rlcheck.engines._guard_vllm import StepReader, layout, pool_info
+        from rlcheck.engines.guard.reader import StepReader, layout, pool_info
 
         self.cfg, self.runner = cfg, runner
         self.pool = pool_info(runner)
@@ -218,7 +218,7 @@ class Guard:
     def _break(self, rec: StepRecord, scheduler_output: Any, metadata: dict[str, Any], found: list[Violation]) -> None:
         """A JSON snapshot for each break request of the step; then pdb if asked (its locals:
         scheduler_output, metadata, rec, path)."""
-        from rlcheck.engines._guard_vllm import write_snapshot
+        from rlcheck.engines.guard.reader import write_snapshot
 
         root = (self.dir if self.dir is not None else Path("runs") / "guard-break") / gio.BREAK_DIR
         pool = self.pool.to_dict(self.cfg.offset_limit, self.cfg.offset_margin)
