@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 from rlcheck.errors import InputError
@@ -96,4 +97,32 @@ def build_llm(cfg: Any):
 
     if routing_plan(cfg) == "vllm":
         kwargs["enable_return_routed_experts"] = True
-    return LLM(**kwargs)
+    with _cache_size_asked("kv_cache_memory_bytes" in kwargs):
+        return LLM(**kwargs)
+
+
+@contextmanager
+def _cache_size_asked(asked: bool, environ: MutableMapping[str, str] = os.environ):
+    """With a cache size in the config, `VLLM_CPU_KVCACHE_SPACE` left out while the engine starts: vLLM's
+    CPU backend lets the variable win over `kv_cache_memory_bytes`, so a set variable would silently undo
+    `kv_cache_bytes` (and `rlcheck stress --kv-cache`, its sweeps' memory lever). Said in one stderr line."""
+    held = environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if asked else None
+    if held is not None:
+        print(f"rlcheck: VLLM_CPU_KVCACHE_SPACE={held} left out while this engine starts: its kv_cache_bytes "
+              "sets the cache (vLLM's CPU backend would let the variable win)", file=sys.stderr)
+        _drop_vllm_env_cache()
+    try:
+        yield
+    finally:
+        if held is not None:
+            environ["VLLM_CPU_KVCACHE_SPACE"] = held
+            _drop_vllm_env_cache()
+
+
+def _drop_vllm_env_cache() -> None:
+    try:
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
+    except (ImportError, AttributeError):  # another vLLM: nothing cached
+        pass

@@ -4,6 +4,7 @@ recipes asking for it with an engine fault."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class TestBuildLLM:
         from rlcheck.engines.vllm_env import build_llm
 
         seen = []
-        monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
+        monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append({**kwargs, "env cache space": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}))
         for name in (*HOOKABLE_ENV, "RLCHECK_BREAK_ON"):  # unset now and after the test, however it leaves them
             monkeypatch.setenv(name, "")
             monkeypatch.delenv(name)
@@ -55,6 +56,15 @@ class TestBuildLLM:
             return seen.pop()
 
         return build
+
+    def test_a_configured_cache_size_wins_over_the_cpu_variable(self, built, monkeypatch, capsys):
+        """VLLM_CPU_KVCACHE_SPACE (which vLLM's CPU backend lets win) is left out while an engine with
+        kv_cache_bytes starts, said on stderr, and restored after; without kv_cache_bytes it stays."""
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        got = built(kv_cache_bytes=8 << 20)
+        assert got["kv_cache_memory_bytes"] == 8 << 20 and got["env cache space"] is None
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_CPU_KVCACHE_SPACE=1 left out" in capsys.readouterr().err
+        assert built()["env cache space"] == "1"
 
     def test_plain_engine_untouched(self, built):
         """No guard, no fault: the kwargs as configured, the runner left to vLLM."""
@@ -95,13 +105,13 @@ class TestForensicEngines:
         """`rlcheck stress` (its slot trace, faults, guard) and `rlcheck localize` (its layer hooks) build
         their engines hookable, so on CUDA vLLM 0.32 cannot pick its V2 runner under them."""
         from rlcheck.engines import vllm as engine
-        from rlcheck.forensics import localize, stress
+        from rlcheck.forensics import localize_engine, stress
 
         cfg = stress.StressConfig(model=str(tmp_path))
         assert stress.engine_config(cfg).hookable
         built = []
         monkeypatch.setattr(engine, "VLLMEngine", lambda config: built.append(config))
-        localize._forced_engine({"context": {}}, tmp_path, "float32", 64)
+        localize_engine.forced_engine({"context": {}}, tmp_path, "float32", 64)
         assert built and built[0].hookable
 
 
