@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--thresholds", default=None,
         help="comma-separated |d| levels of the monitor's StatsConfig.thresholds, if not the defaults",
     )
+    p.add_argument("--moe-layers", type=int, default=0,
+                   help="MoE layers of the model (its rlcheck/moe/* routing metrics): adds the MoE routing section")
     p.add_argument("--dry-run", action="store_true", help="print the specs as JSON; no network")
     return p.parse_args(argv)
 
@@ -53,14 +55,18 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError as e:
         raise ConfigError(f"the dashboards need wandb-workspaces ({e}): pip install 'rlcheck[wandb,dashboards]'") from e
     thresholds = _thresholds(args.thresholds)
+    if args.moe_layers < 0:
+        raise ConfigError(f"--moe-layers {args.moe_layers}: give the model's number of MoE layers (0: not an MoE)")
     views: dict[str, Any] = {
         "workspace": D.build_workspace(
-            args.entity, args.project, name=args.workspace_name or D.WORKSPACE_NAME, thresholds=thresholds
+            args.entity, args.project, name=args.workspace_name or D.WORKSPACE_NAME, thresholds=thresholds,
+            moe_layers=args.moe_layers,
         )
     }
     if args.report:
         views["report"] = D.build_report(
-            args.entity, args.project, title=args.report_title or D.REPORT_TITLE, thresholds=thresholds
+            args.entity, args.project, title=args.report_title or D.REPORT_TITLE, thresholds=thresholds,
+            moe_layers=args.moe_layers,
         )
     return views
 

@@ -4,7 +4,8 @@
     build_workspace("my-team", "my-project").save()               # needs `wandb login`
 
 Both views share one list of sections (`sections()`): overview, token, importance ratio, sequence,
-signatures, alarms, offenders. Every metric key comes from `rlcheck.core.metrics` and
+signatures, quarantine, alarms, offenders, and for a mixture-of-experts model (`moe_layers=L`, the
+`rlcheck/moe/*` metrics of a batch that carries routing) MoE routing. Every metric key comes from `rlcheck.core.metrics` and
 `rlcheck.sinks.wandb`; nothing here retypes a key. Building touches no network: only `.save()` does
 (and, for the report, serialising its run sets, which looks up the project id; see `report_spec`).
 """
@@ -153,6 +154,24 @@ def _quarantine() -> Section:
     )
 
 
+def _moe(num_layers: int) -> Section:
+    layers = range(num_layers)
+    return Section(
+        "MoE routing",
+        "Do the engine and the trainer send each token to the same experts? Tokens routed alike at every "
+        "MoE layer and at each layer, the share of the mismatch the rerouted tokens carry, and the layer "
+        "where a token's routing first differs (`rlcheck localize` names it per request).",
+        (
+            _line("tokens routed alike at every MoE layer (fraction)", [K.MOE_ROUTE_AGREE_FRAC]),
+            _line("tokens routed alike, per MoE layer (fraction)", [K.moe_layer_agree(i) for i in layers]),
+            _line("share of sum |d| on tokens routed differently", [K.MOE_ABS_DIFF_SHARE]),
+            _line("mean |d| rerouted / mean |d| routed alike", [K.MOE_ABS_DIFF_LIFT], log_y=True),
+            _line("tokens whose routing first differs, per MoE layer", [K.moe_first_diff(i) for i in layers]),
+            _line("tokens with both sides' routing", [K.MOE_TOKEN_COUNT]),
+        ),
+    )
+
+
 def _alarms() -> Section:
     return Section(
         "Alarms",
@@ -178,23 +197,28 @@ def _offenders() -> Section:
     )
 
 
-def sections(thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> list[Section]:
-    """The dashboards' sections, with fresh panel objects (panels carry ids: never share them)."""
-    return [_overview(), _token(thresholds), _ratio(), _sequence(), _signatures(), _quarantine(), _alarms(),
+def sections(thresholds: Sequence[float] = DEFAULT_THRESHOLDS, moe_layers: int = 0) -> list[Section]:
+    """The dashboards' sections, with fresh panel objects (panels carry ids: never share them); the MoE
+    routing section when `moe_layers` (the model's MoE layers) is not 0."""
+    if moe_layers < 0:
+        raise ValueError(f"moe_layers must be >= 0 (0: not an MoE), got {moe_layers}")
+    moe = [_moe(moe_layers)] if moe_layers else []
+    return [_overview(), _token(thresholds), _ratio(), _sequence(), _signatures(), *moe, _quarantine(), _alarms(),
             _offenders()]
 
 
 def build_workspace(
-    entity: str, project: str, name: str = WORKSPACE_NAME, thresholds: Sequence[float] = DEFAULT_THRESHOLDS
+    entity: str, project: str, name: str = WORKSPACE_NAME, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    moe_layers: int = 0,
 ) -> ws.Workspace:
-    """The workspace for `entity/project`; no network until `.save()`."""
+    """The workspace for `entity/project` (an MoE section with `moe_layers`); no network until `.save()`."""
     return ws.Workspace(
         entity=entity,
         project=project,
         name=name,
         sections=[
             ws.Section(name=s.name, panels=list(s.panels), is_open=i < 2, pinned=i == 0)
-            for i, s in enumerate(sections(thresholds))
+            for i, s in enumerate(sections(thresholds, moe_layers))
         ],
         settings=ws.WorkspaceSettings(x_axis="Step", point_visualization_method="bucketing"),
         runset_settings=ws.RunsetSettings(pinned_columns=list(SUMMARY_COLUMNS)),
@@ -202,12 +226,13 @@ def build_workspace(
 
 
 def build_report(
-    entity: str, project: str, title: str = REPORT_TITLE, thresholds: Sequence[float] = DEFAULT_THRESHOLDS
+    entity: str, project: str, title: str = REPORT_TITLE, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    moe_layers: int = 0,
 ) -> wr.Report:
-    """The report for `entity/project`: a heading, a sentence and a panel grid per section; no network
-    until `.save()`."""
+    """The report for `entity/project`: a heading, a sentence and a panel grid per section (an MoE section
+    with `moe_layers`); no network until `.save()`."""
     blocks: list[Any] = [wr.TableOfContents()]
-    for s in sections(thresholds):
+    for s in sections(thresholds, moe_layers):
         runset = wr.Runset(entity=entity, project=project, name="rlcheck runs", pinned_columns=list(SUMMARY_COLUMNS))
         blocks += [wr.H2(s.name), wr.P(s.description), wr.PanelGrid(runsets=[runset], panels=list(s.panels))]
     return wr.Report(

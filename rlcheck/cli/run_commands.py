@@ -58,7 +58,7 @@ def demo(
     steps: int = typer.Option(None, min=1, help="Steps to run [default: 20; with --inject, until the halt, at most 100]."),
     trainer: str = typer.Option("fsdp2", help="Trainer backend: fsdp2, deepspeed (ZeRO-3) or hf (one process)."),
     world_size: int = typer.Option(2, min=1, help="Trainer ranks (Ray actors); hf uses 1."),
-    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, top-p=P, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, drop-sync=PATTERN@S, and in the vLLM engine stale-state, index-wrap=B, stale-buffer, perturb-layer=K (see rlcheck.faults)."),
+    inject: str = typer.Option(None, help="A fault to inject, NAME[=VALUE][@START]: skip-sync-every=K, stale-weights@S, temperature-mismatch=F, top-p=P, off-by-one@S, bf16-noise=X@S, corrupt-seqs=R@S, drop-sync=PATTERN@S, in the trainer's inputs retokenize, double-bos, left-pad-positions, stop-token (@S), in the engine's setup stale-prefix-cache@S, rope-mismatch=F, raw-logprobs (attention models: --model runs/models/llama-trained), and in the vLLM engine stale-state, index-wrap=B, stale-buffer, perturb-layer=K (see rlcheck.faults)."),
     model: Path = typer.Option(Path("runs/models/hybrid-trained"), help="Tiny model folder, built there if missing: <arch>-trained (hybrid-trained, llama-trained, moe-trained) gets a model trained on the task (a few CPU minutes, once), any other name the random hybrid (e.g. runs/models/hybrid)."),
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),

@@ -25,7 +25,7 @@ from rlcheck.core.types import Alarm
 from rlcheck.errors import InputError
 
 __all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "first_diff_layer", "routing_alarms",
-           "routing_metrics", "routing_stats", "same_experts"]
+           "routing_metrics", "routing_stats", "same_experts", "sequence_routing"]
 
 MIN_SHARE = 0.5
 """Routing drives a step's mismatch when the tokens routed differently carry at least this share of its
@@ -139,6 +139,25 @@ def routing_stats(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = 
         abs_diff_share=float(moved.sum() / total) if total > 0 else 0.0,
         abs_diff_lift=lift,
     )
+
+
+def sequence_routing(routing: Routing, cu_seqlens: np.ndarray, mask: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, list[int | None]]:
+    """Per sequence of `cu_seqlens` (N+1,): ((N,) the share of its tokens routed alike at every MoE layer,
+    NaN without tokens; (N,) the first MoE layer where any of its tokens is routed differently, None where
+    none is), over the tokens `mask` (M,) keeps; naively `[routing_stats(seq).agree_frac for seq]` and
+    `min(first_diff_layer(seq))`."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    num, num_layers = cu.shape[0] - 1, routing.num_layers
+    keep = np.ones(routing.num_tokens, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    seq = np.repeat(np.arange(num), np.diff(cu))  # (M,) sequence of each token
+    agree = same_experts(routing.experts_rollout, routing.experts_train)  # (M, L)
+    counted = np.bincount(seq[keep], minlength=num).astype(np.float64)
+    alike = np.bincount(seq[keep], weights=agree.all(axis=1)[keep], minlength=num)
+    frac = np.divide(alike, counted, out=np.full(num, np.nan), where=counted > 0)
+    first = np.full(num, num_layers, dtype=np.int64)
+    np.minimum.at(first, seq[keep], first_diff_layer(agree)[keep])
+    return frac, [int(f) if f < num_layers else None for f in first]
 
 
 def routing_metrics(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> dict[str, float]:

@@ -16,6 +16,20 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | permute-sync=PATTERN    | name part    | syncs roll the rows of tensors named *PATTERN*; sync check names their layers | weights_out_of_sync |
 | stale-buffer            | -            | Mamba conv buffers keep old values; sync check names the Mamba layers  | weights_out_of_sync |
 
+In what the trainer scores (`Fault.trainer_inputs`, `rlcheck.faults.inputs`; the loop lays its logprobs
+against the engine's tokens by position, `rlcheck.loop.trainer_view`):
+
+| retokenize              | -            | some sequences' ids differ from a mid-sequence token on | retokenization      |
+| double-bos              | -            | the trainer's prompt has BOS twice: every sequence off  | prompt_mismatch     |
+| left-pad-positions      | -            | off with the row's left padding; unpadded rows clean    | position_ids        |
+| stop-token              | -            | the stop token of stopped sequences only                | stop_token          |
+
+In how the engine is set up (`rlcheck.faults.engine_settings`):
+
+| stale-prefix-cache      | -            | prompts sharing a cached prefix off after the syncs      | stale_prefix_cache  |
+| rope-mismatch=F         | factor != 1  | engine RoPE base x F: closer early, further off later   | position_dependent  |
+| raw-logprobs            | -            | engine logprobs before T = 0.7: d follows logp_rollout   | logit_processing    |
+
 Engine-level (inside the rollout vLLM engine, `rlcheck.engines.vllm_faults`; Mamba models, vllm 0.32;
 perturb-layer: any model):
 
@@ -28,8 +42,10 @@ perturb-layer: any model):
 from __future__ import annotations
 
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import Fault
+from rlcheck.faults.base import Fault, TrainerInputs
 from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
+from rlcheck.faults.engine_settings import RawLogprobs, RopeMismatch, StalePrefixCache
+from rlcheck.faults.inputs import DoubleBos, LeftPadPositions, Retokenize, StopToken
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -59,11 +75,18 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     IndexWrap.name: (IndexWrap, "boundary", int),
     PerturbLayer.name: (PerturbLayer, "layer", int),
     MoeRouteFlip.name: (MoeRouteFlip, "p", float),
+    Retokenize.name: (Retokenize, None, int),
+    DoubleBos.name: (DoubleBos, None, int),
+    LeftPadPositions.name: (LeftPadPositions, None, int),
+    StopToken.name: (StopToken, None, int),
+    StalePrefixCache.name: (StalePrefixCache, None, int),
+    RopeMismatch.name: (RopeMismatch, "factor", float),
+    RawLogprobs.name: (RawLogprobs, None, int),
 }
 
 
 def parse_inject(spec: str | None, seed: int = 0) -> Fault:
-    """`None` or "" -> no fault; "NAME[=VALUE][@START]" -> that fault (ConfigError naming the problem)."""
+    """`None` or "" -> no fault; `NAME[=VALUE][@START]` -> that fault (ConfigError naming the problem)."""
     if not spec:
         return Fault()
     head, at, start_text = spec.partition("@")
@@ -89,5 +112,7 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DropSync", "Fault", "IndexWrap", "MoeRouteFlip", "OffByOne", "PerturbLayer", "SkipSync", "StaleBuffer", "StaleState",
-           "StaleWeights", "TemperatureMismatch", "TopP", "parse_inject"]
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "LeftPadPositions",
+           "MoeRouteFlip", "OffByOne", "PerturbLayer", "RawLogprobs", "Retokenize", "RopeMismatch", "SkipSync",
+           "StaleBuffer", "StalePrefixCache", "StaleState", "StaleWeights", "StopToken", "TemperatureMismatch", "TopP",
+           "TrainerInputs", "parse_inject"]

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainerInputs:
+    """The token ids a trainer-side fault has the trainer score, one entry per sequence."""
+
+    prompts: list[list[int]]
+    """The trainer's prompt ids, as it holds (and reports) them."""
+    responses: list[list[int]]
+    """The trainer's response ids: it scores these, and its logprobs are laid against the engine's
+    tokens by position (a shorter response leaves the engine's last tokens unscored)."""
+    left_pad: list[int] | None = None
+    """Pad tokens the trainer puts before each prompt in its row and attends to, without position
+    ids: its positions shift by the padding (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +36,11 @@ class Fault:
     - `sync_spoil(step)`: how that sync spoils what it sends, and still counts as done (`spoil_sync`):
       "PATTERN" leaves out every tensor whose name contains it, "permute:PATTERN" rolls their output
       rows by one (None: send everything as it is);
+    - `prompts(step, prompts, tokenizer)`: the step's prompt ids as the engine (and the trainer) get
+      them (a long shared system prompt, `stale-prefix-cache`);
+    - `trainer_inputs(step, prompts, responses, texts, tokenizer)`: the token ids the trainer scores
+      instead of the engine's (`TrainerInputs`; None: the engine's as they are), laid against the
+      engine's tokens by position (`rlcheck.loop.trainer_view`);
     - `apply(step, batch)`: the step's comparison data as the fault corrupts it, and the request ids
       it touched (ground truth for tests; the monitor and diagnose never see it).
     """
@@ -63,6 +83,13 @@ class Fault:
     def active(self, step: int) -> bool:
         return step >= self.start
 
+    def prompts(self, step: int, prompts: list[list[int]], tokenizer: Any) -> list[list[int]]:
+        return prompts
+
+    def trainer_inputs(self, step: int, prompts: list[list[int]], responses: list[list[int]], texts: list[str],
+                       tokenizer: Any) -> TrainerInputs | None:
+        return None
+
     def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
         return batch, []
 
@@ -77,6 +104,15 @@ class Fault:
 
     def rng(self, step: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, step, 0x5EED])
+
+
+def check_factor(name: str, factor: float, start: int, what: str) -> None:
+    """ConfigError unless `factor` is a finite number > 0 other than 1 and the fault starts at step 0 (it
+    changes `what` before the run)."""
+    if not (factor > 0 and math.isfinite(factor)) or factor == 1.0:
+        raise ConfigError(f"{name} needs a factor > 0 other than 1, got {factor}")
+    if start:
+        raise ConfigError(f"{name} acts from the first step (it changes {what})")
 
 
 def all_ids(batch: StepBatch) -> list[str]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import PERMUTE, Fault, all_ids, per_sequence
+from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor, per_sequence
 
 BF16_EPS = 2.0**-8
 """Relative precision of bfloat16 (8 significant bits)."""
@@ -131,10 +131,7 @@ class TemperatureMismatch(Fault):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (self.factor > 0 and math.isfinite(self.factor)) or self.factor == 1.0:
-            raise ConfigError(f"temperature-mismatch needs a factor > 0 other than 1, got {self.factor}")
-        if self.start:
-            raise ConfigError("temperature-mismatch acts from the first step (it changes the trainer's config)")
+        check_factor(self.name, self.factor, self.start, "the trainer's config")
 
     def trainer_config(self, cfg):
         return dataclasses.replace(cfg, temperature=cfg.temperature * self.factor)

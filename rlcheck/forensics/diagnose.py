@@ -12,7 +12,6 @@ outranks a level shift seen in aggregate statistics); they rank causes, they are
 from __future__ import annotations
 
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from rlcheck.forensics.evidence import Evidence, load_evidence
 from rlcheck.forensics.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
 from rlcheck.forensics.localize_diagnose import load_localizations, localized_weights, name_layer
 from rlcheck.forensics.moe_rule import moe_routing
+from rlcheck.forensics.notes import RESTART_AGE, note_quarantine, note_restart
 from rlcheck.forensics.queries import (
     MAX_IDS,
     affected_ids,
@@ -35,12 +35,9 @@ from rlcheck.forensics.queries import (
     rising,
     spearman,
 )
+from rlcheck.forensics.rules_evidence import EVIDENCE_RULES
 
 __all__ = ["CAUSES", "RESTART_AGE", "RULES", "Diagnosis", "Finding", "diagnose"]
-
-RESTART_AGE = "loop/steps_since_engine_restart"
-"""The loop's `rlcheck.loop.recovery.STEPS_SINCE_RESTART` (spelled here: diagnose does not import the loop)."""
-
 
 def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None = None) -> Diagnosis:
     """Diagnose a run (a `Run`, or its directory) or a dump (see the module docstring). `localizations`:
@@ -54,8 +51,8 @@ def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None 
     if not findings:
         findings = [_healthy_or_unexplained(ev)]
     findings.sort(key=lambda f: -f.confidence)
-    _note_restart(ev, findings[0])
-    _note_quarantine(ev, findings[0])
+    note_restart(ev, findings[0])
+    note_quarantine(ev, findings[0])
     name_layer(findings[0], localizations)
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 
@@ -209,7 +206,12 @@ def _weights(ev: Evidence) -> Finding | None:
     if direct:  # sequences tagged with weights older than the trainer's: no shape needed
         ids = [rid for a in direct for rid in a["details"].get("request_ids", [])]
         evidence = [f"step {direct[0]['step']}: {direct[0]['message']}"]
-        return Finding("weights_out_of_sync", 0.99, evidence, alarm_steps(direct), list(dict.fromkeys(ids))[:50])
+        # only the sync check's probe failed, every fingerprint agreed: the same weights computing otherwise
+        probe_only = all("differing" in a["details"] and not a["details"]["differing"] for a in direct)
+        evidence += ["the fingerprints agree: the engine holds the trainer's weights and computes otherwise with them "
+                     "(a model config such as RoPE or a window, a kernel, logit processing)"] if probe_only else []
+        return Finding("weights_out_of_sync", 0.85 if probe_only else 0.99, evidence, alarm_steps(direct),
+                       list(dict.fromkeys(ids))[:50])
     periodic = alarms_of(ev, kind="periodic")
     if periodic:
         a = periodic[0]
@@ -285,36 +287,5 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
                    alarm_steps(alarms))
 
 
-def _note_quarantine(ev: Evidence, verdict: Finding) -> None:
-    """The quarantined sequences (records' `"quarantined"`) in the evidence; a step past max_frac was judged whole."""
-    held, over = [], []
-    for r in ev.records:
-        whole = any(a.get("kind") == "quarantine" and a.get("metric") == K.QUARANTINE_FRAC for a in r.get("alarms") or ())
-        (over if whole else held).extend((int(r["step"]), q) for q in r.get("quarantined") or ())
-    where = f" (their sequences: {ev.path / 'quarantine'})" if ev.source == "run" else ""
-    if held:
-        steps = sorted({s for s, _ in held})
-        why = ", ".join(f"{n} {r}" for r, n in Counter(q.get("reason", "?") for _, q in held).most_common())
-        verdict.evidence.append(f"{len(held)} sequence(s) quarantined on {len(steps)} step(s) from step {steps[0]}: "
-                                f"{why}; the verdict is of the sequences kept{where}")
-    if over:
-        steps = sorted({s for s, _ in over})
-        verdict.evidence.append(f"step {steps[0]}: {sum(1 for s, _ in over if s == steps[0])} sequences condemned, past "
-                                f"the quarantine's max_frac: too many to mask, the step was judged whole{where}")
-
-
-def _note_restart(ev: Evidence, verdict: Finding) -> None:
-    """Alarms on the step a fresh rollout engine started, or the next: say so (empty caches, re-synced
-    weights) in the verdict's evidence."""
-    extra = {}
-    if ev.source == "dump":  # the loop's scalars are in the dump's meta, not in its recomputed record
-        extra = ev.meta().get("metrics", {})
-    steps = [r["step"] for r in ev.records
-             if r.get("alarms") and 0 <= {**r["metrics"], **extra}.get(RESTART_AGE, math.inf) <= 1]
-    if steps:
-        verdict.evidence.append(f"alarm(s) at step(s) {', '.join(map(str, steps[:5]))} came right after the rollout "
-                                "engine was restarted (a fresh engine: empty caches, weights re-synced); loop.jsonl "
-                                "has the restart")
-
-
-RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise, moe_routing)
+RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise, moe_routing,
+         *EVIDENCE_RULES)

@@ -69,6 +69,8 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     """The step record of a dump: statistics and signature alarms recomputed from its sequences."""
     from rlcheck.core.batch import StepBatch
     from rlcheck.core.detect.signature import SignatureDetector
+    from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
+    from rlcheck.core.prompt_ids import alarms_of as prompt_alarms_of
     from rlcheck.core.stats import StatsConfig, compute
 
     def column(name: str):
@@ -86,6 +88,9 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))
     alarms = [a.to_dict() for a in SignatureDetector().update(step, metrics)]
+    prompts, theirs = column("prompt_tokens"), column(PROMPT_TOKENS_TRAIN)
+    if prompts is not None and theirs is not None:  # the two sides' prompt ids (`rlcheck.core.prompt_ids`)
+        alarms += [a.to_dict() for a in prompt_alarms_of(step, prompts, theirs, batch.request_ids)]
     # the run's other alarms of this step (periodic, drift, ...) need its history: take them as logged
     alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"]
     return {"step": step, "metrics": metrics, "alarms": alarms, "offenders": [o.to_dict() for o in offenders]}

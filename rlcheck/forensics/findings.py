@@ -16,6 +16,12 @@ CAUSES = {
     "index_aliasing": "state-index overflow / aliasing (a slot offset that wrapped)",
     "token_misalignment": "token misalignment (off-by-one, chat template, tokenizer drift)",
     "moe_routing": "MoE routing disagreement (near-tie tokens sent to other experts)",
+    "stale_prefix_cache": "stale prefix cache (a prompt prefix cached under old weights, not reset after a sync)",
+    "retokenization": "re-tokenization (the trainer scores its own tokenization of the response text)",
+    "prompt_mismatch": "prompt mismatch (the trainer's prompt ids are not the engine's: BOS twice, a template)",
+    "position_ids": "position ids / padding (left padding without position ids shifts the trainer's positions)",
+    "stop_token": "stop token (the stop/EOS token scored on one side, dropped or aligned otherwise on the other)",
+    "position_dependent": "position-dependent mismatch (RoPE base, scaling or sliding window differs past a position)",
     "unexplained": "alarms that match no known shape",
 }
 MIN_NOISE_STEPS = 3

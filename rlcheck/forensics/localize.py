@@ -22,7 +22,11 @@ How the engine side is re-run depends on PATH:
   synced weights are not in the dump).
 An injected fault is re-injected because it is part of the engine under test; a real engine bug is
 reproduced by the re-run itself. `engine=`: an engine already started with those settings (and the
-fault): localize uses it as it is and leaves it open.
+fault): localize uses it as it is and leaves it open. The re-runs: `rlcheck.forensics.localize_engine`.
+
+On an MoE model the same re-run records which experts the engine's routers picked at every position
+(`RouteCapture`), the reference's forward its own (`RouteRecorder`), and `r.routing` names the first MoE
+layer where they differ, with how many tokens (`rlcheck.forensics.localize_routing`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ from rlcheck.forensics.localize_compare import (
     relative_errors,
     tolerance_for,
 )
+from rlcheck.forensics.localize_engine import (
+    EngineRun,
+    dump_fault,
+    engine_settings,
+    fault_name,
+    rerun_forced,
+    rerun_stress,
+)
+from rlcheck.forensics.localize_routing import compare_routing, moe_layers, reference_routes
 from rlcheck.forensics.replay import (
     DumpSequences,
     check_dump_dir,
@@ -81,25 +94,26 @@ def localize(
     model_dir = resolve_model(seqs.meta, model_dir)
     chosen = choose(seqs, request_ids, top)
     stress = stress_config(dump, model_dir)
-    dtype = stress.dtype if stress is not None else _engine_settings(seqs.meta).get("dtype") or "float32"
+    dtype = stress.dtype if stress is not None else engine_settings(seqs.meta).get("dtype") or "float32"
     tol, tol_from = (tolerance, "argument") if tolerance is not None else (_tolerance(dtype), "dtype")
     scorer = scorer or load_scorer(model_dir)
     check_vocab(seqs, vocab_size(scorer.model))
     model_type = str(scorer.model.config.model_type)
+    moe = moe_layers(scorer.model)  # decoder layer of each MoE layer: its routing is compared too
     t1 = time.perf_counter()
     if stress is not None:
-        mode, fault = "stress re-run", _fault_name(stress)
-        runs = _rerun_stress(stress, seqs, chosen, model_type, engine, progress)
+        mode, fault = "stress re-run", fault_name(stress)
+        runs = rerun_stress(stress, seqs, chosen, model_type, engine, progress, moe=bool(moe))
     else:
-        mode, fault = "teacher-forced prefill", _dump_fault(seqs.meta)
-        runs = _rerun_forced(seqs, chosen, model_dir, model_type, dtype, engine, progress)
+        mode, fault = "teacher-forced prefill", dump_fault(seqs.meta)
+        runs = rerun_forced(seqs, chosen, model_dir, model_type, dtype, engine, progress, moe=bool(moe))
     t2 = time.perf_counter()
     from rlcheck.forensics.localize_vllm import layer_types
 
     types = layer_types(scorer.model)
     requests = []
     for i in chosen:
-        requests.append(_compare(seqs, i, runs[i], scorer.model, types, tol, stress is not None))
+        requests.append(_compare(seqs, i, runs[i], scorer.model, types, tol, stress is not None, moe))
         if progress is not None:
             progress("reference and comparison (requests)", len(requests), len(chosen))
     result = LocalizeResult(
@@ -155,12 +169,6 @@ def stress_config(dump: Path, model_dir: Path) -> Any:
                          "is it rlcheck stress output?") from exc
 
 
-def _engine_settings(meta: dict[str, Any]) -> dict[str, Any]:
-    """The dump's context.engine (dtype, kv_cache_bytes, max_num_seqs, ...; {} without one)."""
-    settings = (meta.get("context") or {}).get("engine")
-    return settings if isinstance(settings, dict) else {}
-
-
 def _tolerance(dtype: str) -> float:
     try:
         return tolerance_for(dtype)
@@ -168,141 +176,28 @@ def _tolerance(dtype: str) -> float:
         raise InputError(str(exc)) from None
 
 
-def _fault_name(cfg: Any) -> str:
-    value = cfg.fault_boundary if cfg.fault == "index-wrap" else cfg.layer
-    return cfg.fault + ("" if value is None else f"={value}")
-
-
-def _dump_fault(meta: dict[str, Any]) -> str:
-    """The engine fault a dump's run had (context.fault, as `rlcheck demo --inject` wrote it), or "none"."""
-    spec = (meta.get("context") or {}).get("fault")
-    if not spec or spec == "none":
-        return "none"
-    from rlcheck.engines.vllm_faults import FAULTS
-    from rlcheck.faults import parse_inject
-
-    try:
-        engine_fault = parse_inject(str(spec)).engine_fault()
-    except Exception:  # noqa: BLE001 - a fault this version does not know: nothing to re-inject
-        return "none"
-    if engine_fault is None or engine_fault[0] not in FAULTS:
-        return "none"
-    kind, options = engine_fault
-    return kind + "".join(f"={v}" for v in options.values())
-
-
-# ---- the engine side -----------------------------------------------------------------------------
-
-
-Run = tuple[np.ndarray, np.ndarray, list[int]]  # positions (T,), states (L, T, H), the tokens the engine ran
-
-
-def _rerun_stress(cfg: Any, seqs: DumpSequences, chosen: list[int], model_type: str, engine: Any,
-                  progress: Progress | None) -> dict[int, Run]:
-    """The stress workload again (see the module docstring); the chosen requests' layer states."""
-    from rlcheck.forensics.localize_vllm import LayerCapture
-    from rlcheck.forensics.stress import inject_faults, progress_bar, start_engine
-
-    own = engine is None
-    engine = engine or start_engine(cfg)
-    handles: tuple[Any, ...] = inject_faults(engine, cfg)[:2] if own else ()
-    try:
-        offset = engine.llm.request_counter.counter  # vLLM numbers this engine's requests from here
-        ids = {str(offset + i): i for i in chosen}
-        bar = None if progress is None else progress_bar(lambda d, t: progress("re-running in vLLM (requests)", d, t))
-        with LayerCapture(engine, ids, model_type) as capture:
-            rollouts = engine.generate(seqs.prompts, step=0, use_tqdm=bar or False)
-        _check_ids([r.vllm_request_id for r in rollouts], offset)
-        return {i: (*capture.states(rid), list(rollouts[i].token_ids)) for rid, i in ids.items()}
-    finally:
-        for h in handles:
-            if h is not None:
-                h.remove()
-        if own:
-            engine.close()
-
-
-def _rerun_forced(seqs: DumpSequences, chosen: list[int], model_dir: Path, model_type: str, dtype: str,
-                  engine: Any, progress: Progress | None) -> dict[int, Run]:
-    """The chosen requests teacher-forced, one prefill each (see the module docstring)."""
-    from rlcheck.forensics.localize_vllm import LayerCapture
-    from rlcheck.forensics.stress import progress_bar
-
-    forced = [seqs.prompts[i] + seqs.responses[i][:-1] for i in chosen]
-    own = engine is None
-    engine = engine or _forced_engine(seqs.meta, model_dir, dtype, max(len(f) for f in forced) + 1)
-    handle = _inject_dump_fault(engine, seqs.meta) if own else None
-    try:
-        llm = getattr(engine, "llm", engine)  # a VLLMEngine or a vllm.LLM
-        offset = llm.request_counter.counter
-        ids = {str(offset + k): i for k, i in enumerate(chosen)}
-        bar = None if progress is None else progress_bar(lambda d, t: progress("re-running in vLLM (requests)", d, t))
-        from vllm import SamplingParams
-
-        one = SamplingParams(max_tokens=1, temperature=0.0)  # the prefill is what counts; its one token is not
-        with LayerCapture(engine, ids, model_type) as capture:
-            outputs = llm.generate([{"prompt_token_ids": f} for f in forced], one, use_tqdm=bar or False)
-        _check_ids([str(o.request_id) for o in outputs], offset)
-        return {i: (*capture.states(rid), list(seqs.responses[i])) for rid, i in ids.items()}
-    finally:
-        if handle is not None:
-            handle.remove()
-        if own:
-            engine.close()
-
-
-def _forced_engine(meta: dict[str, Any], model_dir: Path, dtype: str, max_len: int) -> Any:
-    """A greedy one-token engine with the dump's engine settings, long enough for its sequences,
-    hookable (localize hooks every decoder layer; a dump's engine fault is injected into it)."""
-    from rlcheck.engines.vllm import VLLMConfig, VLLMEngine
-    from rlcheck.errors import ConfigError
-
-    settings = _engine_settings(meta)
-    cfg = VLLMConfig(model=str(model_dir), dtype=dtype, greedy=True, max_tokens=1, engine_id="localize",
-                     max_model_len=max(256, max_len), kv_cache_bytes=settings.get("kv_cache_bytes") or 64 << 20,
-                     max_num_seqs=settings.get("max_num_seqs"), hookable=True)
-    try:
-        return VLLMEngine(cfg)
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"vLLM refused the dump's engine settings: {str(exc).splitlines()[0]}") from exc
-
-
-def _inject_dump_fault(engine: Any, meta: dict[str, Any]) -> Any:
-    spec = _dump_fault(meta)
-    if spec == "none":
-        return None
-    from rlcheck.engines import vllm_faults
-    from rlcheck.faults import parse_inject
-
-    kind, options = parse_inject(str(meta["context"]["fault"])).engine_fault()
-    return vllm_faults.inject(engine, kind, **options)
-
-
-def _check_ids(got: list[str], offset: int) -> None:
-    if got != [str(offset + i) for i in range(len(got))]:
-        raise RuntimeError(f"vLLM numbered the re-run's requests {got[:4]}..., not from {offset}: "
-                           "the captured rows cannot be matched to the dump's requests")
-
-
 # ---- the reference and the comparison ------------------------------------------------------------
 
 
-def _compare(seqs: DumpSequences, i: int, run: Run, model: Any, types: tuple[str, ...], tolerance: float,
-             decoded: bool) -> RequestLocalization:
+def _compare(seqs: DumpSequences, i: int, run: EngineRun, model: Any, types: tuple[str, ...], tolerance: float,
+             decoded: bool, moe: tuple[int, ...]) -> RequestLocalization:
     from rlcheck.forensics.localize_vllm import reference_states
 
-    positions, states, response = run
-    prompt = seqs.prompts[i]
+    prompt, response = seqs.prompts[i], run.tokens
     rid = seqs.request_ids[i]
     match = list(response) == list(seqs.responses[i])
     note = None if match else _mismatch(seqs.responses[i], response)
-    if positions.size == 0:
+    if run.positions.size == 0:
         return localize_request(rid, np.zeros((len(types), 0)), types, len(prompt), tolerance,
                                 tokens_match=match, note="the engine computed no position of this request")
-    reference = reference_states(model, prompt + list(response[:-1]))  # what the engine ran
-    rel = relative_errors(states, reference[:, positions])
-    return localize_request(rid, rel, types, len(prompt), tolerance, positions=positions, decoded=decoded,
-                            tokens_match=match, note=note)
+    with reference_routes(model, run.experts is not None) as routes:
+        reference = reference_states(model, prompt + list(response[:-1]))  # what the engine ran
+    routing = None if routes is None else compare_routing(
+        run.positions, run.experts, routes.experts(), moe, len(prompt),
+        in_dump=None if seqs.first_route_diff is None else seqs.first_route_diff[i])
+    rel = relative_errors(run.states, reference[:, run.positions])
+    return localize_request(rid, rel, types, len(prompt), tolerance, positions=run.positions, decoded=decoded,
+                            tokens_match=match, note=note, routing=routing)
 
 
 def _mismatch(dumped: list[int], rerun: list[int]) -> str:

@@ -71,7 +71,7 @@ def relative_errors(engine: np.ndarray, reference: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class LayerError:
     index: int
-    type: str  # "attention", "mamba", "mlp" or "moe"
+    type: str  # "attention", "mamba", "mlp" or "moe" (+ "+moe" for a routed MoE MLP: "attention+moe")
     max_rel_err: float  # over the positions
     first_position: int | None  # first position over the tolerance (None: within it everywhere)
     worst_position: int  # where max_rel_err is
@@ -90,6 +90,7 @@ class RequestLocalization:
     layers: tuple[LayerError, ...]
     tokens_match: bool = True  # the re-run generated the dump's tokens
     note: str | None = None
+    routing: dict[str, Any] | None = None  # an MoE's routing, engine vs reference (`localize_routing.compare_routing`)
 
     @property
     def diverged(self) -> bool:
@@ -103,10 +104,12 @@ class RequestLocalization:
 
 def localize_request(request_id: str, rel: np.ndarray, layer_types: tuple[str, ...], prompt_len: int,
                      tolerance: float, *, positions: np.ndarray | None = None, decoded: bool = True,
-                     tokens_match: bool = True, note: str | None = None) -> RequestLocalization:
+                     tokens_match: bool = True, note: str | None = None,
+                     routing: dict[str, Any] | None = None) -> RequestLocalization:
     """The first divergent layer and position of one request, from its (L, T) relative errors.
     `positions`: the token position of each column (default 0..T-1); `decoded`: False when the engine
-    computed the response positions in a prefill too (teacher-forced), so every phase is "prefill"."""
+    computed the response positions in a prefill too (teacher-forced), so every phase is "prefill";
+    `routing`: an MoE's routing comparison, kept as it is."""
     num_layers, num_positions = rel.shape
     if len(layer_types) != num_layers:
         raise ValueError(f"{len(layer_types)} layer types for {num_layers} layers")
@@ -127,7 +130,8 @@ def localize_request(request_id: str, rel: np.ndarray, layer_types: tuple[str, .
         layer_type=None if first is None else first.type, position=position,
         response_position=position - prompt_len if in_response else None,
         phase=None if position is None else ("decode" if in_response and decoded else "prefill"),
-        prompt_len=prompt_len, num_positions=num_positions, layers=layers, tokens_match=tokens_match, note=note)
+        prompt_len=prompt_len, num_positions=num_positions, layers=layers, tokens_match=tokens_match, note=note,
+        routing=routing)
 
 
 def _first(mask: np.ndarray, positions: np.ndarray) -> int | None:

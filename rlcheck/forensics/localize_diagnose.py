@@ -8,7 +8,10 @@ localized requests starts (localize.json beside a dump; numpy-free, read as JSON
   bad load, an injected perturb-layer) or its kernel.
 - `name_layer`: the layer (and position) added to the verdict's evidence: a stale-state or aliasing
   verdict names the Mamba layer that read the wrong state, a weights verdict the wrong layer, a healthy
-  one says that no layer diverges; a state verdict localized to a non-Mamba layer says it does not fit.
+  one says that no layer diverges; a state verdict localized to a non-Mamba layer says it does not fit;
+  an MoE layer whose routing first differs there says so.
+An MoE's divergence that starts where its routing first differs (`localize_routing`) is the routing's,
+never a weights finding.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def _reuse_explains(dump_rows: list[dict[str, Any]]) -> bool:
     return bool(failing) and all(row.get("slot_reused") is True for row in failing)
 
 
+def _routing_explains(requests: list[dict[str, Any]]) -> bool:
+    """Every request's routing (an MoE's, `localize_routing`) first differs in its first divergent layer."""
+    return all((r.get("routing") or {}).get("decoder_layer") == r["first_divergent_layer"] for r in requests)
+
+
 def localized_weights(locs: list[dict[str, Any]], dump_rows: list[dict[str, Any]]) -> Finding | None:
     """The weights finding (see the module docstring), or None."""
     for loc in locs:
@@ -68,6 +76,8 @@ def localized_weights(locs: list[dict[str, Any]], dump_rows: list[dict[str, Any]
             continue
         if kind == "mamba" and _reuse_explains(dump_rows):
             continue  # a Mamba layer wrong from the first token, and only on reused slots: stale state
+        if _routing_explains(bad):
+            continue  # an MoE layer whose routers chose other experts: the routing, not the weights
         evidence = [f"rlcheck localize: {n} of {len(loc['requests'])} localized requests diverge first at decoder "
                     f"layer {layer} ({kind}), {_positions(bad)}, and every layer below it agrees with the reference "
                     f"(tolerance {loc['tolerance']:g})",
@@ -97,5 +107,7 @@ def name_layer(verdict: Finding, locs: list[dict[str, Any]]) -> None:
         if verdict.cause in STATE_CAUSES:
             line += ": the Mamba layer that read the wrong state" if kind == "mamba" else (
                 ": not a Mamba layer, which a state fault would reach first; the state verdict does not fit it")
+        elif _routing_explains(same):
+            line += f", where the engine's routers chose other experts ({same[0]['routing']['num_differ']} tokens)"
         verdict.evidence.append(line)
         return

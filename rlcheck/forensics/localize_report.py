@@ -1,6 +1,7 @@
-"""What `rlcheck localize` shows: the console table (`render_localization`) and the per-layer plot it
-saves beside localize.json (`plot_localization`, DUMP/localize.png). Both read the result's JSON form
-(`LocalizeResult.to_dict()`, or localize.json as read back), so the HTML report draws the same."""
+"""What `rlcheck localize` shows: the console table (`render_localization`; on an MoE, a line per request
+on where its routing first differs) and the per-layer plot it saves beside localize.json
+(`plot_localization`, DUMP/localize.png). Both read the result's JSON form (`LocalizeResult.to_dict()`,
+or localize.json as read back), so the HTML report draws the same."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.forensics.localize_compare import PLOT_FILE
+from rlcheck.forensics.localize_routing import routing_summary, routing_words
 
 __all__ = ["PLOT_FILE", "draw_layers", "plot_localization", "render_localization", "summary_line", "where"]
 
@@ -15,6 +17,8 @@ MAX_LINES = 20
 """Requests drawn in the plot (the first, i.e. the worst, ones)."""
 MAX_LAYER_COLUMNS = 8
 """Models with at most this many decoder layers get one table column per layer."""
+MAX_ROUTING_LINES = 10
+"""Requests whose MoE routing comparison is printed (the first, i.e. the worst, ones)."""
 
 
 def where(r: dict[str, Any]) -> str:
@@ -75,8 +79,13 @@ def render_localization(data: dict[str, Any], console: Any) -> None:
     notes = [f"{r['request_id']}: {r['note']}" for r in data["requests"] if r.get("note")]
     for line in notes[:5]:
         console.print(f"[yellow]note[/]: {escape(line)}")
+    routed = [f"{r['request_id']}: {routing_words(r['routing'])}" for r in data["requests"] if r.get("routing")]
+    for line in routed[:MAX_ROUTING_LINES]:
+        console.print(f"[cyan]moe[/]: {escape(line)}")
     color = "bold red" if any(r.get("first_divergent_layer") is not None for r in data["requests"]) else "green"
     console.print(f"[{color}]{escape(summary_line(data))}[/]")
+    if routing_summary(data["requests"]):
+        console.print(f"[cyan]{escape(routing_summary(data['requests']))}[/]")
     if data.get("plot"):
         console.print(f"plot: {escape(data['plot'])}")
 

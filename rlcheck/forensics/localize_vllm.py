@@ -28,10 +28,11 @@ import numpy as np
 
 from rlcheck.errors import ConfigError
 
-LAYER_OUTPUT = {"llama": "sum", "mamba2": "sum", "granitemoehybrid": "hidden"}
+LAYER_OUTPUT = {"llama": "sum", "mamba2": "sum", "granitemoehybrid": "hidden", "qwen3_moe": "sum"}
 """HF model_type -> how vLLM's decoder layer output `(hidden, residual)` gives the residual stream that
 HF's layer returns. "sum": hidden + residual, vLLM leaving the residual add to the next layer's fused
-add-norm (Llama: the MLP output and the stream before it; Mamba2: the mixer output and the stream).
+add-norm (Llama: the MLP output and the stream before it; Qwen3-MoE: the MoE block's output and the
+stream; Mamba2: the mixer output and the stream).
 "hidden": hidden alone, GraniteMoeHybrid adding both residuals inside the layer (its `residual` is the
 stream between the mixer and the MLP). Checked on each model: a healthy fp32 engine then agrees with
 HF to ~1e-6 at every layer. Another model needs its vLLM layer's forward read before it is added."""
@@ -188,7 +189,11 @@ def reference_states(model: Any, token_ids: list[int]) -> np.ndarray:
 
 
 def layer_types(model: Any) -> tuple[str, ...]:
-    """The type of every decoder layer of a vLLM or HF model: "attention", "mamba", "mlp" or "moe"."""
+    """The type of every decoder layer of a vLLM or HF model: "attention", "mamba", "mlp" or "moe", its
+    token mixer's; "+moe" after it when the layer's MLP is a routed MoE ("attention+moe": Qwen3-MoE)."""
     from rlcheck.engines.vllm_perturb import decoder_layers, output_projection
+    from rlcheck.forensics.localize_routing import moe_layers
 
-    return tuple(output_projection(layer)[0] for layer in decoder_layers(model))
+    routed = set(moe_layers(model))
+    kinds = [output_projection(layer)[0] for layer in decoder_layers(model)]
+    return tuple(k + "+moe" if i in routed and k != "moe" else k for i, k in enumerate(kinds))

@@ -79,6 +79,7 @@ class DumpSequences:
     logp_train: list[np.ndarray] | None
     valid: list[np.ndarray] | None
     meta: dict[str, Any]
+    first_route_diff: list[int | None] | None = None  # an MoE run's first MoE layer routed otherwise (dump.py)
 
 
 def replay(
@@ -158,6 +159,7 @@ def load_sequences(dump_dir: str | Path) -> DumpSequences:
         logp_train=[r["logp_train"] for r in rows] if has_train and rows else None,
         valid=[np.asarray(r["mask"], dtype=bool) for r in rows] if has_mask and rows else None,
         meta=meta,
+        first_route_diff=[r.get("first_route_diff_layer") for r in rows] if meta.get("routing") else None,
     )
 
 

@@ -92,7 +92,8 @@ class TRLOptions:
 def check_fault(inject: str | Fault | None) -> Fault:
     """The fault `inject` names, if the TRL integration can inject it (ConfigError otherwise)."""
     fault = inject if isinstance(inject, Fault) else parse_inject(inject)
-    if fault.engine_fault() is not None or type(fault).trainer_config is not Fault.trainer_config:
+    hooks = ("trainer_config", "prompts", "trainer_inputs")  # the loop's own hooks, which TRL has no place for
+    if fault.engine_fault() is not None or any(getattr(type(fault), h) is not getattr(Fault, h) for h in hooks):
         raise ConfigError(
             f"fault {fault.describe()!r} acts inside the rollout engine or changes the trainer's config; "
             "with TRL, rlcheck injects sync faults (skip-sync-every, stale-weights, drop-sync, permute-sync) and data "

@@ -27,6 +27,10 @@ class RolloutWorker:
             from rlcheck.engines.vllm_sync import keep_conv_buffers_stale
 
             self.fault = keep_conv_buffers_stale(self.engine)
+        elif engine_fault is not None and engine_fault[0] == "stale-prefix-cache":  # syncs keep the prefix cache
+            from rlcheck.engines.vllm_prefix import keep_prefix_cache
+
+            self.fault = keep_prefix_cache(self.engine, **engine_fault[1])
         elif engine_fault is not None:  # a self-test: an engine fault inside this engine only
             from rlcheck.engines.vllm_faults import inject
 

@@ -14,6 +14,7 @@ whether the engine now computes with them; a failed check is a critical `weights
 step, naming the stale decoder layers, and halts there. A halt stops the actors and returns with the evidence
 (the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
 step: rewards, loss, the time of each phase, and the step's engine restarts.
+What the trainer scores, and the first alarmed step's dump when it does not halt: `rlcheck.loop.trainer_view`.
 
 Quarantine and correction: the update weights each response token by what the step's report says
 (`StepReport.correction`): 0 for the sequences the Monitor quarantined (`MonitorConfig.quarantine`),
@@ -39,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.monitor import Monitor
+from rlcheck.core.prompt_ids import prompt_alarms
 from rlcheck.core.types import StepReport
-from rlcheck.engines.vllm import to_step_batch
 from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
@@ -48,6 +49,7 @@ from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
 from rlcheck.loop.topk_wiring import recompute
+from rlcheck.loop.trainer_view import keep_first_alarm, trainer_view
 from rlcheck.trainers import Sequences, group_advantages
 
 CORRECTION_LOGGED = ("rollout_is_mean", "rollout_is_max", "rollout_is_ratio_fraction_high",
@@ -149,7 +151,7 @@ class GRPOLoop:
         cfg, t = self.cfg, _Timer(self)
         self._step_restarts = []
         items = cfg.task.prompts(step)
-        prompts = encode_prompts(self.tokenizer, [text for text, _ in items])
+        prompts = cfg.fault.prompts(step, encode_prompts(self.tokenizer, [text for text, _ in items]), self.tokenizer)
         with t("generate"):
             rollouts = self._generate(prompts, step)
         guard_alarms, guard_extra = self.checker.take(step)  # the last sync's check judges this step's rollouts
@@ -163,9 +165,11 @@ class GRPOLoop:
                 found, extra = audit_step(self.engine, rollouts, step, cfg.audit, cfg.rollout.dtype, cfg.rollout.seed)
             guard_alarms, guard_extra = guard_alarms + found, {**guard_extra, **extra}
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
-        plan = self.group.plan(seqs)
+        view = trainer_view(cfg.fault, step, seqs, rollouts, self.tokenizer)  # the engine's ids, or a fault's
+        plan = self.group.plan(view.seqs)
         with t("recompute"):  # with the engine's top-k on, also both sides' top-k (rlcheck.loop.topk_wiring)
-            logp_train, topk, routing = recompute(self.group, seqs, plan, rollouts, self.rollout_cfg.top_logprobs)
+            logp_train, topk, routing = recompute(self.group, view.seqs, plan, view.rollouts(rollouts),
+                                                  self.rollout_cfg.top_logprobs)
         rewards = np.array([reward(r.text, items[r.prompt_index][1]) for r in rollouts])
         extra = {
             "loop/reward_mean": float(rewards.mean()),
@@ -174,18 +178,20 @@ class GRPOLoop:
             **self.engine.metrics(step),
             **guard_extra,
         }
-        batch, faulted = cfg.fault.apply(step, to_step_batch(rollouts, logp_train, tokens_train=seqs.responses, topk=topk,
-                                                                routing=routing))
+        batch, faulted = cfg.fault.apply(step, view.step_batch(rollouts, logp_train, topk, routing))
+        faulted = view.touched_ids(rollouts) + faulted
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it
         with t("monitor"):
             # each rollout carries the engine's weight version; the trainer's is `version` (before this update)
-            report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms, trainer_version=self.version)
+            report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms + prompt_alarms(step, batch),
+                                          trainer_version=self.version)
+        keep_first_alarm(self.monitor, report, batch)  # a step that alarms without halting keeps its evidence
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)
             weights, loss_tokens, dropped = self._loss_weights(report, batch)
-            train = self.group.train_step(seqs.with_update_inputs(adv, logp_train, weights, loss_tokens), plan)
+            train = self.group.train_step(view.update_inputs(adv, logp_train, weights, loss_tokens), plan)
             self.version += 1
         skipped = cfg.fault.skip_sync(step)
         with t("sync"):

@@ -5,8 +5,9 @@
 
 The page holds the diagnosis, the run's context, the alarms, the metrics per step with the alarm
 steps marked, the periodic detector's periodogram, the |d| histogram, the offenders, the engine
-guard's violations when the run directory holds guard output, the first divergent decoder layer of
-each dump `rlcheck localize` has run on, and links to the dumps. Modules: `data` collects the run
+guard's violations when the run directory holds guard output, an MoE run's routing agreement (when its
+records carry `rlcheck/moe/*`), the first divergent decoder layer of each dump `rlcheck localize` has
+run on, and links to the dumps. Modules: `data` collects the run
 (existing readers only), `periodogram` replays the periodic detector, `plots` draws inline SVG
 (matplotlib), `guard` and `localize` render those sections, `html` lays out the page.
 """

@@ -3,7 +3,8 @@
 `collect(run)` opens the run once and hands it to the summary (`rlcheck.report.summary`) and the
 verdict (`rlcheck.forensics.diagnose`); the Run reads each file once (metrics.jsonl, state.json, the
 dumps, loop.jsonl, the engine guard's record) however many of them ask. It also rebuilds the
-periodic detector's periodogram. Nothing here draws.
+periodic detector's periodogram, and takes an MoE run's routing agreement (`rlcheck/moe/*`) from the
+records it already has. Nothing here draws.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ PANELS = (
     Panel("catastrophic sequences (fraction)", (K.SEQ_CATASTROPHIC_FRAC,)),
     Panel("reward (loop)", (REWARD,)),
 )
+MOE_PANELS = (
+    Panel("tokens routed to the same experts at every MoE layer (fraction)", (K.MOE_ROUTE_AGREE_FRAC,)),
+    Panel("share of sum |d| on the tokens routed differently", (K.MOE_ABS_DIFF_SHARE,)),
+)
+"""The MoE routing section's line plots (a run whose batches carried `StepBatch.routing`)."""
 
 
 @dataclass
@@ -83,6 +89,8 @@ class RunData:
     snapshots); None when the run has no run_dir/guard."""
     localizations: list[dict[str, Any]] = field(default_factory=list)
     """The localize.json of each dump `rlcheck localize` has run on (`rlcheck.forensics.localize_compare`)."""
+    moe_layers: int = 0
+    """MoE layers whose routing agreement the records carry (`rlcheck/moe/*`, in `series`); 0: none."""
 
 
 def collect(run: Run | str | Path) -> RunData:
@@ -99,7 +107,8 @@ def collect(run: Run | str | Path) -> RunData:
     records = sorted(raw, key=lambda r: int(r["step"]))
     steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
     watched = watched_metrics(run.state(), PeriodicConfig())
-    series = _series(records, {k for p in PANELS for k in p.keys} | set(watched))
+    moe = moe_layer_count(records)
+    series = _series(records, {k for p in PANELS for k in p.keys} | set(watched) | set(moe_keys(moe)))
     alarms = [a for r in records for a in r.get("alarms") or ()]
     worst = _worst_record(records)
     return RunData(
@@ -109,7 +118,26 @@ def collect(run: Run | str | Path) -> RunData:
         offenders=_worst_offenders(records), worst_offenders=list((worst or {}).get("offenders") or ()),
         dumps=run.dumps(), context=run.context(), loop=run.loop(),
         periodograms=_periodograms(watched, steps, series, alarms), guard=run.guard(), localizations=localizations,
+        moe_layers=moe,
     )
+
+
+def moe_layer_count(records: list[dict[str, Any]]) -> int:
+    """The MoE layers whose routing agreement some record logged (`rlcheck.core.moe`); 0 without routing."""
+    count = 0
+    for r in records:
+        metrics = r.get("metrics") or {}
+        while K.moe_layer_agree(count) in metrics:
+            count += 1
+    return count
+
+
+def moe_keys(num_layers: int) -> tuple[str, ...]:
+    """The `rlcheck/moe/*` series the report draws for `num_layers` MoE layers (none for 0)."""
+    if not num_layers:
+        return ()
+    per_layer = [key(i) for i in range(num_layers) for key in (K.moe_layer_agree, K.moe_first_diff)]
+    return (*(k for p in MOE_PANELS for k in p.keys), *per_layer)
 
 
 def _series(records: list[dict[str, Any]], keys: set[str]) -> dict[str, np.ndarray]:

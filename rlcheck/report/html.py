@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
+
 from rlcheck import __version__
 from rlcheck.core import metrics as K
 from rlcheck.report import plots
-from rlcheck.report.data import PANELS, RunData
+from rlcheck.report.data import MOE_PANELS, PANELS, Panel, RunData
 from rlcheck.report.guard import guard_section
 from rlcheck.report.localize import localize_section
 
@@ -67,7 +69,7 @@ def _capped(items: list[Any], limit: int = MAX_LIST) -> str:
 
 def render(data: RunData, out_dir: Path) -> str:
     """The whole page; links to the dumps are relative to `out_dir`."""
-    body = "\n".join((_header(data), _context(data), _alarms(data), _metrics(data),
+    body = "\n".join((_header(data), _context(data), _alarms(data), _metrics(data), _moe(data),
                       f"<div class=\"row\"><section>{_periodic(data)}</section><section>{_histogram(data)}</section></div>",
                       _offenders(data), guard_section(data.guard, lambda p: _link(p, out_dir)),
                       localize_section(data.localizations, lambda p: _link(p, out_dir)), _dumps(data, out_dir)))
@@ -152,16 +154,51 @@ def _metrics(data: RunData) -> str:
     figs = []
     for i, panel in enumerate(panels):
         mine = [a for a in data.alarms if a.get("metric") in panel.keys or (i == 0 and a.get("metric") not in plotted)]
-        svg = plots.series_svg(f"series{i}", panel, data.steps, data.series, plots.alarm_steps(mine), marks)
-        keys = "".join(f"<span class=\"dot\" style=\"background:{c}\"></span><span class=\"mono\">{_e(_short(k))}</span>"
-                       for c, k in zip(plots.LINE_COLORS, panel.keys, strict=False) if k in data.series)
-        figs.append(f"<figure class=\"plot\"><figcaption>{_e(panel.title)}{keys if len(panel.keys) > 1 else ''}"
-                    f"</figcaption>{svg}</figure>")
+        figs.append(_panel(f"series{i}", panel, data, mine, marks))
     legend = "".join(f"<span class=\"dot\" style=\"background:{c}\"></span>{s}" for s, c in plots.SEVERITY_COLORS.items())
     note = " Grey lines: steps after whose update the weight sync was left out (loop.jsonl)." if marks else ""
     return (f"<h2>Metrics per step</h2><p class=\"muted\">Alarms{legend}, each on the plot of its metric; "
             f"the first plot also carries those on metrics not plotted here. Hover a marker for its alarms.{note}</p>"
             f"<div class=\"grid\">{''.join(figs)}</div>")
+
+
+def _panel(name: str, panel: Panel, data: RunData, alarms: list[dict[str, Any]], marks: list[int]) -> str:
+    """One time-series figure: the panel's keys over the steps, `alarms` marked, its caption."""
+    svg = plots.series_svg(name, panel, data.steps, data.series, plots.alarm_steps(alarms), marks)
+    keys = "".join(f"<span class=\"dot\" style=\"background:{c}\"></span><span class=\"mono\">{_e(_short(k))}</span>"
+                   for c, k in zip(plots.LINE_COLORS, panel.keys, strict=False) if k in data.series)
+    return (f"<figure class=\"plot\"><figcaption>{_e(panel.title)}{keys if len(panel.keys) > 1 else ''}"
+            f"</figcaption>{svg}</figure>")
+
+
+def _moe(data: RunData) -> str:
+    """The MoE routing section ("" unless the records carry routing agreement, `RunData.moe_layers`)."""
+    if not data.moe_layers:
+        return ""
+    figs = [_panel(f"moe{i}", p, data, [a for a in data.alarms if a.get("metric") in p.keys], [])
+            for i, p in enumerate(MOE_PANELS) if p.keys[0] in data.series]
+    nan = np.full(data.steps.size, np.nan)
+    agree = np.stack([data.series.get(K.moe_layer_agree(i), nan) for i in range(data.moe_layers)])  # (L, S)
+    figs.append("<figure class=\"plot\"><figcaption>tokens routed alike, per MoE layer and step (fraction; the "
+                f"lowest of merged steps)</figcaption>{plots.layers_svg('moe-layers', data.steps, agree, 'agree')}</figure>")
+    return (f"<h2>MoE routing</h2><p class=\"muted\">Do the engine and the trainer send each token to the same "
+            f"experts? {data.moe_layers} MoE layers; a token agrees at a layer when both sides chose the same top-k "
+            f"expert set. <code>rlcheck localize</code> on a dump names each request's first MoE layer that differs.</p>"
+            f"<p>{_e(_moe_words(data, nan))}</p><div class=\"grid\">{''.join(figs)}</div>")
+
+
+def _moe_words(data: RunData, nan: np.ndarray) -> str:
+    """The run's routing agreement in a sentence: its median and lowest step, the most common first layer."""
+    parts = []
+    frac = data.series.get(K.MOE_ROUTE_AGREE_FRAC, nan)
+    if np.isfinite(frac).any():
+        parts.append(f"tokens routed to the same experts at every MoE layer: median {np.nanmedian(frac):.4g}, "
+                     f"lowest {np.nanmin(frac):.4g} at step {data.steps[np.nanargmin(frac)]}")
+    first = [float(np.nansum(data.series.get(K.moe_first_diff(i), nan))) for i in range(data.moe_layers)]
+    if sum(first):
+        parts.append(f"routing first differs most often at MoE layer {int(np.argmax(first))} ({max(first):,.0f} of "
+                     f"the {sum(first):,.0f} tokens routed differently over the run)")
+    return "; ".join(parts)
 
 
 def _periodic(data: RunData) -> str:

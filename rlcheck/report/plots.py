@@ -36,6 +36,8 @@ HIST_GROUP = 4
 """|d| histogram bins (16 per octave) merged into one bar: 4 bars per octave."""
 MAX_MARKS = 2000
 """Vertical marks (skipped syncs) drawn per plot at most."""
+MAX_COLUMNS = 400
+"""Steps of a per-layer heat map; more are merged (each bucket keeps its lowest value)."""
 _STYLE = {"svg.fonttype": "none", "font.size": 8, "axes.titlesize": 8, "axes.spines.top": False,
           "axes.spines.right": False, "font.family": "sans-serif"}
 
@@ -176,6 +178,33 @@ def localize_svg(name: str, data: dict[str, Any]) -> str:
 
     fig, ax = _figure(max(4.0, 0.5 * len(data["layer_types"]) + 2), 2.4)
     draw_layers(ax, data)
+    return to_svg(fig, name, {})
+
+
+@_styled
+def layers_svg(name: str, steps: np.ndarray, values: np.ndarray, label: str) -> str:
+    """A heat map of `values` (L, S) per layer (rows) and step (columns), e.g. each MoE layer's routing
+    agreement; more than MAX_COLUMNS steps are merged into buckets that keep their lowest value. Drawn as
+    one raster inside the SVG (its size does not grow with L x S)."""
+    if steps.size > MAX_COLUMNS:
+        starts = np.linspace(0, steps.size, MAX_COLUMNS + 1).astype(np.int64)[:-1]
+        filled = np.where(np.isnan(values), np.inf, values)
+        values = np.fmin.reduceat(filled, starts, axis=1)
+        values[np.isinf(values)] = np.nan
+        steps = steps[starts]
+    edges = np.append(steps, steps[-1] + 1) if steps.size else np.zeros(1)
+    fig, ax = _figure(4.0, max(1.9, 0.12 * values.shape[0] + 1.2))
+    finite = values[np.isfinite(values)]
+    low = float(finite.min()) if finite.size else 0.0
+    mesh = ax.pcolormesh(edges, np.arange(values.shape[0] + 1), values, cmap="viridis", vmin=min(low, 0.999),
+                         vmax=1.0, rasterized=True)
+    fig.colorbar(mesh, ax=ax, label=label, pad=0.01)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MoE layer")
+    if values.shape[0] <= 16:
+        ax.set_yticks(np.arange(values.shape[0]) + 0.5, [str(i) for i in range(values.shape[0])])
+    ax.invert_yaxis()
+    ax.grid(False)
     return to_svg(fig, name, {})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("wandb")
@@ -23,6 +24,7 @@ from rlcheck.sinks import wandb as W  # noqa: E402
 from rlcheck.sinks.testing import read_offline_run  # noqa: E402
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch  # noqa: E402
 
+MOE_LAYERS = 2  # the batches carry routing: the MoE section's keys are logged too
 THRESHOLDS = (0.05, 0.3, 2.0)  # not the defaults: the dashboards must follow the configuration
 STREAM = SyntheticConfig(num_sequences=200, mean_length=20, corrupt_every_step=2)  # offenders + alarms every step
 
@@ -45,10 +47,24 @@ def _logged(records: list[dict]) -> tuple[set[str], dict[str, str]]:
     return plain | media, types
 
 
+def routed(batch, step: int):
+    """`batch` with routing over MOE_LAYERS MoE layers (top-2 of 8), the trainer's other on 1 in 10 tokens:
+    the `rlcheck/moe/*` metrics of the MoE section, every one defined."""
+    import dataclasses
+
+    from rlcheck.core.moe import Routing
+
+    rng = np.random.default_rng(step)
+    rollout = rng.integers(0, 8, (batch.num_tokens, MOE_LAYERS, 2))
+    train = rollout.copy()
+    train[rng.random(batch.num_tokens) < 0.1, -1] = [8, 9]
+    return dataclasses.replace(batch, routing=Routing(rollout, train))
+
+
 @pytest.fixture
 def offline_run(tmp_path, monkeypatch) -> Path:
     """An offline W&B run of a real Monitor (jsonl + wandb sinks) over 3 synthetic steps, each with
-    offenders and alarms; every directory wandb writes is under tmp_path."""
+    offenders, alarms and MoE routing; every directory wandb writes is under tmp_path."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")  # wandb's process-wide settings keep the first run's env
     for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
@@ -66,7 +82,7 @@ def offline_run(tmp_path, monkeypatch) -> Path:
     )
     with Monitor(cfg) as mon:
         for step in range(3):
-            report = mon.observe(step, synthetic_batch(STREAM, step))
+            report = mon.observe(step, routed(synthetic_batch(STREAM, step), step))
             assert report.alarms and report.offenders
     (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     return run
@@ -82,8 +98,8 @@ class TestDashboardKeys:
             pytest.skip(str(e))
         logged, types = _logged(records)
         for spec in (
-            D.workspace_spec(D.build_workspace("e", "p", thresholds=THRESHOLDS)),
-            D.report_spec(D.build_report("e", "p", thresholds=THRESHOLDS)),
+            D.workspace_spec(D.build_workspace("e", "p", thresholds=THRESHOLDS, moe_layers=MOE_LAYERS)),
+            D.report_spec(D.build_report("e", "p", thresholds=THRESHOLDS, moe_layers=MOE_LAYERS)),
         ):
             referenced = D.metric_keys(spec)
             assert len(referenced) > 40 and referenced - logged == set()

@@ -58,6 +58,28 @@ class TestBuildWorkspace:
         }
 
 
+class TestMoeSection:
+    def test_only_with_moe_layers(self, no_network):
+        """Without `moe_layers` no view refers to an `rlcheck/moe/*` key; with 3 layers the workspace and the
+        report get the MoE routing section (after Signatures) with every layer's agreement and first-diff keys."""
+        plain = D.metric_keys(D.workspace_spec(D.build_workspace("e", "p")))
+        assert not {k for k in plain if k.startswith("rlcheck/moe/")}
+        spec = D.workspace_spec(D.build_workspace("e", "p", moe_layers=3))
+        names = [s["name"] for s in spec["spec"]["section"]["panelBankConfig"]["sections"]]
+        assert names[names.index("Signatures") + 1] == "MoE routing"
+        moe = {k for k in D.metric_keys(spec) if k.startswith("rlcheck/moe/")}
+        assert moe == {K.MOE_ROUTE_AGREE_FRAC, K.MOE_ABS_DIFF_SHARE, K.MOE_ABS_DIFF_LIFT, K.MOE_TOKEN_COUNT,
+                       *(K.moe_layer_agree(i) for i in range(3)), *(K.moe_first_diff(i) for i in range(3))}
+        assert D.metric_keys(D.report_spec(D.build_report("e", "p", moe_layers=3))) == D.metric_keys(spec)
+
+    def test_push_flag_and_bad_count(self, no_network, capsys):
+        """`push.py --moe-layers 2 --dry-run` prints views with layer 1's key; a negative count exits 1."""
+        assert push.main(["--entity", "e", "--project", "p", "--dry-run", "--moe-layers", "2"]) == 0
+        assert K.moe_layer_agree(1) in D.metric_keys(json.loads(capsys.readouterr().out)["workspace"])
+        assert push.main(["--entity", "e", "--project", "p", "--dry-run", "--moe-layers", "-1"]) == 1
+        assert "--moe-layers" in capsys.readouterr().err
+
+
 class TestBuildReport:
     def test_builds_and_serialises_offline(self, no_network):
         """The report builds and dumps to JSON without the API, keeping its entity/project."""

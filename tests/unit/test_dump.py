@@ -1,4 +1,4 @@
-"""Forensic dumps: their per-sequence max |d| and first divergence are the statistics' (mask included)."""
+"""Forensic dumps: their per-sequence max |d| and first divergence are the statistics' (mask included); MoE routing columns."""
 
 from __future__ import annotations
 
@@ -49,3 +49,65 @@ class TestDumpPerSequence:
         """write_dump's divergence_tau sets the first divergence, over valid tokens only."""
         rows, _ = read_dump(write_dump(tmp_path / "d", masked_batch(), step=0, divergence_tau=0.8))
         assert [r["first_divergence"] for r in rows] == [8, None, None, 5, None, None]
+
+
+def routed_batch() -> StepBatch:
+    """Three sequences (3, 0 and 4 tokens) over 2 MoE layers of top-2 routing: the trainer sends token 4
+    (sequence 2's second) elsewhere at layer 1, token 5 (sequence 2's third) to the same experts in
+    another order at layer 0, and token 6 elsewhere at layer 0 but masked out; token 2 has a NaN."""
+    from rlcheck.core.moe import Routing
+
+    rng = np.random.default_rng(3)
+    lens = [3, 0, 4]
+    rollout = np.stack([rng.permutation(8)[:4].reshape(2, 2) for _ in range(sum(lens))])  # (7, 2, 2)
+    train = rollout.copy()
+    train[4, 1] = [9, 10]
+    train[5, 0] = train[5, 0, ::-1]
+    train[6, 0] = [11, 12]
+    lr = [-np.linspace(0.1, 1.0, n) for n in lens]
+    lt = [x - 0.01 for x in lr]
+    lt[0][2] = np.nan
+    masks = [np.ones(n, bool) for n in lens]
+    masks[2][3] = False
+    return StepBatch.from_ragged(lr, lt, ["a", "b", "c"], mask=masks, routing=Routing(rollout, train))
+
+
+class TestDumpRouting:
+    def test_columns_round_trip(self, tmp_path):
+        """Each sequence's experts of both sides come back (T, L, k) as written; its agreement and first
+        differing MoE layer count the kept tokens only (an order swap agrees; a NaN token still routes);
+        meta.json says L and k."""
+        batch = routed_batch()
+        rows, meta = read_dump(write_dump(tmp_path / "d", batch, step=3))
+        assert meta["routing"] == {"moe_layers": 2, "top_k": 2}
+        cu = batch.cu_seqlens
+        for i, row in enumerate(rows):
+            assert row["experts_rollout"].shape == row["experts_train"].shape == (cu[i + 1] - cu[i], 2, 2)
+            np.testing.assert_array_equal(row["experts_rollout"], batch.routing.experts_rollout[cu[i]:cu[i + 1]])
+            np.testing.assert_array_equal(row["experts_train"], batch.routing.experts_train[cu[i]:cu[i + 1]])
+        assert [r["route_agree_frac"] for r in rows] == [1.0, None, 2 / 3]
+        assert [r["first_route_diff_layer"] for r in rows] == [None, None, 1]
+
+    def test_redaction_keeps_routing_and_plain_batches_have_none(self, tmp_path):
+        """A redacted dump keeps the routing columns (expert ids are not text); a batch without routing
+        writes none of them and no `routing` in meta.json."""
+        rows, meta = read_dump(write_dump(tmp_path / "r", routed_batch(), step=0, redact=True))
+        assert rows[2]["response_tokens"] is None and rows[2]["first_route_diff_layer"] == 1
+        assert rows[2]["experts_train"].shape == (4, 2, 2) and meta["redacted"] and meta["routing"]["top_k"] == 2
+        rows, meta = read_dump(write_dump(tmp_path / "p", masked_batch(), step=0))
+        assert "routing" not in meta
+        assert not {"experts_rollout", "experts_train", "route_agree_frac", "first_route_diff_layer"} & rows[0].keys()
+
+    def test_quarantine_dump_keeps_the_quarantined_sequences_routing(self, tmp_path):
+        """The quarantine dump (the same writer, the quarantined sequences alone) carries their routing."""
+        from rlcheck.core.quarantine import QuarantineConfig
+        from rlcheck.core.run.dump import quarantine_dir
+
+        batch = routed_batch()
+        cfg = MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",), quarantine=QuarantineConfig(rules=("nonfinite",)),
+                            halt=HaltConfig(enabled=False))
+        with Monitor(cfg) as mon:
+            mon.observe(0, batch)
+        rows, meta = read_dump(quarantine_dir(tmp_path / "run", 0))
+        assert [r["request_id"] for r in rows] == ["a"] and meta["routing"] == {"moe_layers": 2, "top_k": 2}
+        np.testing.assert_array_equal(rows[0]["experts_train"], batch.routing.experts_train[:3])

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from rlcheck.core import metrics as K
-from rlcheck.core.moe import Routing, first_diff_layer, routing_metrics, routing_stats, same_experts
+from rlcheck.core.moe import (
+    Routing,
+    first_diff_layer,
+    routing_metrics,
+    routing_stats,
+    same_experts,
+    sequence_routing,
+)
 from rlcheck.errors import InputError
 
 # 4 tokens, 2 MoE layers, top-2; token 0 alike (order swapped), 1 differs at layer 1, 2 at layer 0,
@@ -67,6 +74,19 @@ class TestRouting:
         np.testing.assert_array_equal(packed.experts_rollout, ROLLOUT)
         with pytest.raises(InputError, match="3 rows for 4 tokens"):
             r.take(np.arange(3)).check_tokens(4)
+
+
+class TestSequenceRouting:
+    def test_per_sequence_agreement_and_first_layer(self):
+        """Sequences [0, 1], [], [2, 3]: agreement and first differing layer per sequence; a masked token
+        counts for neither, an empty or wholly masked sequence has NaN and None."""
+        routing, cu = Routing(ROLLOUT, TRAIN), np.array([0, 2, 2, 4])
+        frac, first = sequence_routing(routing, cu)
+        np.testing.assert_array_equal(frac, [0.5, np.nan, 0.0])
+        assert first == [1, None, 0]
+        frac, first = sequence_routing(routing, cu, mask=np.array([True, False, False, False]))
+        np.testing.assert_array_equal(frac, [1.0, np.nan, np.nan])
+        assert first == [None, None, None]
 
 
 class TestMonitorRouting:

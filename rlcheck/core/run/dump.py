@@ -14,9 +14,16 @@ renamed into place and the parent fsynced; a crash mid-dump leaves only the hidd
 reader takes for a dump and the next Monitor removes (`remove_partial_dumps`). A dump written again
 for the same step replaces the old one whole (the old one is moved aside first, never mixed).
 
+A batch with MoE routing (`StepBatch.routing`, `rlcheck.core.moe`) adds, per sequence: `experts_rollout` and
+`experts_train` (its tokens' top-k experts at every MoE layer, T*L*k int64 flattened token by token;
+meta.json's `routing` gives `moe_layers` L and `top_k` k, and `read_dump` hands them back as (T, L, k)),
+`route_agree_frac` (its tokens routed alike at every MoE layer) and `first_route_diff_layer` (the first
+MoE layer where one of its tokens is routed differently; null if none), both over the tokens the mask keeps.
+
 `redact=True` keeps text out: no token ids (prompt, response, trainer; the columns are null), no
-per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`);
-meta.json says `"redacted": true` and lists `redacted_columns`.
+per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`), nor the
+trainer's prompt ids (`prompt_tokens_train`);
+meta.json says `"redacted": true` and lists `redacted_columns`. Expert ids are not text: routing stays.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.moe import sequence_routing
+from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 from rlcheck.core.run.files import fsync_dir
 from rlcheck.core.run.journal import to_jsonable
 from rlcheck.core.stats import StatsConfig, compute_partial
@@ -147,6 +156,8 @@ def write_dump(
     }
     if quarantined is not None:
         meta["quarantined"] = list(quarantined)
+    if batch.routing is not None:
+        meta["routing"] = {"moe_layers": batch.routing.num_layers, "top_k": int(batch.routing.experts_rollout.shape[2])}
     _write_atomically(directory, pa.table(cols), meta)
     return directory
 
@@ -179,11 +190,13 @@ def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any]
         cols["mask"] = _list_column(batch.mask, cu)
     if batch.tokens_train is not None and not redact:
         cols["tokens_train"] = _list_column(batch.tokens_train, cu)
+    if batch.routing is not None:
+        cols.update(_routing_columns(batch))
     dropped = []
     for key, values in batch.meta.items():
         if key in cols:
             raise InputError(f"meta column {key!r} collides with a dump column; rename it")
-        if redact and not is_id_column(key) and _has_text(list(values)):
+        if redact and (key == PROMPT_TOKENS_TRAIN or not is_id_column(key) and _has_text(list(values))):
             dropped.append(key)
             continue
         try:
@@ -193,6 +206,21 @@ def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any]
     if batch.weight_version is not None and "weight_version" not in cols:  # a meta column of that name wins
         cols["weight_version"] = pa.array(batch.weight_version)
     return cols, dropped
+
+
+def _routing_columns(batch: StepBatch) -> dict[str, Any]:
+    """Both sides' experts per sequence (flattened, see the module docstring) and its agreement."""
+    import pyarrow as pa
+
+    routing = batch.routing
+    per_token = routing.num_layers * routing.experts_rollout.shape[2]  # L * k
+    frac, first = sequence_routing(routing, batch.cu_seqlens, batch.mask)
+    return {
+        "experts_rollout": _list_column(routing.experts_rollout.reshape(-1), batch.cu_seqlens * per_token),
+        "experts_train": _list_column(routing.experts_train.reshape(-1), batch.cu_seqlens * per_token),
+        "route_agree_frac": pa.array(frac, from_pandas=True),  # NaN (no kept token) -> null
+        "first_route_diff_layer": pa.array(first, type=pa.int64()),
+    }
 
 
 def _write_atomically(directory: Path, table: Any, meta: dict[str, Any]) -> None:
@@ -232,8 +260,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays), and meta.json (`meta`:
-    already read by the caller)."""
+    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays; the experts (T, L, k)), and
+    meta.json (`meta`: already read by the caller)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -245,7 +273,11 @@ def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) 
     # pyarrow's reader threads could abort the process at exit ("terminate called without an active
     # exception", 3 of 8 `rlcheck diagnose` runs here); a dump is small, one thread reads it
     rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
+    meta = json.loads((directory / META).read_text()) if meta is None else meta
+    shape = (meta["routing"]["moe_layers"], meta["routing"]["top_k"]) if meta.get("routing") else None
     for row in rows:
         for key in ("logp_rollout", "logp_train"):
             row[key] = np.asarray(row[key], dtype=np.float64)
-    return rows, json.loads((directory / META).read_text()) if meta is None else meta
+        for key in ("experts_rollout", "experts_train") if shape else ():
+            row[key] = np.asarray(row[key], dtype=np.int64).reshape(-1, *shape)  # (T, L, k)
+    return rows, meta

@@ -1,0 +1,96 @@
+"""The faults of issue 28 in the real loop (vLLM rollout actor, Ray, the hf trainer) on one tiny random
+Llama for the module: what the trainer scores (double-bos, retokenize, left-pad-positions) and a prefix
+cache the syncs do not reset (stale-prefix-cache). Each run alarms on the first step the fault acts,
+keeps its evidence in a dump, and `diagnose` names the cause and only requests the fault touched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlcheck.core.detect import DetectorsConfig, RobustZConfig
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
+from rlcheck.core.run.dump import read_dump
+from rlcheck.faults import parse_inject
+from rlcheck.forensics.diagnose import diagnose
+from rlcheck.forensics.queries import MAX_IDS
+from rlcheck.loop import run_grpo
+from rlcheck.loop.presets import tiny_cpu
+
+ONSET = 6
+DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    """The module's model: the tiny random Llama (attention only: vLLM's CPU prefix cache takes it)."""
+    return tiny_model("llama")
+
+
+def _run(model, tmp_path, spec: str, steps: int):
+    fault = parse_inject(spec)
+    cfg = tiny_cpu(model, trainer="hf", steps=steps, fault=fault)
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), context=cfg.context(), detectors=DETECTORS)) as mon:
+        result = run_grpo(cfg, mon)
+    touched = {}
+    for line in (tmp_path / "loop.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        touched[rec["step"]] = set(rec["fault_touched"])
+    alarms = sorted({a.step for r in result.reports for a in r.alarms})
+    return fault, result, touched, alarms
+
+
+def _dump(tmp_path, step):
+    return read_dump(tmp_path / "dumps" / f"step_{step:06d}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+class TestNewFaultsInTheLoop:
+    def test_double_bos_halts_on_the_prompt_ids(self, llama, ray_local, tmp_path):
+        """The trainer's prompts carry BOS twice: a critical prompt-id alarm halts step 0, the dump holds both
+        sides' prompt ids, and diagnose names prompt_mismatch for every request."""
+        _, result, touched, alarms = _run(llama, tmp_path, "double-bos", 3)
+        assert result.halted and result.steps_run == 1 and alarms == [0]
+        assert any(a.details.get("signature") == "prompt_id_mismatch" and a.severity == "critical"
+                   for a in result.reports[0].alarms)
+        rows, _ = _dump(tmp_path, 0)
+        assert all(list(r[PROMPT_TOKENS_TRAIN]) == [r["prompt_tokens"][0], *r["prompt_tokens"]] for r in rows)
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "prompt_mismatch" and "BOS" in v.evidence[0], v.evidence
+        assert len(touched[0]) == 64 and set(v.affected_request_ids) <= touched[0]
+        assert len(v.affected_request_ids) == MAX_IDS  # a finding names at most MAX_IDS requests
+
+    def test_retokenized_responses(self, llama, ray_local, tmp_path):
+        """The random model's samples do not all round-trip through their text: the trainer's ids differ on
+        some sequences from a mid-sequence token, the token-id alarm halts step 0, diagnose names
+        retokenization and only sequences whose ids the fault changed."""
+        _, result, touched, alarms = _run(llama, tmp_path, "retokenize", 3)
+        assert result.halted and alarms == [0] and 0 < len(touched[0]) <= 64
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "retokenization", v.evidence
+        assert v.affected_request_ids and set(v.affected_request_ids) <= touched[0]
+
+    def test_left_padding_without_positions(self, llama, ray_local, tmp_path):
+        """From ONSET the trainer attends to left padding: the padded rows are off at ONSET (the first alarm),
+        the longest prompts' rows are not, and diagnose names position_ids and padded rows only."""
+        _, result, touched, alarms = _run(llama, tmp_path, f"left-pad-positions@{ONSET}", ONSET + 2)
+        assert alarms and alarms[0] == ONSET and not any(touched[s] for s in range(ONSET))
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "position_ids", v.evidence
+        assert set(v.affected_request_ids) <= set().union(*touched.values())
+
+    def test_stale_prefix_cache(self, llama, ray_local, tmp_path):
+        """The syncs keep vLLM's prefix cache from ONSET on; prompts 0, 2, ... share a 320-token system
+        prompt. Clean before ONSET, then alarms with no weights alarm; diagnose names stale_prefix_cache and
+        only requests whose prompt carries the shared prefix."""
+        _, result, _, alarms = _run(llama, tmp_path, f"stale-prefix-cache@{ONSET}", ONSET + 3)
+        assert alarms and alarms[0] >= ONSET
+        assert not any(a.kind == "weights" for r in result.reports for a in r.alarms)
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "stale_prefix_cache", v.evidence
+        rows, _ = _dump(tmp_path, v.affected_steps[0])
+        long = {r["request_id"] for r in rows if len(r["prompt_tokens"]) > 300}
+        assert v.affected_request_ids and set(v.affected_request_ids) <= long
