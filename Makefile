@@ -68,7 +68,7 @@ chromium:
 	    $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 	      apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
-# The supported-configurations table (docs/integrations/supported.md, and README.md while it holds one), from
+# The supported-configurations table (docs/integrations/supported.md), from
 # the tests' `supports` markers (tests/matrix.py).
 matrix: $(STAMP)
 	$(PY) -m tests.matrix --write

@@ -1,4 +1,4 @@
-"""The Python snippets of the docs (docs/**/*.md and README.draft.md), found and run as printed.
+"""The Python snippets of the docs (docs/**/*.md and README.md), found and run as printed.
 
 Every ```python block of a page runs, in a fresh working directory, with nothing imported. A block
 that uses what its page only stands for (your engine and trainer, a verl batch, a model folder) is
@@ -37,13 +37,13 @@ from tests.docs_envs_slow import SLOW_ENVS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-DRAFT = ROOT / "README.draft.md"
+README = ROOT / "README.md"
 MARKER = re.compile(r"^<!-- snippet: ([\w-]+) -->$")
 
 
 def pages() -> list[Path]:
-    """Every page whose Python blocks must run: the docs and the README draft."""
-    return sorted(DOCS.rglob("*.md")) + ([DRAFT] if DRAFT.exists() else [])
+    """Every page whose Python blocks must run: the docs and the README."""
+    return [*sorted(DOCS.rglob("*.md")), README]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ A tested cell's test runs the configuration for real (healthy: no alarm; a fault
 cell's test asserts the refusal (before the engine starts). Cells no test here can run are listed in
 NOT_RUNNABLE with the reason. REQUIRED is every cell the docs answer for: a cell with neither a test
 nor a reason reads **no test** there; the unit test (tests/unit/test_matrix.py) fails when a page's
-table (PAGES: the docs' Supported configurations page, and README.md while it holds one) is not the one
+table (PAGES: the docs' Supported configurations page) is not the one
 `render` makes from the tests (`make matrix` rewrites them).
 
     python -m tests.matrix            # print the table
@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 DOCS_PAGE = ROOT / "docs" / "integrations" / "supported.md"
-PAGES = (DOCS_PAGE, README)
-"""The pages that hold the table between BEGIN and END (drop README.md here when it no longer does)."""
+PAGES = (DOCS_PAGE,)
+"""The pages that hold the table between BEGIN and END."""
 BEGIN, END = "<!-- matrix:begin (make matrix writes this table from the tests) -->", "<!-- matrix:end -->"
 TESTED = "tested here"
 

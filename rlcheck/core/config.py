@@ -28,7 +28,7 @@ cannot reach; mean exp|d| > 2 was one before, and a single token at |d| = 10 in 
 
 @dataclass(frozen=True)
 class HaltConfig:
-    """When the Monitor stops the run (README, "Halting", states these defaults)."""
+    """When the Monitor stops the run (docs/halting.md states these defaults)."""
 
     enabled: bool = True
     kinds: tuple[str, ...] = KINDS
@@ -83,7 +83,7 @@ class MonitorConfig:
     on-policy; an async or off-policy loop sets the staleness it allows."""
     quarantine: QuarantineConfig | None = None
     """Take the sequences the evidence condemns out of the step instead of halting
-    (`rlcheck.core.quarantine`; README, "Halt or quarantine"); None (the default): off, every
+    (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's

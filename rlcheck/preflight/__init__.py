@@ -1,5 +1,5 @@
 """Preflight: before a run, compare what the engine and the trainer will do, and list every setting
-that would make their logprobs differ, each with its fix (`rlcheck preflight`, README "Preflight").
+that would make their logprobs differ, each with its fix (`rlcheck preflight`, docs/preflight.md).
 
     from rlcheck.preflight import PreflightConfig, run_static, run_preflight, render
     result = run_static(PreflightConfig(model="models/a", engine_model="models/b"))   # configs, tokenizers, sampling

@@ -1,7 +1,7 @@
 """The docs site (mkdocs.yml, docs/): it builds with --strict, every page is in the nav, every Python
 snippet runs as printed (tests/docs_snippets.py; those needing vLLM, Ray, TRL or verl in
 tests/integration/test_docs_snippets.py), the pages state the defaults the code has, and the README
-draft stays a front door whose links lead into the docs."""
+stays a front door whose links lead into the docs."""
 
 from __future__ import annotations
 
@@ -158,20 +158,20 @@ class TestDefaults:
         assert f"`--requests` defaults to {SWEEP_REQUESTS} per value" in stress
 
 
-class TestReadmeDraft:
+class TestReadme:
     def test_is_a_front_door(self):
         """At most ~300 lines, with what it is, install, the two commands, the three integrations, a halt
         and the way into the docs."""
-        text = snippets.DRAFT.read_text()
+        text = snippets.README.read_text()
         assert len(text.splitlines()) <= 300
         for needed in ("make demo", "make test", "## Install", "### Your own loop", "### TRL", "### verl",
                        "## What a halt looks like", "## Documentation"):
             assert needed in text, needed
-        assert {s.env for s in snippets.parse(text, "README.draft.md")} == {"own-loop", "trl", "verl"}
+        assert {s.env for s in snippets.parse(text, "README.md")} == {"own-loop", "trl", "verl"}
 
     def test_links_lead_to_files(self):
-        """Every relative link of the draft names a file of the repository (docs/... pages, images)."""
-        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", snippets.DRAFT.read_text())
+        """Every relative link of the README names a file of the repository (docs/... pages, images)."""
+        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", snippets.README.read_text())
         local = [link for link in links if "://" not in link]
         assert len([link for link in local if link.startswith("docs/")]) >= 10
         assert [link for link in local if not (ROOT / link).exists()] == []

@@ -1,4 +1,4 @@
-"""The supported-configurations matrix on the docs page (and the README's) is the one tests/matrix.py
+"""The supported-configurations matrix on the docs page is the one tests/matrix.py
 generates from the tests' `supports` markers, and every cell it promises has a test or a reason."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class TestMatrix:
 
     @pytest.mark.parametrize("page", matrix.PAGES, ids=lambda p: p.name)
     def test_page_table_is_the_generated_one(self, page):
-        """Each page of PAGES (the docs page, README.md) holds exactly the table `make matrix` writes (rerun
+        """Each page of PAGES (the docs page) holds exactly the table `make matrix` writes (rerun
         it after changing a marker)."""
         assert matrix.page_table(page.read_text()) == matrix.render(matrix.collect())
 

@@ -234,16 +234,3 @@ class TestAttach:
     def test_finding_validates_its_severity(self):
         with pytest.raises(ValueError, match="severity"):
             Finding("k", "fatal", 1, 2, "m", "f")
-
-
-class TestReadme:
-    def test_python_example_runs(self, tmp_path, monkeypatch, capsys):
-        """The README's preflight example runs as printed and finds what its comment says."""
-        from pathlib import Path
-
-        readme = (Path(__file__).parents[2] / "README.md").read_text()
-        rest = readme[readme.index("## Preflight"):]
-        start = rest.index("```python\n") + len("```python\n")
-        monkeypatch.chdir(tmp_path)
-        exec(compile(rest[start:rest.index("```", start)], "README.md", "exec"), {})
-        assert "ERROR    logprobs_mode: trainer T=0.7 | engine raw_logprobs (T=1)" in capsys.readouterr().out
