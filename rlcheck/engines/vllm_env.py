@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rlcheck.errors import InputError
+from rlcheck.versions import check_tested
 
 FP32 = ("float32", "fp32", "float")
 
@@ -66,12 +67,14 @@ def effective_settings(llm: Any) -> dict[str, Any]:
 
 
 def build_llm(cfg: Any):
-    """The `vllm.LLM` of a `VLLMConfig`: this process's environment set first (`engine_env`), the
+    """The `vllm.LLM` of a `VLLMConfig`: this process's environment set first (`engine_env`), a warning
+    once when the installed vLLM is outside the tested range (`rlcheck.versions`), the
     config's settings, hookable ones where hooks will be used, vLLM's routed experts where the MoE
     routing is read from it (`rlcheck.engines.moe_capture.routing_plan`)."""
     engine_env(cfg.dtype, cfg.tensor_parallel_size)  # in-process core; TP pickling; fp32 Triton on CUDA
     if not os.path.isdir(cfg.model):
         raise InputError(f"model {cfg.model!r} is not a local directory (build one with `rlcheck make-model`)")
+    check_tested("vllm", what="rlcheck's vLLM engine (it reads vLLM's outputs, and its model runner when hooked)")
     from vllm import LLM
 
     kwargs: dict[str, Any] = {

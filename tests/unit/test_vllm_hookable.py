@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,21 @@ class TestBuildLLM:
         assert got["kv_cache_memory_bytes"] == 8 << 20 and got["env cache space"] is None
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_CPU_KVCACHE_SPACE=1 left out" in capsys.readouterr().err
         assert built()["env cache space"] == "1"
+
+    def test_an_untested_vllm_warns_once_at_start(self, built, monkeypatch):
+        """An engine started on a vLLM outside the tested range warns once, naming the range; the tested
+        one is silent."""
+        from rlcheck import versions
+
+        monkeypatch.setattr(versions, "_warned", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built()
+            monkeypatch.setattr(versions, "installed", lambda package: "0.40.1")
+            built()
+            built()
+        said = [str(w.message) for w in caught if "rlcheck's vLLM engine" in str(w.message)]
+        assert len(said) == 1 and "vllm 0.40.1" in said[0] and versions.TESTED["vllm"].describe() in said[0]
 
     def test_plain_engine_untouched(self, built):
         """No guard, no fault: the kwargs as configured, the runner left to vLLM."""
