@@ -50,7 +50,7 @@ from rlcheck.core.moe import routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
-from rlcheck.core.stats import PartialStats, finalize
+from rlcheck.core.stats import PartialStats, finalize, levels
 from rlcheck.core.types import StepReport
 from rlcheck.core.weights import check_versions
 from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
@@ -91,35 +91,39 @@ class Monitor:
     # ---- public API ----------------------------------------------------------------------------
 
     def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None,
-                alarms: Sequence[Alarm] = (), *, trainer_version: int | None = None) -> StepReport:
+                alarms: Sequence[Alarm] = (), *, trainer_version: int | None = None,
+                probe: StepBatch | None = None) -> StepReport:
         """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
         `extra`: the caller's own scalars (reward, timings; keys outside `rlcheck/`), logged beside the
         metrics, never seen by the detectors. `alarms`: found outside the Monitor for this step (the
         engine guard's), judged by the halt policy like the detectors' own. `trainer_version`: the
-        trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`)."""
+        trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`).
+        `probe`: the sync check's fixed probe batch scored this step, the drift detectors' control."""
         if not isinstance(batch, StepBatch):
-            raise InputError(
-                f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
-                "StepBatch.from_ragged, from_padded or from_packed"
-            )
+            raise InputError(f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
+                             "StepBatch.from_ragged, from_padded or from_packed")
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
         partial, verdict = Q.step_partial(batch, self.cfg.stats, self.cfg.quarantine, trainer_version,
                                           self.cfg.max_weight_lag, check_alarms(alarms, step),
                                           self.cfg.detectors.signature)
+        own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
+               **levels.probe_level(probe, self.cfg.stats.clip)}
         return self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
-                             quarantine_batch=batch)
+                             quarantine_batch=batch, own=own)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
                         trainer_version: int | None = None, verdict: Q.Verdict | None = None,
-                        quarantine_batch: StepBatch | None = None) -> StepReport:
+                        quarantine_batch: StepBatch | None = None,
+                        probe: StepBatch | None = None) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given; `verdict`: the
         quarantine verdict of every rank's sequences (in rank order), `quarantine_batch` its
-        quarantined sequences (for their dump)."""
+        quarantined sequences (for their dump). No `seq/level_spread` (it needs every rank's sequences)."""
         return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms,
-                             check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch)
+                             check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch,
+                             own=levels.probe_level(probe, self.cfg.stats.clip))
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
@@ -149,27 +153,23 @@ class Monitor:
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
                  trainer_version: int | None = None, verdict: Q.Verdict | None = None,
-                 quarantine_batch: StepBatch | None = None) -> StepReport:
+                 quarantine_batch: StepBatch | None = None,
+                 own: Mapping[str, float] | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
             self._save_state()
             self._has_state = True
         if self.last_step is not None and step <= self.last_step:
-            warnings.warn(
-                f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
-                "(a resumed trainer repeating steps?)",
-                stacklevel=3,
-            )
+            warnings.warn(f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
+                          "(a resumed trainer repeating steps?)", stacklevel=3)
         metrics, offenders = finalize(partial, self.cfg.stats)
         empty = check_metrics(metrics)
+        metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
         if empty:
-            warnings.warn(
-                f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} sequences, "
-                f"{metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as an empty step, "
-                "skipped by the detectors",
-                stacklevel=3,
-            )
+            warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
+                          f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "
+                          "an empty step, skipped by the detectors", stacklevel=3)
         alarms: list[Alarm] = []
         for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)

@@ -186,7 +186,7 @@ class GRPOLoop:
         with t("monitor"):
             # each rollout carries the engine's weight version; the trainer's is `version` (before this update)
             report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms + prompt_alarms(step, batch),
-                                          trainer_version=self.version)
+                                          trainer_version=self.version, probe=self.checker.take_probe())
         keep_first_alarm(self.monitor, report, batch)  # a step that alarms without halting keeps its evidence
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)

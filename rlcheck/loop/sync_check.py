@@ -4,6 +4,7 @@
     checker.check(loop, 0, at_start=True)  # before the first step: the weights the engine loaded
     checker.check(loop, version)           # right after each sync (fingerprints; the probe when due)
     alarms, extra = checker.take(step)     # at the next step: a critical `weights` alarm if it failed
+    probe = checker.take_probe()           # the probe's two sides as a StepBatch (None: none scored)
 
 Fingerprints (`rlcheck.core.sync_check`): the rollout actor fingerprints the vLLM model in its worker,
 every trainer rank its own shard, the driver adds the ranks' parts and compares. The probe: a fixed
@@ -13,7 +14,10 @@ logprobs) and the trainer at temperature 1, judged by its mean |d| against `PROB
 engine's dtype. Tokens the model finds likely: random ids sit in the distribution's tail, where a
 low-precision kernel's error is largest, and the tolerance would be measuring the tail. The check's findings travel to the Monitor as an
 alarm of the next step (the step whose rollouts those weights generate) and, as `sync/...` scalars,
-in that step's `extra`.
+in that step's `extra`. The probe's scores go to the Monitor too (`Monitor.observe(..., probe=)`): a
+probe of at least `rlcheck.core.stats.levels.MIN_PROBE_TOKENS` tokens scored at every sync
+(`SyncCheckConfig(probe_every=1, probe_prompts=8, probe_tokens=128)`) is the drift detectors'
+control, whose mismatch does not depend on what the policy samples (`DetectorsConfig.control_drift`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.batch import StepBatch
 from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult, SyncCheck, compare
 from rlcheck.core.types import Alarm
 from rlcheck.loop.task import encode_prompts
@@ -39,6 +44,7 @@ class SyncChecker:
         self.pending: SyncCheck | None = None
         self.probe_prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
         self.probe_batch: Sequences | None = None  # drawn from the engine at the first probe
+        self.scored: StepBatch | None = None  # the last probe's two sides, until the next step takes them
 
     def check(self, loop: Any, version: int, *, at_start: bool = False) -> SyncCheck | None:
         """Check the sync just made (to `version`); its result is taken by the next step. `at_start`:
@@ -73,6 +79,9 @@ class SyncChecker:
         b = self.probe_batch
         engine = loop.engine.call(lambda actor: actor.score.remote(b.prompts, b.responses))
         trainer = loop.group.logprobs(b, loop.group.plan(b), temperature=1.0)
+        self.scored = StepBatch.from_ragged(logp_rollout=[np.asarray(x, np.float32) for x in engine],
+                                            logp_train=[np.asarray(x, np.float32) for x in trainer],
+                                            request_ids=[f"probe-{i}" for i in range(len(engine))])
         d = np.abs(np.concatenate(trainer).astype(np.float64) - np.concatenate(engine).astype(np.float64))
         return ProbeResult(int(d.size), float(d.mean()), float(d.max()), self.tolerance)
 
@@ -82,3 +91,9 @@ class SyncChecker:
         if found is None:
             return [], {}
         return found.alarms(step), found.metrics()
+
+    def take_probe(self) -> StepBatch | None:
+        """The last probe's scores (engine: logp_rollout, trainer: logp_train), once; None when no probe ran
+        since the last take."""
+        scored, self.scored = self.scored, None
+        return scored

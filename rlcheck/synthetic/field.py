@@ -73,6 +73,12 @@ class FieldConfig:
     tail_max: float = 8.0
     tail_negative: float = 0.8
     step_stride: int = 1
+    length_growth: float = 1.0
+    """The median response length multiplies by this over `growth_steps` steps (then stays)."""
+    confident_frac_end: float | None = None
+    """`confident_frac` at `growth_steps` (linear in the step, then stays); None: constant. Fewer
+    near-certain tokens raise mean |d| through the token mix alone (the per-token law, and so the
+    probe batch, unchanged): a policy whose responses get less peaked."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,6 +89,8 @@ class FieldConfig:
             raise ConfigError("confident_frac, tail_rate and level_ar must be in [0, 1)")
         if not (self.floor > 0 and self.growth > 0 and self.noise_sigma > 0 and self.tail_max > self.tail_min > 0):
             raise ConfigError("need floor > 0, growth > 0, noise_sigma > 0 and tail_max > tail_min > 0")
+        if self.length_growth <= 0 or not 0 <= (self.confident_frac_end or 0.0) < 1:
+            raise ConfigError("need length_growth > 0 and confident_frac_end in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,10 @@ class FieldFault:
     "corrupt-seqs" (each sequence with probability `value` is confident gibberish from one of its
     first three tokens: the trainer finds its tokens 2-4 nats less likely), "spikes" (every
     `every`-th observation the noise is `value` x the floor: the shape of a periodic fault too small
-    for any threshold).
+    for any threshold), "partial-spikes" (the same on a fraction `frac` of the observation's
+    sequences only: a fault of one engine replica or one cache region), "drift" (the engine's own
+    per-token mismatch multiplies geometrically by `value` over `ramp` observations from onset and
+    stays there: the policy's samples are unchanged, the probe batch sees it too).
     """
 
     kind: str
@@ -105,27 +116,40 @@ class FieldFault:
     every: int = 12
     value: float = 2.0
     policy_step: float = 2e-3
+    frac: float = 1.0
+    """partial-spikes: the fraction of each spiked observation's sequences that spike."""
+    ramp: int = 30
+    """drift: observations over which the engine's mismatch grows by `value`."""
 
-    KINDS = ("skip-sync", "stale-weights", "off-by-one", "temperature", "corrupt-seqs", "spikes")
+    KINDS = ("skip-sync", "stale-weights", "off-by-one", "temperature", "corrupt-seqs", "spikes",
+             "partial-spikes", "drift")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise ConfigError(f"unknown field fault {self.kind!r}; known: {self.KINDS}")
-        if self.onset < 0 or self.every < 2:
-            raise ConfigError("need onset >= 0 and every >= 2")
+        if self.onset < 0 or self.every < 2 or self.ramp < 1 or not 0 < self.frac <= 1:
+            raise ConfigError("need onset >= 0, every >= 2, ramp >= 1 and 0 < frac <= 1")
 
     def hits(self, i: int) -> bool:
         """True when observation i is touched by the fault."""
         if i < self.onset:
             return False
-        if self.kind in ("skip-sync", "spikes"):
+        if self.kind in ("skip-sync", "spikes", "partial-spikes"):
             return (i - self.onset) % self.every == 0
         return True
+
+    def engine_factor(self, i: int) -> float:
+        """The engine's mismatch at observation i over its healthy level (1 but for a drift)."""
+        if self.kind != "drift" or i < self.onset:
+            return 1.0
+        return self.value ** (min(i - self.onset, self.ramp) / self.ramp)
 
     @property
     def name(self) -> str:
         v = {"temperature": f"={self.value:g}", "corrupt-seqs": f"={self.value:g}",
-             "spikes": f"={self.value:g}x/{self.every}", "skip-sync": f"={self.every}"}.get(self.kind, "")
+             "spikes": f"={self.value:g}x/{self.every}", "skip-sync": f"={self.every}",
+             "partial-spikes": f"={self.value:g}x{self.frac:.2g}/{self.every}",
+             "drift": f"={self.value:g}x/{self.ramp}"}.get(self.kind, "")
         return f"{self.kind}{v}@{self.onset}"
 
 
@@ -159,6 +183,24 @@ class FieldStream:
         c = self.cfg
         return c.floor * c.growth ** (self.step(i) / c.growth_steps)
 
+    def engine_level(self, i: int) -> float:
+        """The engine's mean |d| level at observation i: the floor, times a drift fault's factor."""
+        return self.floor(i) * (self.fault.engine_factor(i) if self.fault is not None else 1.0)
+
+    def probe_batch(self, i: int, num_tokens: int = 4096, num_sequences: int = 16) -> StepBatch:
+        """The sync check's fixed probe batch scored at observation i: the same teacher-forced tokens
+        every time (drawn once from the seed), their mismatch the engine's level with fresh bf16
+        noise, and no step wobble (what the policy samples does not enter it)."""
+        c = self.cfg
+        s = np.minimum(self._surprise(np.random.default_rng([c.seed, 0x9B0BE]), num_tokens), 30.0)  # (T,)
+        rng = np.random.default_rng([c.seed, i, 0x9B0BE])
+        d = self._noise(rng, num_tokens) * self.engine_level(i) * self._shape(s) / self._norm
+        tail = (rng.random(num_tokens) < c.tail_rate) & (s > 0.5)
+        d[tail] = -np.exp(rng.uniform(math.log(c.tail_min), math.log(c.tail_max), int(np.count_nonzero(tail))))
+        cu = np.linspace(0, num_tokens, num_sequences + 1).astype(np.int64)
+        ids = [f"probe-{k}" for k in range(num_sequences)]
+        return StepBatch.from_packed((-s).astype(np.float32), np.minimum(d - s, 0.0).astype(np.float32), cu, ids)
+
     def _noise_norm(self) -> float:
         """E[(1 - p)^power * |e|] over the token mix, so that mean |d| = floor * level."""
         c = self.cfg
@@ -176,9 +218,9 @@ class FieldStream:
         sign = np.where(rng.random(m) < c.negative_frac, -1.0, 1.0)
         return np.where(rng.random(m) < c.zero_frac, 0.0, sign * mag)
 
-    def _surprise(self, rng: np.random.Generator, m: int) -> np.ndarray:
+    def _surprise(self, rng: np.random.Generator, m: int, confident_frac: float | None = None) -> np.ndarray:
         c = self.cfg
-        confident = rng.random(m) < c.confident_frac
+        confident = rng.random(m) < (c.confident_frac if confident_frac is None else confident_frac)
         return np.where(confident, rng.exponential(c.confident_scale, m), rng.exponential(c.open_scale, m))
 
     def batches(self, i: int) -> list[StepBatch]:
@@ -188,17 +230,23 @@ class FieldStream:
         c, f = self.cfg, self.fault
         rng = np.random.default_rng([c.seed, i, rank])
         n = c.num_sequences
-        lens = np.clip(rng.lognormal(math.log(c.median_length), c.length_sigma, n), 1, c.max_length).astype(np.int64)
+        t = min(self.step(i) / c.growth_steps, 1.0)
+        median = c.median_length * c.length_growth**t
+        lens = np.clip(rng.lognormal(math.log(median), c.length_sigma, n), 1, c.max_length).astype(np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)  # (N+1,)
         m = int(cu[-1])
-        s = np.minimum(self._surprise(rng, m), 30.0)  # (M,)
+        end = c.confident_frac if c.confident_frac_end is None else c.confident_frac_end
+        s = np.minimum(self._surprise(rng, m, c.confident_frac + (end - c.confident_frac) * t), 30.0)  # (M,)
         lr = -s
-        level = self.floor(i) * math.exp(self.log_level[i] + self.rank_offset[rank])
+        level = self.engine_level(i) * math.exp(self.log_level[i] + self.rank_offset[rank])
         hit = f is not None and f.hits(i)
         if hit and f.kind == "spikes":
             level *= f.value
         shape = self._shape(s) / self._norm  # (M,)
         d = self._noise(rng, m) * level * shape
+        if hit and f.kind == "partial-spikes":
+            picked = np.random.default_rng([c.seed, i, rank, 0x5B1]).permutation(n)[: max(1, round(f.frac * n))]
+            d[np.isin(np.repeat(np.arange(n), lens), picked)] *= f.value
         if hit and f.kind in ("skip-sync", "stale-weights"):
             lag = 1 if f.kind == "skip-sync" else i - f.onset + 1
             d += self._noise(rng, m) * (f.policy_step * lag**0.85) * shape

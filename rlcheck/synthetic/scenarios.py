@@ -54,6 +54,12 @@ SCENARIOS = {
         Scenario("resumed", FieldConfig(num_sequences=24, median_length=900, growth=5.0),
                  1400, "restarts at observations 500 and 1000, each resuming from a checkpoint 20 steps back (steps repeat)",
                  restart_at=(500, 1000), rewind=20),
+        Scenario("long-cot-growing", FieldConfig(num_sequences=24, median_length=1000, length_growth=4.0,
+                                                 confident_frac=0.8, confident_frac_end=0.45, growth=2.0,
+                                                 growth_steps=1200),
+                 2000, "long chain-of-thought whose mean |d| grows ~5x in 1,200 steps because the responses get "
+                       "4x longer and less peaked (near-certain tokens 80% -> 45%; 2.5x of the growth) on a floor "
+                       "doubling: growth a drift detector must not call the engine's"),
     )
 }
 

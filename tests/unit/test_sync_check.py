@@ -236,3 +236,6 @@ class TestProbeBatch:
         assert len(asked) == 1 and asked[0][1] == 5 and len(asked[0][0]) == 2
         assert [[list(r) for r in rs] for rs in scored] == [[[7] * 5, [8] * 5]] * 2
         assert first.ok and second.ok and first.probe.tokens == 10 and first.probe.tolerance == 0.15
+        scored = checker.take_probe()  # the last probe's two sides, for the Monitor's drift control, once
+        assert list(scored.request_ids) == ["probe-0", "probe-1"] and scored.num_tokens == 10
+        assert np.all(scored.logp_rollout == -0.5) and checker.take_probe() is None

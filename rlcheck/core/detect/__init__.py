@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 from rlcheck.core.detect.base import KINDS, SEVERITIES, Alarm, Detector, severity_rank
 from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
-from rlcheck.core.detect.robust import DriftConfig, DriftDetector, RobustZConfig, RobustZDetector
+from rlcheck.core.detect.robust import (
+    CONTROL_DRIFT,
+    CONTROL_TREND,
+    DriftConfig,
+    DriftDetector,
+    RobustZConfig,
+    RobustZDetector,
+)
 from rlcheck.core.detect.signature import SignatureConfig, SignatureDetector
 from rlcheck.core.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
 
@@ -18,25 +25,33 @@ class DetectorsConfig:
     threshold: ThresholdConfig | None = field(default_factory=ThresholdConfig)
     robust_z: RobustZConfig | None = field(default_factory=RobustZConfig)
     drift: DriftConfig | None = field(default_factory=DriftConfig)
+    control_drift: DriftConfig | None = field(default_factory=lambda: CONTROL_DRIFT)
+    """Fast drift of the sync check's probe batch (`Monitor.observe(..., probe=)`): the engine's own
+    growth, free of what the policy samples; silent on a run that passes no probe."""
+    control_trend: DriftConfig | None = field(default_factory=lambda: CONTROL_TREND)
+    """Slow drift of the same probe batch (a longer reference)."""
     periodic: PeriodicConfig | None = field(default_factory=PeriodicConfig)
     signature: SignatureConfig | None = field(default_factory=SignatureConfig)
 
 
 def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
-    """The enabled detectors, keyed by kind."""
+    """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
+    control_drift and control_trend: drift detectors)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
         "drift": (cfg.drift, DriftDetector),
+        "control_drift": (cfg.control_drift, DriftDetector),
+        "control_trend": (cfg.control_trend, DriftDetector),
         "periodic": (cfg.periodic, PeriodicDetector),
         "signature": (cfg.signature, SignatureDetector),
     }
-    return {kind: cls(c) for kind, (c, cls) in makers.items() if c is not None}
+    return {name: cls(c) for name, (c, cls) in makers.items() if c is not None}
 
 
 __all__ = [
     "KINDS", "SEVERITIES", "Alarm", "Detector", "severity_rank", "DetectorsConfig", "build_detectors",
     "ThresholdConfig", "ThresholdRule", "ThresholdDetector", "DEFAULT_RULES",
-    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector",
+    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector", "CONTROL_DRIFT", "CONTROL_TREND",
     "PeriodicConfig", "PeriodicDetector", "SignatureConfig", "SignatureDetector",
 ]

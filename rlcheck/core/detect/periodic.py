@@ -39,8 +39,10 @@ from rlcheck.errors import ConfigError
 
 @dataclass(frozen=True)
 class PeriodicConfig:
-    metrics: tuple[str, ...] = (K.ABS_DIFF_CLIPPED_MEAN,)
-    """Metrics searched for periodic spikes (the clipped mean |d|: a bf16 tail token is no spike)."""
+    metrics: tuple[str, ...] = (K.ABS_DIFF_CLIPPED_MEAN, K.SEQ_LEVEL_SPREAD)
+    """Metrics searched for periodic spikes: the clipped mean |d| (a bf16 tail token is no spike) and
+    the spread of the sequences' levels (`rlcheck.core.stats.levels`: a fault on part of the batch,
+    which the step's wobble hides in the mean; logged by `Monitor.observe`)."""
     min_period: int = 2
     max_period: int = 50
     """Periods searched, in steps of the grid (the steps' stride: observations when it is regular)."""

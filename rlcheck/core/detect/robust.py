@@ -97,14 +97,36 @@ class DriftConfig:
     that stopped syncing triple the mismatch within a few steps; the healthy floor never does."""
     severity: str = "warn"
     """Severity of a drift alarm below critical_ratio."""
+    floor: float = 0.0
+    """Values under it count as it (in the value and the reference): growth among levels this small is
+    noise of a precise run (a float32 engine's |d| of 1e-7 doubling), not a drift."""
 
     def __post_init__(self) -> None:
+        if self.floor < 0:
+            raise ConfigError(f"drift floor must be >= 0, got {self.floor}")
         if self.window < 8 or not 1 <= self.warmup <= self.window:
             raise ConfigError(f"need window >= 8 and 1 <= warmup <= window, got {self.window}, {self.warmup}")
         if self.threshold <= 0 or self.slack < 0 or self.clip <= self.slack or self.critical_ratio <= 1:
             raise ConfigError("need threshold > 0, slack >= 0, clip > slack and critical_ratio > 1")
         if self.severity not in SEVERITIES:
             raise ConfigError(f"severity must be one of {SEVERITIES}")
+
+
+CONTROL_DRIFT = DriftConfig(metrics=(K.PROBE_LEVEL,), window=32, warmup=16, slack=0.1, threshold=0.5,
+                            clip=0.5, critical_ratio=2.0, floor=1e-3)
+"""Fast drift of the sync check's probe batch (`DetectorsConfig.control_drift`). Its tokens are fixed,
+so its level carries no step wobble from what the policy samples (the field streams' AR(1) wobble,
+std 0.15 in log, is what holds the main drift detector to a 1.5x slack); what is left is bf16 noise
+on 4,096 tokens (~5%) and the floor's own growth (10x over 1,500 observations puts the newest ~1.02x
+above a 32-step median). A 1.1x slack and a 0.5 nat threshold warn within 7-9 steps of a 3.3x rise
+over 30 steps; critical (it halts) at 2x the reference: the engine alone doubled. Set on the
+calibration seeds (BENCHMARKS.md, "Detector power on new shapes"). Levels under 1e-3 nats (`floor`:
+a float32 engine's probe sits at 1e-7 to 1e-5) do not drift."""
+CONTROL_TREND = DriftConfig(metrics=(K.PROBE_LEVEL,), window=256, warmup=64, slack=0.3, threshold=0.8,
+                            clip=0.5, critical_ratio=2.0, floor=1e-3)
+"""Slow drift of the probe (`DetectorsConfig.control_trend`): a 32-step reference follows a 5x rise
+over 450 steps (1.06x a window), a 256-step one does not; the healthy floor's growth puts the newest
+step up to 1.2x above its median, hence the 1.35x slack. Warns at 1.56-1.61x of such a rise."""
 
 
 class DriftDetector(Detector):
@@ -127,7 +149,8 @@ class DriftDetector(Detector):
                 continue
             if len(base) >= cfg.warmup:
                 med, _ = base.center_scale()
-                g = min(math.log(max(x, _TINY) / max(med, _TINY)), cfg.clip)
+                floor = max(cfg.floor, _TINY)
+                g = min(math.log(max(x, floor) / max(med, floor)), cfg.clip)
                 s = max(0.0, self.cusum[m] + g - cfg.slack)
                 if s > 0 and self.cusum[m] == 0:
                     self.since[m] = step
@@ -139,7 +162,7 @@ class DriftDetector(Detector):
         return alarms
 
     def _alarm(self, m: str, step: int, x: float, med: float, s: float) -> Alarm:
-        ratio = x / max(med, _TINY)
+        ratio = x / max(med, self.cfg.floor, _TINY)
         severity = "critical" if ratio >= self.cfg.critical_ratio else self.cfg.severity
         return Alarm(
             self.kind, m, step, severity,
