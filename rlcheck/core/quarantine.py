@@ -62,7 +62,7 @@ MAX_LISTED = 100
 
 @dataclass(frozen=True)
 class QuarantineConfig:
-    """When a sequence is quarantined rather than the run halted (README, "Halt or quarantine")."""
+    """When a sequence is quarantined rather than the run halted (docs/quarantine.md)."""
 
     rules: tuple[str, ...] = REASONS
     """The reasons (`REASONS`) that quarantine a sequence."""

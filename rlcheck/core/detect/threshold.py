@@ -31,8 +31,8 @@ class ThresholdRule:
             raise ConfigError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
 
 
-# Absolute levels of a mismatch worth a look, on metrics one tail token cannot move far (README,
-# "Detectors"; BENCHMARKS.md, "Field fidelity"). NeMo-RL's gate mean(exp|d|) <= 1.05 is not among
+# Absolute levels of a mismatch worth a look, on metrics one tail token cannot move far (docs/detectors.md;
+# BENCHMARKS.md, "Field fidelity"). NeMo-RL's gate mean(exp|d|) <= 1.05 is not among
 # them: one bf16 tail token at |d| = 8 in 20,000 tokens adds 0.15 to it, and it fired on about half of
 # the steps of a healthy long-response stream.
 DEFAULT_RULES = (
