@@ -19,7 +19,7 @@ from rlcheck.forensics.queries import MAX_IDS
 from rlcheck.loop import run_grpo
 from rlcheck.loop.presets import tiny_cpu
 
-ONSET = 6
+ONSET = 4
 DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))
 
 

@@ -174,11 +174,12 @@ class TestOffsetCheck:
 
 class TestStressGuard:
     def test_clean_stress_with_guard(self, tiny_model, tmp_path):
-        """`run_stress(guard=True)` at 1,024 requests: zero violations and zero failing requests."""
+        """`run_stress(guard=True)` at 256 requests: zero violations and zero failing requests against the
+        HF reference (the guard alone at 1,024 requests: TestGuardClean)."""
         from rlcheck.forensics.stress import StressConfig, run_stress
 
-        res = run_stress(StressConfig(model=str(tiny_model("mamba2")), num_requests=1024, guard=True), tmp_path / "s")
-        assert res.failing == [] and res.guard.violations == () and res.guard.summary["num_steps"] > 100
+        res = run_stress(StressConfig(model=str(tiny_model("mamba2")), num_requests=256, guard=True), tmp_path / "s")
+        assert res.failing == [] and res.guard.violations == () and res.guard.summary["num_steps"] > 16  # 32 here
         assert json.loads((tmp_path / "s" / "stress.json").read_text())["guard"]["num_violations"] == 0
 
     def test_cli_stale_state(self, tiny_model, tmp_path):

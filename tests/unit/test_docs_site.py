@@ -169,6 +169,13 @@ class TestReadme:
             assert needed in text, needed
         assert {s.env for s in snippets.parse(text, "README.md")} == {"own-loop", "trl", "verl"}
 
+    def test_slow_snippets_are_the_pages_own(self):
+        """The README's TRL and verl snippets are printed as they are on their pages, so the page's run
+        (tests/integration/test_docs_snippets.py runs each block once) is the README's."""
+        pages = {(s.env, s.code) for s in snippets.collect() if s.page != "README.md"}
+        readme = snippets.parse(snippets.README.read_text(), "README.md")
+        assert [s.env for s in readme if (s.env, s.code) in pages] == ["trl", "verl"]
+
     def test_links_lead_to_files(self):
         """Every relative link of the README names a file of the repository (docs/... pages, images)."""
         links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", snippets.README.read_text())
