@@ -5,19 +5,14 @@ keeps its evidence in a dump, and `diagnose` names the cause and only requests t
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rlcheck.core.detect import DetectorsConfig, RobustZConfig
-from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 from rlcheck.core.run.dump import read_dump
-from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.forensics.queries import MAX_IDS
-from rlcheck.loop import run_grpo
-from rlcheck.loop.presets import tiny_cpu
+from tests.loop_runs import alarm_steps, run_fault
 
 ONSET = 4
 DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))
@@ -30,16 +25,8 @@ def llama(tiny_model):
 
 
 def _run(model, tmp_path, spec: str, steps: int):
-    fault = parse_inject(spec)
-    cfg = tiny_cpu(model, trainer="hf", steps=steps, fault=fault)
-    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), context=cfg.context(), detectors=DETECTORS)) as mon:
-        result = run_grpo(cfg, mon)
-    touched = {}
-    for line in (tmp_path / "loop.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        touched[rec["step"]] = set(rec["fault_touched"])
-    alarms = sorted({a.step for r in result.reports for a in r.alarms})
-    return fault, result, touched, alarms
+    fault, result, touched = run_fault(model, tmp_path, spec, steps, DETECTORS)
+    return fault, result, touched, alarm_steps(result)
 
 
 def _dump(tmp_path, step):

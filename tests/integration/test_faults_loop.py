@@ -13,30 +13,15 @@ import json
 import pytest
 
 from rlcheck.core.detect import DetectorsConfig, RobustZConfig
-from rlcheck.core.monitor import Monitor, MonitorConfig
-from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import diagnose
-from rlcheck.loop import run_grpo
-from rlcheck.loop.presets import tiny_cpu
+from tests.loop_runs import alarm_steps, run_fault
 
 ONSET = 12
 DETECTORS = DetectorsConfig(robust_z=RobustZConfig(warmup=ONSET))
 
 
 def _run(model, tmp_path, spec: str | None, steps: int):
-    fault = parse_inject(spec)
-    cfg = tiny_cpu(model, trainer="hf", steps=steps, fault=fault)
-    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",), context=cfg.context(), detectors=DETECTORS)) as mon:
-        result = run_grpo(cfg, mon)
-    touched = {}
-    for line in (tmp_path / "loop.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        touched[rec["step"]] = set(rec["fault_touched"])
-    return fault, result, touched
-
-
-def _alarm_steps(result):
-    return sorted({a.step for r in result.reports for a in r.alarms})
+    return run_fault(model, tmp_path, spec, steps, DETECTORS)
 
 
 @pytest.mark.slow
@@ -52,7 +37,7 @@ class TestFaultsInTheLoop:
     def test_fault_is_caught_and_named(self, tiny_model, ray_local, tmp_path, spec, steps):
         """No alarm before the fault acts, one at its first step, and diagnose names its cause and touched requests."""
         fault, result, touched = _run(tiny_model("hybrid"), tmp_path, spec, steps)
-        alarms = _alarm_steps(result)
+        alarms = alarm_steps(result)
         assert alarms and alarms[0] == fault.start  # caught on the first step it acts, not before
         verdict = diagnose(tmp_path).verdict
         assert verdict.cause == fault.cause, verdict.evidence
@@ -74,14 +59,14 @@ class TestEngineFaultsInTheLoop:
         """Stale Mamba state inside the rollout engine: step 0 (fresh slots) is clean, later steps alarm,
         and diagnose names stale state."""
         _, result, _ = _run(tiny_model("hybrid"), tmp_path, "stale-state", 3)
-        alarms = _alarm_steps(result)
+        alarms = alarm_steps(result)
         assert alarms and alarms[0] == 1  # the first wave's slots were never held before
         assert diagnose(tmp_path).verdict.cause == "stale_state"
 
     def test_index_wrap_is_caught(self, tiny_model, ray_local, tmp_path):
         """State slots aliased past 16 blocks (64 live requests hold 256): the first step halts."""
         _, result, _ = _run(tiny_model("hybrid"), tmp_path, "index-wrap=16", 3)
-        assert result.halted and _alarm_steps(result) == [0]
+        assert result.halted and alarm_steps(result) == [0]
 
 
 @pytest.mark.slow
