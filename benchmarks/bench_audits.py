@@ -91,7 +91,7 @@ def sweep_points(models: dict[str, str], args) -> list[dict]:
     from dataclasses import asdict
 
     from rlcheck.forensics.stress import StressConfig
-    from rlcheck.forensics.stress_report import plot_sweep
+    from rlcheck.forensics.stress.report import plot_sweep
     from rlcheck.forensics.sweep import parse_knob, run_sweep
 
     base = StressConfig(model=models["hybrid"], num_requests=args.requests, dtype="bfloat16", seed=args.held_out[0],

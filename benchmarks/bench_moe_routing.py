@@ -10,7 +10,7 @@ seed, `--prompts` addition prompts of the loop's task (`AdditionTask(seed=seed)`
 `--tokens` tokens (temperature 1, ignore_eos). The trainer side is HF in float32, one teacher-forced
 forward per sequence with `RouteRecorder` on its routers. Per (case, seed): route_agree_frac, the
 per-layer agreement, mean |d|, the share of sum |d| on rerouted tokens and the lift, and whether the
-`moe_routing` rule's condition holds (`rlcheck.forensics.moe_rule`: share >= 0.5 and >= 2 x the
+`moe_routing` rule's condition holds (`rlcheck.forensics.diagnose.rules.moe`: share >= 0.5 and >= 2 x the
 rerouted share of tokens), and whether agree_frac is below the healthy floor (the lowest healthy
 agree_frac of the same engine dtype over all seeds).
 

@@ -28,7 +28,7 @@ verl's own step counter goes in as `global_steps` (step G's rows carry the weigh
 end of step G-1). The fully async trainer (`verl.experimental.fully_async_policy`) is observed with its
 `current_param_version` and `async_training` settings: only the rows generated entirely on the trainer's
 weights are compared, and a row lagging more than ceil(staleness_threshold) + partial_rollout versions
-halts (`rlcheck.integrations._verl_async`).
+halts (`rlcheck.integrations.verl.fully_async`).
 """
 
 from __future__ import annotations

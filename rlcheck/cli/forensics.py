@@ -16,17 +16,17 @@ import typer
 from rlcheck.cli.base import app, console
 from rlcheck.cli.paths import existing_dir, output_dir
 from rlcheck.forensics.localize import DEFAULT_TOP as LOCALIZE_TOP
-from rlcheck.forensics.localize_compare import TOLERANCES
+from rlcheck.forensics.localize.compare import TOLERANCES
 from rlcheck.forensics.replay import DEFAULT_THRESHOLD
-from rlcheck.forensics.stress_config import (
+from rlcheck.forensics.stress.config import (
     FP32_THRESHOLD,
     StressConfig,
     parse_audits,
     parse_inject,
     parse_size,
 )
-from rlcheck.forensics.stress_report import RESULT_FILE as STRESS_FILE
-from rlcheck.forensics.stress_report import SWEEP_FILE
+from rlcheck.forensics.stress.report import RESULT_FILE as STRESS_FILE
+from rlcheck.forensics.stress.report import SWEEP_FILE
 from rlcheck.forensics.sweep import SWEEP_REQUESTS
 
 
@@ -94,7 +94,7 @@ def stress(
     Exit code 0 when none fails, 1 when one does (or the guard or an audit found one), 2 on bad input.
     `rlcheck diagnose OUT` names the cause."""
     from rlcheck.forensics.stress import run_stress
-    from rlcheck.forensics.stress_report import render_stress
+    from rlcheck.forensics.stress.report import render_stress
 
     cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
                          inject, threshold)
@@ -124,7 +124,7 @@ def sweep(
     """Change one knob at a time (cache budget, max sequences, samples per prompt, batched tokens) and
     record, per value, the failures, the first failing request and the failing fraction (and with
     --audit, each audit's count of disagreeing requests): a table and a plot."""
-    from rlcheck.forensics.stress_report import render_sweep, write_sweep
+    from rlcheck.forensics.stress.report import render_sweep, write_sweep
     from rlcheck.forensics.sweep import parse_knob, run_sweep
 
     knobs = [parse_knob(k) for k in knob]
@@ -161,7 +161,7 @@ def localize(
     from transformers.utils import logging as hf_logging
 
     from rlcheck.forensics.localize import localize as run_localize
-    from rlcheck.forensics.localize_report import render_localization
+    from rlcheck.forensics.localize.report import render_localization
 
     existing_dir(path, "PATH")
     if model is not None:

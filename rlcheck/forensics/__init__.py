@@ -9,7 +9,7 @@
   through the HF reference's hidden states: the first layer (and position) where they part.
 """
 
-from rlcheck.forensics.ranking import Context, ReplayRecord
 from rlcheck.forensics.replay import DEFAULT_TAU, DEFAULT_THRESHOLD, ReplayReport, replay
+from rlcheck.forensics.replay.ranking import Context, ReplayRecord
 
 __all__ = ["DEFAULT_TAU", "DEFAULT_THRESHOLD", "Context", "ReplayRecord", "ReplayReport", "replay"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlcheck.forensics.stress_config import UNITS
+from rlcheck.forensics.stress.config import UNITS
 
 
 def render_diagnosis(diagnosis, console: Any, max_ids: int = 10) -> None:

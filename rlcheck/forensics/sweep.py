@@ -4,7 +4,7 @@ when and where failures appear, the failure's shape (design.md, background/).
     knobs = [parse_knob("max_num_seqs=2,4,8,16"), parse_knob("kv_cache_bytes=700KiB,1MiB,8MiB")]
     result = run_sweep(StressConfig(model=..., fault="index-wrap", boundary=8), knobs)
     result.points                         # one SweepPoint per knob value
-    write_sweep(result, "runs/sweep")     # rlcheck.forensics.stress_report: sweep.json and sweep.png
+    write_sweep(result, "runs/sweep")     # rlcheck.forensics.stress.report: sweep.json and sweep.png
 
 Every value of every knob is one `rlcheck stress` run on the base settings with that knob changed
 (the others stay at the base); per value: failures, the arrival index of the first failing request,
@@ -28,8 +28,8 @@ from typing import Any
 
 from rlcheck.errors import ConfigError
 from rlcheck.forensics.stress import run_stress
-from rlcheck.forensics.stress_config import Progress, StressConfig, parse_size
-from rlcheck.forensics.stress_results import SweepPoint, SweepResult
+from rlcheck.forensics.stress.config import Progress, StressConfig, parse_size
+from rlcheck.forensics.stress.results import SweepPoint, SweepResult
 
 __all__ = ["ALIASES", "KNOBS", "SWEEP_REQUESTS", "Knob", "SweepPoint", "SweepResult", "knob_config", "parse_knob",
            "parse_size", "run_sweep"]

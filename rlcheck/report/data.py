@@ -88,7 +88,7 @@ class RunData:
     """The engine guard's output (`rlcheck.core.run.guard_files.GuardData`: summary, violations, break
     snapshots); None when the run has no run_dir/guard."""
     localizations: list[dict[str, Any]] = field(default_factory=list)
-    """The localize.json of each dump `rlcheck localize` has run on (`rlcheck.forensics.localize_compare`)."""
+    """The localize.json of each dump `rlcheck localize` has run on (`rlcheck.forensics.localize.compare`)."""
     moe_layers: int = 0
     """MoE layers whose routing agreement the records carry (`rlcheck/moe/*`, in `series`); 0: none."""
 
@@ -97,7 +97,7 @@ def collect(run: Run | str | Path) -> RunData:
     """Read the run (a `Run`, or its directory, opened once): an InputError when it is missing or
     holds no metrics.jsonl records."""
     from rlcheck.forensics.diagnose import diagnose
-    from rlcheck.forensics.localize_diagnose import load_localizations
+    from rlcheck.forensics.diagnose.localized import load_localizations
     from rlcheck.report.summary import summarize
 
     run = Run.open(run)

@@ -31,8 +31,8 @@ def localize_section(localizations: list[dict[str, Any]], link: Callable[[Path],
 
 
 def _one(name: str, data: dict[str, Any], link: Callable[[Path], str]) -> str:
-    from rlcheck.forensics.localize_report import summary_line
-    from rlcheck.forensics.localize_routing import routing_summary
+    from rlcheck.forensics.localize.report import summary_line
+    from rlcheck.forensics.localize.routing import routing_summary
     from rlcheck.report.plots import localize_svg
 
     path = Path(str(data.get("path", "")))
@@ -55,7 +55,7 @@ def _one(name: str, data: dict[str, Any], link: Callable[[Path], str]) -> str:
 
 
 def _row(r: dict[str, Any], tol: float, moe: bool) -> str:
-    from rlcheck.forensics.localize_routing import routing_words
+    from rlcheck.forensics.localize.routing import routing_words
 
     def cell(x: Any) -> str:
         return "-" if x is None else _e(x)

@@ -172,9 +172,9 @@ def histogram_svg(name: str, hist_run: dict[str, Any], hist_worst: dict[str, Any
 
 @_styled
 def localize_svg(name: str, data: dict[str, Any]) -> str:
-    """`rlcheck localize`'s per-layer plot (`rlcheck.forensics.localize_report.draw_layers`) of one
+    """`rlcheck localize`'s per-layer plot (`rlcheck.forensics.localize.report.draw_layers`) of one
     localize.json: each request's largest relative error per decoder layer, the tolerance dashed."""
-    from rlcheck.forensics.localize_report import draw_layers
+    from rlcheck.forensics.localize.report import draw_layers
 
     fig, ax = _figure(max(4.0, 0.5 * len(data["layer_types"]) + 2), 2.4)
     draw_layers(ax, data)

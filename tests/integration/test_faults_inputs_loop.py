@@ -11,7 +11,7 @@ from rlcheck.core.detect import DetectorsConfig, RobustZConfig
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 from rlcheck.core.run.dump import read_dump
 from rlcheck.forensics.diagnose import diagnose
-from rlcheck.forensics.queries import MAX_IDS
+from rlcheck.forensics.diagnose.queries import MAX_IDS
 from tests.loop_runs import alarm_steps, run_fault
 
 ONSET = 4

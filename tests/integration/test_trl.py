@@ -5,7 +5,7 @@ One fire-drill run serves several tests (a vLLM start costs ~25 s here): two cle
 `stale-weights@2` leaves out TRL's real vLLM weight sync from step 2 on, while a reward with spread in
 every group (completion length) and a large learning rate move the weights every step, so a sync
 that did not move the engine's weights shows at step 1 as the fault does at step 2. The drill runs
-twice, once per weight-sync branch (`rlcheck.integrations._trl_sync`): the one this CPU takes, and
+twice, once per weight-sync branch (`rlcheck.integrations.trl.sync`): the one this CPU takes, and
 the other with vLLM's CPU linear dispatch made to do what it does on the other kind of CPU (on an
 AVX2-only CPU a bf16 linear layer keeps its Parameter and loader: TRL's sync; with AVX-512 or AMX a
 packing kernel replaces it: the reload sync), so both are tested on either kind.
@@ -71,7 +71,7 @@ class Drill:
     dispatch: str
 
     def engine_lacks_loaders(self) -> bool:
-        from rlcheck.integrations._trl_sync import linear_params_lack_loader
+        from rlcheck.integrations.trl.sync import linear_params_lack_loader
 
         return any(self.trainer.vllm_generation.llm.apply_model(linear_params_lack_loader))
 

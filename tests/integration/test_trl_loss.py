@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcheck.integrations._trl_batch import mask_rows
-from rlcheck.integrations._trl_loss import KEEP_KEY, kept_loss, mark_kept
+from rlcheck.integrations.trl.batch import mask_rows
+from rlcheck.integrations.trl.loss import KEEP_KEY, kept_loss, mark_kept
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow

@@ -14,11 +14,11 @@ from rich.console import Console
 from rlcheck.engines.vllm import Rollout, VLLMConfig
 from rlcheck.errors import ConfigError
 from rlcheck.forensics.audits import BatchInvariance, DecodePrefill
-from rlcheck.forensics.audits_report import render_audits
+from rlcheck.forensics.audits.report import render_audits
 from rlcheck.forensics.slots import SlotContext
 from rlcheck.forensics.stress import StressConfig, StressResult, serial_config
-from rlcheck.forensics.stress_config import parse_audits
-from rlcheck.forensics.stress_report import render_sweep, write_sweep
+from rlcheck.forensics.stress.config import parse_audits
+from rlcheck.forensics.stress.report import render_sweep, write_sweep
 from rlcheck.forensics.sweep import SweepPoint, SweepResult
 from rlcheck.loop.audit import AUDIT_FAILING, SIGNATURE, DecodePrefillAudit, audit_step, check_sampling
 

@@ -20,7 +20,7 @@ from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.faults import parse_inject
 from rlcheck.forensics.diagnose import CAUSES, _sparse_sequences, diagnose
-from rlcheck.forensics.evidence import Evidence, load_evidence
+from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
 from rlcheck.forensics.render import render_diagnosis
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 

@@ -211,7 +211,7 @@ class TestTrlRefusal:
                                       "raw-logprobs"])
     def test_loop_only_faults_are_refused_with_trl(self, spec):
         """The TRL adapter has no place for the trainer's inputs, the prompts or the engine's sync: it refuses them."""
-        from rlcheck.integrations._trl_config import check_fault
+        from rlcheck.integrations.trl.config import check_fault
 
         with pytest.raises(ConfigError, match="with TRL"):
             check_fault(spec)

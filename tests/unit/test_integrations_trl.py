@@ -14,7 +14,8 @@ import torch
 
 from rlcheck.errors import ConfigError, InputError
 from rlcheck.faults import parse_inject
-from rlcheck.integrations._trl_batch import (
+from rlcheck.integrations.trl import TRLOptions
+from rlcheck.integrations.trl.batch import (
     mask_rows,
     new_scalars,
     quarantined_rows,
@@ -22,10 +23,10 @@ from rlcheck.integrations._trl_batch import (
     row_meta,
     to_step_batch,
 )
-from rlcheck.integrations._trl_config import check_fault as _fault
-from rlcheck.integrations._trl_config import check_sampling, logit_processing, trl_context
-from rlcheck.integrations._trl_sync import WeightSync, resolve_method
-from rlcheck.integrations._trl_topk import (
+from rlcheck.integrations.trl.config import check_fault as _fault
+from rlcheck.integrations.trl.config import check_sampling, logit_processing, trl_context
+from rlcheck.integrations.trl.sync import WeightSync, resolve_method
+from rlcheck.integrations.trl.topk import (
     DEFAULT_TOP_K,
     EngineTopK,
     check_topk,
@@ -34,7 +35,6 @@ from rlcheck.integrations._trl_topk import (
     split_sampled,
     step_topk,
 )
-from rlcheck.integrations.trl import TRLOptions
 
 
 def trl_output(tool: bool = False, truncated_row: int | None = None) -> dict:
@@ -319,7 +319,7 @@ class TestWeightSync:
         import types
 
         import rlcheck.engines.fingerprint as efp
-        import rlcheck.integrations._trl_sync as ts
+        import rlcheck.integrations.trl.sync as ts
         import rlcheck.trainers.fingerprint as tfp
 
         clock = [0.0]
@@ -467,7 +467,7 @@ class TestKeptLoss:
         NaN; scalars go as they are; the accelerator's own gather is back afterwards."""
         from types import SimpleNamespace
 
-        from rlcheck.integrations._trl_loss import kept_loss, mark_kept
+        from rlcheck.integrations.trl.loss import kept_loss, mark_kept
 
         shapes = []
         acc = SimpleNamespace(num_processes=2, gather=lambda t: shapes.append(tuple(t.shape)) or t)
@@ -486,7 +486,7 @@ class TestKeptLoss:
     def test_multimodal_rows_stay_masked_with_a_warning(self):
         """Pixel values are not indexed by row: the rows stay (masked), their NaN zeroed, and a warning
         says the loss is diluted."""
-        from rlcheck.integrations._trl_loss import kept_loss, mark_kept
+        from rlcheck.integrations.trl.loss import kept_loss, mark_kept
 
         logps = torch.tensor([[0.1, float("nan")], [0.2, 0.3]], dtype=torch.float64)
         out = {"completion_mask": torch.ones(2, 2), "old_per_token_logps": logps, "pixel_values": torch.ones(5, 3)}
@@ -668,7 +668,7 @@ class TestFreshRun:
         """At global_step 0 the earlier run moves to <run_dir>.prev-1 (one warning names it) and a new
         Monitor there starts from nothing: it does not resume, nor see the old steps."""
         from rlcheck import Monitor, MonitorConfig
-        from rlcheck.integrations._trl_rundir import start_run
+        from rlcheck.integrations.trl.rundir import start_run
 
         run_dir = tmp_path / "rlcheck"
         self._old_run(run_dir)
@@ -684,7 +684,7 @@ class TestFreshRun:
 
     def test_resumed_train_continues_the_run(self, tmp_path):
         """A train(resume_from_checkpoint=...) (global_step > 0 at on_train_begin) leaves the run in place."""
-        from rlcheck.integrations._trl_rundir import start_run
+        from rlcheck.integrations.trl.rundir import start_run
 
         run_dir = tmp_path / "rlcheck"
         self._old_run(run_dir)

@@ -18,9 +18,10 @@ from rlcheck.core.run.dump import write_dump
 from rlcheck.errors import ConfigError, InputError, MismatchHalt
 from rlcheck.faults import PerturbLayer, parse_inject
 from rlcheck.forensics.diagnose import diagnose
-from rlcheck.forensics.findings import Finding
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.localized import localized_weights, name_layer
 from rlcheck.forensics.localize import choose, localize
-from rlcheck.forensics.localize_compare import (
+from rlcheck.forensics.localize.compare import (
     RESULT_FILE,
     TOLERANCES,
     LocalizeResult,
@@ -29,11 +30,10 @@ from rlcheck.forensics.localize_compare import (
     relative_errors,
     tolerance_for,
 )
-from rlcheck.forensics.localize_diagnose import localized_weights, name_layer
-from rlcheck.forensics.localize_report import render_localization, summary_line
+from rlcheck.forensics.localize.report import render_localization, summary_line
 from rlcheck.forensics.replay import load_sequences
-from rlcheck.forensics.stress_config import StressConfig
-from rlcheck.forensics.stress_config import parse_inject as parse_stress_inject
+from rlcheck.forensics.stress.config import StressConfig
+from rlcheck.forensics.stress.config import parse_inject as parse_stress_inject
 from rlcheck.report.localize import localize_section
 
 TYPES = ("mamba", "mamba", "attention", "mamba")
@@ -294,7 +294,7 @@ class TestReport:
     def test_section_and_one_read(self, tmp_path, monkeypatch):
         """A run whose dump was localized: the report has the section (layer, position, escaped ids, the
         plot) and the verdict names the layer; localize.json is read once for both."""
-        import rlcheck.forensics.localize_diagnose as ld
+        import rlcheck.forensics.diagnose.localized as ld
         from rlcheck.report import write_report
 
         run = halted_run(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""`rlcheck localize` on an MoE (`rlcheck.forensics.localize_routing`): the routing comparison, its words,
+"""`rlcheck localize` on an MoE (`rlcheck.forensics.localize.routing`): the routing comparison, its words,
 the console and HTML rendering, and what diagnose makes of a divergence that starts where routing differs."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 from rich.console import Console
 
-from rlcheck.forensics.findings import Finding
-from rlcheck.forensics.localize_compare import LocalizeResult, localize_request, relative_errors
-from rlcheck.forensics.localize_diagnose import localized_weights, name_layer
-from rlcheck.forensics.localize_report import render_localization
-from rlcheck.forensics.localize_routing import compare_routing, routing_summary, routing_words
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.localized import localized_weights, name_layer
+from rlcheck.forensics.localize.compare import LocalizeResult, localize_request, relative_errors
+from rlcheck.forensics.localize.report import render_localization
+from rlcheck.forensics.localize.routing import compare_routing, routing_summary, routing_words
 from rlcheck.report.localize import localize_section
 
 TYPES = ("attention+moe", "attention+moe", "attention+moe")

@@ -97,7 +97,7 @@ class TestMoeRouteFlipFault:
     def test_parses_into_an_engine_fault(self):
         """`moe-route-flip=P` is an engine fault whose cause diagnose knows; P outside (0, 1] is refused."""
         from rlcheck.faults import parse_inject
-        from rlcheck.forensics.findings import CAUSES
+        from rlcheck.forensics.diagnose.findings import CAUSES
 
         fault = parse_inject("moe-route-flip=0.2")
         assert fault.engine_fault() == ("moe-route-flip", {"flip": 0.2}) and fault.cause in CAUSES

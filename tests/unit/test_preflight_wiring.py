@@ -44,7 +44,7 @@ class TestTRL:
         error; vLLM's "auto" on the float32 checkpoint against an fp32 trainer is the dtype warning."""
         from transformers import AutoModelForCausalLM
 
-        from rlcheck.integrations._trl_preflight import trl_preflight
+        from rlcheck.integrations.trl.preflight_checks import trl_preflight
 
         model = AutoModelForCausalLM.from_pretrained(llama)
         model.config.rope_parameters["rope_theta"] = 20000.0
@@ -58,8 +58,8 @@ class TestTRL:
         GRPOTrainer.__init__, and keeps its findings for the Monitor's context."""
         import trl
 
-        from rlcheck.integrations._trl_config import trl_context
         from rlcheck.integrations.trl import RLCheckGRPOTrainer
+        from rlcheck.integrations.trl.config import trl_context
 
         seen = {}
 
@@ -82,8 +82,8 @@ class TestTRL:
         records its findings on the trainer, and is not run twice."""
         from transformers import AutoModelForCausalLM
 
-        from rlcheck.integrations._trl_config import TRLOptions
-        from rlcheck.integrations._trl_preflight import check_attach
+        from rlcheck.integrations.trl.config import TRLOptions
+        from rlcheck.integrations.trl.preflight_checks import check_attach
 
         llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32")))
         trainer = SimpleNamespace(args=grpo(), model=AutoModelForCausalLM.from_pretrained(llama),
@@ -102,7 +102,7 @@ class TestTRL:
 
     def test_no_local_folder_is_skipped(self, grpo):
         """A hub id (or a stand-in without a model) has nothing to read: no findings, no warning."""
-        from rlcheck.integrations._trl_preflight import trl_preflight
+        from rlcheck.integrations.trl.preflight_checks import trl_preflight
 
         assert trl_preflight(grpo(), "Qwen/Qwen3-0.6B") == ()
 

@@ -14,15 +14,6 @@ import pytest
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.run.dump import SEQUENCES, write_dump
 from rlcheck.errors import InputError
-from rlcheck.forensics.ranking import (
-    Context,
-    ReplayRecord,
-    compare,
-    context_window,
-    printable,
-    rank,
-    with_context,
-)
 from rlcheck.forensics.replay import (
     DEFAULT_THRESHOLD,
     ReplayReport,
@@ -31,6 +22,15 @@ from rlcheck.forensics.replay import (
     load_sequences,
     resolve_model,
     resolve_temperature,
+)
+from rlcheck.forensics.replay.ranking import (
+    Context,
+    ReplayRecord,
+    compare,
+    context_window,
+    printable,
+    rank,
+    with_context,
 )
 
 

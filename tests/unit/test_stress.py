@@ -25,7 +25,7 @@ from rlcheck.forensics.stress import (
     parse_inject,
     progress_bar,
 )
-from rlcheck.forensics.stress_report import RESULT_FILE, render_stress, write_stress
+from rlcheck.forensics.stress.report import RESULT_FILE, render_stress, write_stress
 
 LENGTH = 4
 
@@ -117,7 +117,7 @@ class TestKVBudget:
         the tiny llama (2 KiB a token) and a Mamba2 model (no KV) pass."""
         import json
 
-        from rlcheck.forensics.stress_config import check_kv_budget, kv_bytes_per_token
+        from rlcheck.forensics.stress.config import check_kv_budget, kv_bytes_per_token
 
         (tmp_path / "config.json").write_text(json.dumps({
             "model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,

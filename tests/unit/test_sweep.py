@@ -9,12 +9,12 @@ import pytest
 from rich.console import Console
 
 from rlcheck.errors import ConfigError
-from rlcheck.forensics import stress_report
 from rlcheck.forensics import sweep as sweep_module
 from rlcheck.forensics.render import show_value
 from rlcheck.forensics.slots import SlotContext
 from rlcheck.forensics.stress import StressConfig, StressResult
-from rlcheck.forensics.stress_report import render_sweep, write_sweep
+from rlcheck.forensics.stress import report as stress_report
+from rlcheck.forensics.stress.report import render_sweep, write_sweep
 from rlcheck.forensics.sweep import (
     Knob,
     SweepPoint,

@@ -121,7 +121,8 @@ class TestForensicEngines:
         """`rlcheck stress` (its slot trace, faults, guard) and `rlcheck localize` (its layer hooks) build
         their engines hookable, so on CUDA vLLM 0.32 cannot pick its V2 runner under them."""
         from rlcheck.engines import vllm as engine
-        from rlcheck.forensics import localize_engine, stress
+        from rlcheck.forensics import stress
+        from rlcheck.forensics.localize import engine as localize_engine
 
         cfg = stress.StressConfig(model=str(tmp_path))
         assert stress.engine_config(cfg).hookable

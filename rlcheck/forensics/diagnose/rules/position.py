@@ -1,0 +1,160 @@
+"""Diagnose rules that read where in a sequence, and in which sequences, a dump's mismatch sits
+(`rlcheck.forensics.diagnose.rows`):
+
+- `position_ids`: each row's mean |d| rises with the padding its prompt gets when the step's prompts
+  are left-padded to the longest; the rows of the longest prompt are clean (a trainer scoring
+  left-padded rows without position ids);
+- `position_dependent`: |d| rises with the token's position in its sequence, the first positions
+  close, from the run's first step on (RoPE base or scaling, a sliding window);
+- `stale_prefix_cache`: the rows whose prompt shares a long prefix with other prompts are off, the
+  others clean, only after the run's first steps were clean (weights synced since the prefix was
+  cached, the cache not reset), with no `weights` alarm (the sync check found the weights right);
+- `sparse_rows`: a few rows far off from their first tokens, the rest clean (stale state, where the
+  responses are too short for the catastrophic signature's rate of far-off tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlcheck.core import metrics as K
+from rlcheck.forensics.diagnose.evidence import Evidence
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
+from rlcheck.forensics.diagnose.rows import (
+    CLEAN,
+    CONTRAST,
+    abs_diff,
+    dumped_rows,
+    left_padding,
+    positions,
+    row_abs,
+    separated,
+    shared_prefix,
+    spearman,
+)
+
+MIN_SPAN = 64
+"""Positions a dump must span before `position_dependent` reads a trend in them."""
+LATE_RATIO, MIN_RHO = 1.5, 0.15
+"""`position_dependent`: the last quarter of the positions at least this many times as far off as the first,
+and |d|'s rank correlation with the position at least this (a RoPE base x 4 on the tiny random Llama:
+1.8x and 0.19 over 5..357; a tiny model is sensitive at short distances too)."""
+MIN_SHARED = 64
+"""Prompt tokens two different prompts must share at their start to count as a cacheable prefix (vLLM
+caches whole blocks: 16 tokens on GPUs, 128 on CPU)."""
+
+
+def _ids(rows, picked) -> list[str]:
+    order = sorted(picked, key=lambda i: -(rows[i].get("max_abs_diff") or 0.0))
+    return [rows[i]["request_id"] for i in order][:MAX_IDS]
+
+
+def position_ids(ev: Evidence) -> Finding | None:
+    """Rows off in proportion to their prompt's left padding; unpadded rows clean."""
+    for step, rows in dumped_rows(ev):
+        pad = left_padding(rows)
+        if pad is None or not (pad == 0).any() or not (pad > 0).any():
+            continue
+        off = row_abs(rows)
+        clean, padded = float(off[pad == 0].mean()), float(off[pad > 0].mean())
+        rho = spearman(pad.astype(np.float64), off)
+        if padded < CLEAN or padded < CONTRAST * clean or rho < 0.4 or not separated(off, pad > 0, 0.95):
+            continue
+        levels = ", ".join(f"{int(k)}: {off[pad == k].mean():.2g}" for k in np.unique(pad)[:5])
+        return Finding("position_ids", 0.92, [
+            f"step {step}: the rows whose prompt would be left-padded to the step's longest are off (mean |d| "
+            f"{padded:.3g}), the {int((pad == 0).sum())} rows of the longest prompts are not ({clean:.2g})",
+            f"mean |d| by pad tokens ({levels}): rank correlation {rho:.2f} with the padding; the trainer's positions "
+            "shift by the padding: pass position_ids (cumsum of the attention mask - 1) with left-padded rows"],
+            [step], _ids(rows, np.flatnonzero(pad > 0)))
+    return None
+
+
+def position_dependent(ev: Evidence) -> Finding | None:
+    """|d| that rises with the token's position, close at the first positions, present from the first step."""
+    for step, rows in dumped_rows(ev):
+        pos, ad = positions(rows)
+        if pos.size < 32 or np.ptp(pos) < MIN_SPAN or _onset_after_clean(ev, step):
+            continue
+        low = pos <= np.quantile(pos, 0.25)
+        high = pos >= np.quantile(pos, 0.75)
+        rho = spearman(pos.astype(np.float64), ad)
+        early, late = float(ad[low].mean()), float(ad[high].mean())
+        if late < CLEAN or late < LATE_RATIO * early or rho < MIN_RHO:
+            continue
+        edges = np.quantile(pos, [0, 0.25, 0.5, 0.75, 1.0]).astype(int)
+        by_pos = ", ".join(f"{a}-{b}: {ad[(pos >= a) & (pos <= b)].mean():.2g}" for a, b in zip(edges[:-1], edges[1:], strict=True))
+        return Finding("position_dependent", 0.9, [
+            f"step {step}: |d| rises with the token's position in its sequence (rank correlation {rho:.2f}); mean |d| "
+            f"by position {by_pos}",
+            f"the first quarter of the positions is {early:.2g} off, the last {late:.3g}, and the run was off from its "
+            "first step: a position-dependent difference between the sides (RoPE base or scaling, sliding window, "
+            "max position) rather than a per-request fault"], [step],
+            _ids(rows, [i for i, row in enumerate(rows) if len(row["logp_rollout"])]))
+    return None
+
+
+def _onset_after_clean(ev: Evidence, step: int) -> bool:
+    """The run's first step was clean next to `step`: its mean |d| below `CLEAN` and below 1/CONTRAST of
+    `step`'s (records by step; False when either is missing or `step` is the first)."""
+    steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
+    if steps.size < 2 or step not in steps or step == steps[0]:
+        return False
+    first, at = float(values[0]), float(values[steps == step][0])
+    return first < CLEAN and first * CONTRAST < at
+
+
+def stale_prefix_cache(ev: Evidence) -> Finding | None:
+    """Rows sharing a long prompt prefix off, the others clean, after clean first steps, weights verified."""
+    if alarms_of(ev, kind="weights"):
+        return None
+    for step, rows in dumped_rows(ev):
+        shared = shared_prefix(rows)
+        if shared is None or not (shared >= MIN_SHARED).any() or not _onset_after_clean(ev, step):
+            continue
+        off, on = row_abs(rows), shared >= MIN_SHARED
+        hit = float(off[on].mean())
+        rest = float(off[~on].mean()) if (~on).any() else None
+        if hit < CLEAN or (rest is not None and (hit < CONTRAST * rest or not separated(off, on, 0.95))):
+            continue
+        first = alarm_steps(alarms_of(ev))[0]
+        contrast = (f"the {int((~on).sum())} rows without it {rest:.2g}" if rest is not None
+                    else "every row shares it")
+        return Finding("stale_prefix_cache", 0.95 if rest is not None else 0.8, [
+            f"step {step}: the {int(on.sum())} rows whose prompt shares a {int(np.median(shared[on]))}-token prefix with "
+            f"other prompts are off (mean |d| {hit:.3g}); {contrast}",
+            f"the run's first step was clean and the mismatch began at step {first}, after weight syncs; no sync check "
+            "or weight version found the engine's weights wrong: the prefix cache kept keys and values of old "
+            "weights (call llm.reset_prefix_cache() after each sync)"], [step], _ids(rows, np.flatnonzero(on)))
+    return None
+
+
+FAR_RATIO = 100.0
+"""How many times the off rows' peak |d| must exceed every other row's (`sparse_rows`)."""
+
+
+def sparse_rows(ev: Evidence) -> Finding | None:
+    """A few rows far off from one of their first tokens, every other row clean: the stale-state shape,
+    read from the rows where the catastrophic signature needs longer responses or larger |d| (on a
+    confident model a corrupted sequence's tokens were near-certain anyway: 0.01 nats off, the rest 1e-5).
+    Which sequences are off outranks how the step's mean moves (`_growing`, 0.8: more corrupted sequences
+    on later steps read as growth)."""
+    for step, rows in dumped_rows(ev):
+        peak = np.array([float(abs_diff(row).max()) if len(row["logp_rollout"]) else 0.0 for row in rows])
+        far = np.flatnonzero(peak >= 10 * CLEAN)
+        rest = np.setdiff1d(np.arange(len(rows)), far)
+        if not far.size or far.size > max(1, 0.1 * len(rows)) or not rest.size or \
+                FAR_RATIO * peak[rest].max() > peak[far].min():
+            continue
+        starts = [int(np.flatnonzero(abs_diff(rows[i]) >= 0.1 * peak[i])[0]) for i in far]
+        if max(starts) > 2:
+            continue
+        return Finding("stale_state", 0.85, [
+            f"step {step}: {far.size} of {len(rows)} sequences are off (max |d| {peak[far].min():.2g} to "
+            f"{peak[far].max():.2g}) from token {min(starts)} to {max(starts)}; every other sequence is within "
+            f"{peak[rest].max():.2g}",
+            "a few requests computed from other state than their own: stale recurrent state (a reused slot) or "
+            "state aliasing; the scheduler context (rlcheck stress, the engine guard) tells them apart"],
+            [step], _ids(rows, far))
+    return None

@@ -1,0 +1,163 @@
+"""Diagnose rules that read the two sides' token ids in a dump (`rlcheck.forensics.diagnose.rows`):
+
+- `prompt_mismatch`: the trainer's prompt ids (`prompt_tokens_train`) are not the engine's; what
+  differs (BOS twice, tokens added in front, another tokenization) is said;
+- `retokenization`: the trainer's response ids part from the engine's at a later token of some
+  sequences (another tokenization of the same text), not from the first token of all of them as an
+  off-by-one read does; the rest identical;
+- `stop_token`: the ids differ at the last token only, where the engine has the same id in every such
+  sequence (the stop token), or, without the trainer's ids, |d| sits on the last token of the sequences
+  that end with the most common last id.
+
+A shift by one (off-by-one) stays `token_misalignment` (`diagnose._misalignment`). Confidences are above
+its 0.95: the ids at hand say more than the step's token-mismatch count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from rlcheck.core.prompt_ids import SIGNATURE
+from rlcheck.forensics.diagnose.evidence import Evidence
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of
+from rlcheck.forensics.diagnose.rows import (
+    CLEAN,
+    CONTRAST,
+    abs_diff,
+    dumped_rows,
+    first_difference,
+    ids,
+    token_pattern,
+    trainer_prompts,
+)
+
+
+def prompt_mismatch(ev: Evidence) -> Finding | None:
+    """The trainer conditioned the responses on other prompt ids than the engine did."""
+    for step, rows in dumped_rows(ev):
+        theirs = trainer_prompts(rows)
+        if theirs is None:
+            continue
+        differ = [i for i, p in enumerate(theirs) if not np.array_equal(p, ids(rows[i], "prompt_tokens"))]
+        if differ:
+            return _prompt_finding(ev, step, rows, theirs, differ)
+    logged = alarms_of(ev, kind="signature", signatures=(SIGNATURE,))
+    if logged:
+        return Finding("prompt_mismatch", 0.9, [f"step {logged[0]['step']}: {logged[0]['message']}"],
+                       alarm_steps(logged), list(logged[0]["details"].get("request_ids", []))[:MAX_IDS])
+    return None
+
+
+def _prompt_finding(ev: Evidence, step: int, rows, theirs, differ: list[int]) -> Finding:
+    i = differ[0]
+    engine, trainer = ids(rows[i], "prompt_tokens"), theirs[i]
+    how = describe_prompt_difference(engine, trainer)
+    off = np.array([float(abs_diff(rows[j]).mean()) if len(rows[j]["logp_rollout"]) else 0.0 for j in differ])
+    evidence = [f"step {step}: {len(differ)} of {len(rows)} sequences were scored by the trainer after other prompt "
+                f"ids than the engine's; e.g. {rows[i]['request_id']}: {how}",
+                f"engine {engine[:8].tolist()}... ({engine.size} ids), trainer {trainer[:8].tolist()}... "
+                f"({trainer.size} ids); the response ids agree, their mean |d| is {off.mean():.3g}"]
+    steps = sorted({step, *alarm_steps(alarms_of(ev, kind="signature", signatures=(SIGNATURE,)))})
+    return Finding("prompt_mismatch", 0.97, evidence, steps, [rows[j]["request_id"] for j in differ][:MAX_IDS])
+
+
+def describe_prompt_difference(engine: np.ndarray, trainer: np.ndarray) -> str:
+    """In words: the trainer's prompt as the engine's with tokens added in front (BOS twice), or where they part."""
+    n = min(engine.size, trainer.size)
+    diff = np.flatnonzero(engine[:n] != trainer[:n])
+    common = int(diff[0]) if diff.size else n
+    extra = trainer.size - engine.size
+    if extra > 0 and np.array_equal(trainer[extra:], engine):
+        added = trainer[:extra].tolist()
+        twice = engine.size and added == [int(engine[0])] * extra
+        return (f"the trainer's prompt is the engine's with {added} in front"
+                + (f": its first token (BOS) {extra + 1} times" if twice else ""))
+    return f"the prompts agree on their first {common} ids, then part ({engine.size} vs {trainer.size} ids)"
+
+
+def _mismatched(ev: Evidence) -> tuple[int, list[dict[str, Any]], list[str | None]] | None:
+    """The first dump whose rows carry both sides' response ids and differ somewhere: (step, rows, patterns)."""
+    for step, rows in dumped_rows(ev):
+        patterns = [token_pattern(row) for row in rows]
+        if any(p is not None for p in patterns):
+            return step, rows, patterns
+    return None
+
+
+def retokenization(ev: Evidence) -> Finding | None:
+    """Some sequences' trainer ids part from the engine's mid-sequence, not as a shift; the rest identical."""
+    found = _mismatched(ev)
+    if found is None:
+        return None
+    step, rows, patterns = found
+    parted = [i for i, p in enumerate(patterns) if p == "from"]
+    shifted = sum(p == "shift" for p in patterns)
+    if not parted or shifted > len(parted):
+        return None
+    where = np.array([first_difference(rows[i]) for i in parted])
+    i = parted[0]
+    t = int(where[0])
+    engine, trainer = ids(rows[i], "response_tokens"), ids(rows[i], "tokens_train")
+    same = sum(p is None for p in patterns)
+    evidence = [f"step {step}: {len(parted)} of {len(rows)} sequences: the trainer's response ids equal the engine's up "
+                f"to a token (median position {int(np.median(where))}, {int((where > 0).sum())} of them past the first), "
+                f"then differ; {same} sequences identical",
+                f"e.g. {rows[i]['request_id']} at position {t}: engine {engine[t:t + 4].tolist()}, trainer "
+                f"{trainer[t:t + 4].tolist()}: the ids part mid-sequence, in some sequences only, not from the first "
+                "token of every one as a read one token late does: the trainer re-tokenized the decoded text "
+                "(multi-turn, tool loops); use the engine's token ids"]
+    return Finding("retokenization", 0.97, evidence, [step], [rows[j]["request_id"] for j in parted][:MAX_IDS])
+
+
+def stop_token(ev: Evidence) -> Finding | None:
+    """The mismatch sits on the last token of the sequences that end with the stop token."""
+    found = _mismatched(ev)
+    if found is not None:
+        step, rows, patterns = found
+        last = [i for i, p in enumerate(patterns) if p == "last"]
+        if last and len(last) >= 0.9 * sum(p is not None for p in patterns):
+            return _stop_by_ids(step, rows, last)
+        return None
+    return _stop_by_logprobs(ev)
+
+
+def _stop_by_ids(step: int, rows, last: list[int]) -> Finding:
+    ends = Counter(int(ids(rows[i], "response_tokens")[-1]) for i in last)
+    stop, count = ends.most_common(1)[0]
+    ending = [i for i, row in enumerate(rows) if len(row["response_tokens"]) and int(row["response_tokens"][-1]) == stop]
+    other = [i for i in range(len(rows)) if i not in set(ending)]
+    scored = sorted({int(ids(rows[i], "tokens_train")[-1]) for i in last})
+    evidence = [f"step {step}: the two sides' ids differ at the last token only, on {len(last)} of {len(rows)} sequences; "
+                f"there the engine has token {stop} in {count} of them (the stop token), the trainer {scored[:3]}",
+                f"{len(ending)} sequences end with token {stop}; the {len(other)} others (cut at the length limit) and "
+                "every earlier token match: the stop token is scored on one side and dropped or aligned otherwise on "
+                "the other (mask it on both, or score it on both)"]
+    return Finding("stop_token", 0.97, evidence, [step], [rows[i]["request_id"] for i in last][:MAX_IDS])
+
+
+def _stop_by_logprobs(ev: Evidence) -> Finding | None:
+    """Without the trainer's ids (a dump whose rows have no `tokens_train`): the last token of the rows
+    ending with the most common last id carries the |d|, every other token is clean."""
+    anomalous = set(alarm_steps(alarms_of(ev)))
+    for step, rows in dumped_rows(ev):
+        if step not in anomalous or any(row.get("tokens_train") is not None for row in rows) or not all(
+                len(row["logp_rollout"]) >= 2 and row.get("response_tokens") is not None for row in rows):
+            continue  # with the trainer's ids at hand, `_stop_by_ids` has said all there is
+        ends = Counter(int(row["response_tokens"][-1]) for row in rows)
+        stop, count = ends.most_common(1)[0]
+        if count < max(2, 0.2 * len(rows)):
+            continue
+        tails = np.array([abs_diff(row)[-1] for row in rows if int(row["response_tokens"][-1]) == stop])
+        rest = np.concatenate([abs_diff(row)[:-1] for row in rows])
+        floor = max(float(np.mean(rest)), CLEAN)
+        if tails.mean() > CONTRAST * floor and np.median(tails) > CONTRAST * floor:
+            hit = [row["request_id"] for row in rows if int(row["response_tokens"][-1]) == stop]
+            return Finding("stop_token", 0.9, [
+                f"step {step}: the {count} sequences ending with token {stop} (the most common last token: the stop "
+                f"token) are off at that token by {tails.mean():.3g} on average; every other token {np.mean(rest):.2g}",
+                "the stop token is scored on one side and dropped or aligned otherwise on the other"], [step], hit[:MAX_IDS])
+    return None
