@@ -8,7 +8,9 @@ and the false alarms of the same defaults on the healthy field scenarios.
 Periodic: `PARTIAL_SPIKES` through the default Monitor (`observe`, whole batch): periods from the
 onset to the first periodic alarm, periodic alarms before it. Quarantine: `corrupt_tail` on every
 `--every`-th observation of each field scenario (`judge` with `QuarantineConfig()`): recall, and the
-healthy sequences of the same observations condemned. Drift: `DRIFTS` through the default Monitor
+healthy sequences of the same observations condemned; the missed tails by their tokens past
+divergence_tau in the last 16 (none, one on an uncertain token, one on a near-certain one), and the
+healthy sequences of the same shape (what a rule that caught those misses would condemn). Drift: `DRIFTS` through the default Monitor
 with the probe batch passed each step (`observe(..., probe=)`): steps from the onset to the first
 drift alarm and the engine's factor then. Healthy: every field scenario, whole batch and probe, the
 first `--healthy-seeds` seeds, every observation: periodic and drift alarms, halts.
@@ -27,6 +29,8 @@ import tempfile
 import time
 import warnings
 
+import numpy as np
+
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect import DetectorsConfig, PeriodicConfig
@@ -38,7 +42,9 @@ from rlcheck.synthetic.field import FieldStream
 from rlcheck.synthetic.power import DRIFTS, PARTIAL_SPIKES, corrupt_tail
 from rlcheck.synthetic.scenarios import CALIBRATION_SEEDS, HELD_OUT_SEEDS, SCENARIOS
 
-SEEDS = {"calibration": CALIBRATION_SEEDS, "held-out": HELD_OUT_SEEDS}
+SEEDS = {"calibration": CALIBRATION_SEEDS, "held-out": HELD_OUT_SEEDS, "fresh": (300, 301, 302, 303, 304)}
+"""`fresh`: seeds no default was chosen on and no earlier figure reported (the tail clause's lone
+near-certain token was chosen after the held-out seeds had been seen)."""
 
 
 def monitor_config(run_dir: str, before: bool) -> MonitorConfig:
@@ -108,12 +114,28 @@ def drift_rows(seeds, before: bool) -> list[dict]:
     return rows
 
 
+def tail_counts(batch: StepBatch, span: int = 16, confident_p: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) each sequence's tokens past divergence_tau among its last `span`, and how many of those the
+    engine gave at least `confident_p`: the shape of a corrupted tail the tail clause misses (at most
+    one such token), counted on the healthy sequences too."""
+    tau, cu = StatsConfig().divergence_tau, batch.cu_seqlens
+    lr = batch.logp_rollout.astype(np.float64)
+    ad = np.abs(batch.logp_train.astype(np.float64) - lr)
+    idx = cu[1:, None] - 1 - np.arange(span)[None, :]
+    inside = idx >= cu[:-1, None]
+    idx = np.where(inside, idx, 0)
+    past = inside & (ad[idx] > tau)
+    return past.sum(axis=1), (past & (lr[idx] >= np.log(confident_p))).sum(axis=1)
+
+
 def quarantine_rows(seeds, every: int, before: bool) -> list[dict]:
     cfg = QuarantineConfig(tail_span=None) if before else QuarantineConfig()
     shapes = [(n, s.field, s.num_steps) for n, s in SCENARIOS.items()] + [("partial-spikes base", PARTIAL_SPIKES.field, PARTIAL_SPIKES.num_steps)]
     rows = []
     for name, field, num_steps in shapes:
         caught = corrupted = healthy = condemned = 0
+        missed = {"none_past_tau": 0, "one_past_tau_uncertain": 0, "one_past_tau_confident": 0, "more": 0}
+        shaped = {"one_past_tau_uncertain": 0, "one_past_tau_confident": 0}  # healthy sequences shaped like a miss
         for seed in seeds:
             stream = FieldStream(dataclasses.replace(field, seed=seed), None, num_steps)
             for i in range(0, num_steps, every):
@@ -122,11 +144,20 @@ def quarantine_rows(seeds, every: int, before: bool) -> list[dict]:
                 v = judge(whole, StatsConfig(), cfg)
                 healthy += whole.num_sequences
                 condemned += v.count
+                past, confident = tail_counts(whole)
+                shaped["one_past_tau_uncertain"] += int(np.count_nonzero((past == 1) & (confident == 0)))
+                shaped["one_past_tau_confident"] += int(np.count_nonzero((past == 1) & (confident == 1)))
                 batch, k = corrupt_tail(whole, seed, i)
-                caught += not judge(batch, StatsConfig(), cfg).keep[k]
+                hit = not judge(batch, StatsConfig(), cfg).keep[k]
+                caught += hit
                 corrupted += 1
+                if not hit:
+                    past, confident = (int(a[k]) for a in tail_counts(batch))
+                    missed["none_past_tau" if past == 0 else "more" if past > 1 else
+                           "one_past_tau_confident" if confident else "one_past_tau_uncertain"] += 1
         rows.append({"scenario": name, "corrupted": corrupted, "recall": caught / corrupted,
-                     "healthy_sequences": healthy, "healthy_quarantined": condemned})
+                     "healthy_sequences": healthy, "healthy_quarantined": condemned,
+                     "missed": missed, "healthy_shaped_like_a_miss": shaped})
         print(f"  quarantine {rows[-1]}", file=sys.stderr)
     return rows
 

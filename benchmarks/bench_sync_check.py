@@ -13,7 +13,8 @@ x 4 samples so that 200 steps fit in minutes on 2 cores. From each run's metrics
 timings: weights alarms, the largest probe mean |d|, the fingerprint keys that differed, and the
 median seconds of a step and of each part of the check. The share of a step is the part's median
 over the median step less the check; the default (fingerprints every sync, the probe every 10) costs
-fingerprint + probe / 10. Writes OUT/summary.json and prints the table of BENCHMARKS.md.
+fingerprint + probe / 10. `clean-bf16-control` is the clean bf16 run with the probe as a drift
+control (8 prompts x 128 tokens every sync): its control-detector alarms and the probe level's range. Writes OUT/summary.json and prints the table of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ RUNS = {
     "zero3-fp32": ("deepspeed", 2, "float32", 8, 8),
     "clean-fp32": ("fsdp2", 2, "float32", 8, 8),
     "clean-bf16": ("hf", 1, "bfloat16", 4, 4),
+    "clean-bf16-control": ("hf", 1, "bfloat16", 4, 4),
 }
+CONTROL_PROBE = {"probe_prompts": 8, "probe_tokens": 128}
+"""The probe as a drift control (`clean-bf16-control`): 1,024 tokens every sync, the least the
+control detectors read (`rlcheck.core.stats.levels.MIN_PROBE_TOKENS`); its runs count their alarms
+and the probe level's range."""
 
 
 def run_one(name: str, model: Path, steps: int, out: Path) -> dict:
+    from rlcheck.core import metrics as K
     from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.core.sync_check import SyncCheckConfig
     from rlcheck.loop import run_grpo
@@ -50,7 +57,7 @@ def run_one(name: str, model: Path, steps: int, out: Path) -> dict:
     cfg = tiny_cpu(model, trainer=trainer, world_size=world, steps=steps)
     cfg = dataclasses.replace(cfg, group_size=group, task=AdditionTask(num_prompts=prompts, seed=0),
                               rollout=dataclasses.replace(cfg.rollout, dtype=dtype),
-                              sync_check=SyncCheckConfig(probe_every=1))
+                              sync_check=SyncCheckConfig(probe_every=1, **(CONTROL_PROBE if name.endswith("control") else {})))
     run_dir = out / name
     t0 = time.perf_counter()
     with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
@@ -71,6 +78,9 @@ def run_one(name: str, model: Path, steps: int, out: Path) -> dict:
         "halted": result.halted, "weights_alarms": sum(a["kind"] == "weights" for r in records for a in r["alarms"]),
         "alarms": sum(len(r["alarms"]) for r in records), "checks": len(checked),
         "fingerprint_differs": sum(m["sync/fingerprint_differs"] for m in checked),
+        "control_alarms": sum(a["metric"] == K.PROBE_LEVEL for r in records for a in r["alarms"]),
+        "probe_level_min_max": [min((r["metrics"][K.PROBE_LEVEL] for r in records if K.PROBE_LEVEL in r["metrics"]), default=None),
+                                max((r["metrics"][K.PROBE_LEVEL] for r in records if K.PROBE_LEVEL in r["metrics"]), default=None)],
         "probe_mean_abs_max": max((m["sync/probe_mean_abs"] for m in checked if "sync/probe_mean_abs" in m), default=float("nan")),
         "step_s": step, "fingerprint_s": fp, "probe_s": probe,
         "fingerprint_share": fp / step, "probe_share": probe / step, "default_share": (fp + probe / 10) / step,

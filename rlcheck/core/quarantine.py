@@ -82,8 +82,8 @@ class QuarantineConfig:
     tail_span: int | None = 16
     """A sequence whose last `tail_span` tokens look corrupted is catastrophic (`corrupt_tails`);
     None: off. Measured (BENCHMARKS.md, "Detector power on new shapes"): last 8-15 tokens scored
-    d ~ N(0, 2) nats are quarantined 98.5-99.5% of the time (the rest show at most one token past
-    0.5 nats), where the rate rule took ~1%."""
+    d ~ N(0, 2) nats are quarantined 99.0-99.5% of the time, where the rate rule took ~1%; most of
+    the rest show one token past 0.5 nats on an uncertain token, as ~0.3% of healthy sequences do."""
     tail_confident_p: float = 0.9
     """A token the engine gave at least this probability is near-certain: healthy bf16 noise scales
     as (1 - p)^0.9 and barely moves it (`benchmarks/data/field_fit.json`: |d| p99 0.09 at p > 0.9)."""
@@ -212,11 +212,13 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
 def corrupt_tails(batch: StepBatch, stats: StatsConfig, span: int, confident_p: float) -> np.ndarray:
     """(N,) bool: sequences whose last `span` tokens hold two past `divergence_tau`, and
     besides either a near-certain token (engine probability >= `confident_p`) past divergence_tau / 2
-    or two tokens past 2 * divergence_tau. A healthy tail token is one token, on an uncertain one;
-    a corrupted span of 8-15 tokens shows several, and breaks near-certain ones. The rate rule
-    (`catastrophic_min_frac`) misses such a span at the end of a long response: 15 tokens of 900.
-    On the field scenarios' calibration seeds (230,000 healthy sequences) it condemned none, and
-    98.5-99.5% of corrupted tails (BENCHMARKS.md, "Detector power on new shapes")."""
+    or two tokens past 2 * divergence_tau; or a near-certain token past 2 * divergence_tau alone
+    (healthy noise there is under 0.1 nats at p99: 1 nat is a token the trainer finds 2.7x less
+    likely than a sure one). A healthy tail token is one token, on an uncertain one; a corrupted span
+    of 8-15 tokens shows several, and breaks near-certain ones. The rate rule (`catastrophic_min_frac`)
+    misses such a span at the end of a long response: 15 tokens of 900. What it cannot see: a span
+    whose one visible token sits on an uncertain one, shaped like a healthy tail token (BENCHMARKS.md,
+    "Detector power on new shapes": recall and the healthy sequences of that shape)."""
     cu = batch.cu_seqlens  # (N+1,)
     lr = batch.logp_rollout.astype(np.float64)
     valid = response_mask(batch)  # (M,)
@@ -231,7 +233,8 @@ def corrupt_tails(batch: StepBatch, stats: StatsConfig, span: int, confident_p: 
     tau = stats.divergence_tau
     diverged = np.count_nonzero(tail > tau, axis=1)
     backed = (np.count_nonzero(confident & (tail > tau / 2), axis=1) > 0) | (np.count_nonzero(tail > 2 * tau, axis=1) >= 2)
-    return (diverged >= 2) & backed
+    sure_broken = np.count_nonzero(confident & (tail > 2 * tau), axis=1) > 0
+    return ((diverged >= 2) & backed) | sure_broken
 
 
 def per_sequence_flags(batch: StepBatch, stats: StatsConfig) -> dict[str, np.ndarray]:

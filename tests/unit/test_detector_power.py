@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect import CONTROL_DRIFT, CONTROL_TREND, DriftDetector, PeriodicDetector
 from rlcheck.core.quarantine import QuarantineConfig, judge
 from rlcheck.core.stats import StatsConfig, compute_partial, finalize
@@ -66,6 +67,23 @@ class TestCorruptTails:
             assert set(condemned) <= {k}
             caught += condemned == [k]
         assert caught == 29
+
+
+    @pytest.mark.parametrize("engine_p, condemned", [(0.99, True), (0.3, False)])
+    def test_one_broken_sure_token_in_the_tail(self, engine_p, condemned):
+        """One tail token 1.2 nats off: on a token the engine was sure of (p 0.99, healthy noise there
+        is under 0.1 nats) the tail is corrupted; on an uncertain one (p 0.3) it is a healthy tail token."""
+        n, length = 8, 64
+        lr = np.full(n * length, np.log(0.5))
+        k, at = 3, 4 * length - 5  # sequence 3, its fifth token from the end
+        lr[at] = np.log(engine_p)
+        lt = lr.copy()
+        lt[at] -= 1.2
+        cu = np.arange(0, n * length + 1, length)
+        batch = StepBatch.from_packed(lr, lt, cu, [f"s{i}" for i in range(n)])
+        assert (np.flatnonzero(~judge(batch, StatsConfig(), QuarantineConfig()).keep).tolist() == [k]) is condemned
+        off = judge(batch, StatsConfig(), QuarantineConfig(tail_span=None))
+        assert off.keep.all()  # the rate rule alone keeps it either way
 
 
 class TestControlDrift:
