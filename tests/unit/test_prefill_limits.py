@@ -75,3 +75,5 @@ class TestNotRefused:
 
         monkeypatch.setattr(metadata, "version", missing)  # vLLM's CUDA wheel: its kernels keep the checkpoints
         check_prefills(loop_config(tmp_path, **long), Tokenizer())
+        monkeypatch.setattr(metadata, "version", lambda name: "0.31.0")  # prefills 200 tokens of the hybrid
+        check_prefills(loop_config(tmp_path, **long), Tokenizer())
