@@ -35,7 +35,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect import DetectorsConfig, PeriodicConfig
 from rlcheck.core.monitor import Monitor, MonitorConfig
-from rlcheck.core.quarantine import QuarantineConfig, judge
+from rlcheck.core.quarantine import QuarantineConfig, judge, tail_window
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import MismatchHalt
 from rlcheck.synthetic.field import FieldStream
@@ -118,14 +118,9 @@ def tail_counts(batch: StepBatch, span: int = 16, confident_p: float = 0.9) -> t
     """(N,) each sequence's tokens past divergence_tau among its last `span`, and how many of those the
     engine gave at least `confident_p`: the shape of a corrupted tail the tail clause misses (at most
     one such token), counted on the healthy sequences too."""
-    tau, cu = StatsConfig().divergence_tau, batch.cu_seqlens
-    lr = batch.logp_rollout.astype(np.float64)
-    ad = np.abs(batch.logp_train.astype(np.float64) - lr)
-    idx = cu[1:, None] - 1 - np.arange(span)[None, :]
-    inside = idx >= cu[:-1, None]
-    idx = np.where(inside, idx, 0)
-    past = inside & (ad[idx] > tau)
-    return past.sum(axis=1), (past & (lr[idx] >= np.log(confident_p))).sum(axis=1)
+    tail, confident = tail_window(batch, span, confident_p)
+    past = tail > StatsConfig().divergence_tau
+    return past.sum(axis=1), (past & confident).sum(axis=1)
 
 
 def quarantine_rows(seeds, every: int, before: bool) -> list[dict]:

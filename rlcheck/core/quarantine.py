@@ -209,6 +209,22 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
                    int(np.count_nonzero(by_burst & ~firm)))
 
 
+def tail_window(batch: StepBatch, span: int, confident_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(N, span) each sequence's last `span` tokens, newest first: |d| (0 past the sequence's start and
+    on tokens not compared), and whether the engine gave the token at least `confident_p`."""
+    cu = batch.cu_seqlens  # (N+1,)
+    lr = batch.logp_rollout.astype(np.float64)
+    valid = response_mask(batch)  # (M,)
+    with np.errstate(invalid="ignore"):
+        ad = np.where(valid, np.abs(batch.logp_train.astype(np.float64) - lr), 0.0)  # (M,)
+    idx = cu[1:, None] - 1 - np.arange(span)[None, :]  # (N, span)
+    inside = idx >= cu[:-1, None]
+    idx = np.where(inside, idx, 0)
+    tail = np.where(inside, ad[idx] if ad.size else 0.0, 0.0)
+    confident = inside & (lr[idx] >= np.log(confident_p)) if lr.size else inside
+    return tail, confident
+
+
 def corrupt_tails(batch: StepBatch, stats: StatsConfig, span: int, confident_p: float) -> np.ndarray:
     """(N,) bool: sequences whose last `span` tokens hold two past `divergence_tau`, and
     besides either a near-certain token (engine probability >= `confident_p`) past divergence_tau / 2
@@ -219,17 +235,7 @@ def corrupt_tails(batch: StepBatch, stats: StatsConfig, span: int, confident_p: 
     misses such a span at the end of a long response: 15 tokens of 900. What it cannot see: a span
     whose one visible token sits on an uncertain one, shaped like a healthy tail token (BENCHMARKS.md,
     "Detector power on new shapes": recall and the healthy sequences of that shape)."""
-    cu = batch.cu_seqlens  # (N+1,)
-    lr = batch.logp_rollout.astype(np.float64)
-    valid = response_mask(batch)  # (M,)
-    with np.errstate(invalid="ignore"):
-        ad = np.where(valid, np.abs(batch.logp_train.astype(np.float64) - lr), 0.0)  # (M,)
-    ends = cu[1:]
-    idx = ends[:, None] - 1 - np.arange(span)[None, :]  # (N, span) the last tokens, newest first
-    inside = idx >= cu[:-1, None]
-    idx = np.where(inside, idx, 0)
-    tail = np.where(inside, ad[idx] if ad.size else 0.0, 0.0)  # (N, span)
-    confident = inside & (lr[idx] >= np.log(confident_p)) if lr.size else inside
+    tail, confident = tail_window(batch, span, confident_p)
     tau = stats.divergence_tau
     diverged = np.count_nonzero(tail > tau, axis=1)
     backed = (np.count_nonzero(confident & (tail > tau / 2), axis=1) > 0) | (np.count_nonzero(tail > 2 * tau, axis=1) >= 2)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from rlcheck.forensics.diagnose.rules.logits import logit_processing_tokens
 from rlcheck.forensics.diagnose.rules.position import (
-                  position_dependent,
-                  position_ids,
-                  sparse_rows,
-                  stale_prefix_cache,
+    position_dependent,
+    position_ids,
+    sparse_rows,
+    stale_prefix_cache,
 )
 from rlcheck.forensics.diagnose.rules.tokens import prompt_mismatch, retokenization, stop_token
 
