@@ -358,7 +358,7 @@ class TestReport:
         expected = {"requests": [{"index": 0, "prompt_len": 8, "expected": {"token_ids": [9, 8], "logprobs": [-0.2, -1.0]},
                                   "observed": {"token_ids": [7, 8], "logprobs": [-3.0, -1.0], "reference_logprobs": [-0.5, -1.0],
                                                "max_abs_diff": 2.5, "first_divergence": 0}}]}
-        text = render_report(result, expected, None)
+        text = render_report(result, expected)
         for needed in ("# [Bug]: ", "## Your current environment", "## 🐛 Describe the bug", "### Minimal program",
                        "### Expected vs observed", "| injected fault | RLCHECK_VLLM_FAULT unset | **vanishes** |",
                        "first divergent layer **0** (mamba), from generated position 0 on (decode)",

@@ -77,6 +77,8 @@ def repro(path: str | Path, out: str | Path, *, model: str | Path | None = None,
     _evidence(result, prober, config)
     result.probes = prober.used
     result.seconds["evidence"] = time.perf_counter() - t2
+    result.seconds["probe_engines"] = prober.seconds  # of it, the probes' own engines and reference
+    result.diagnosis = _diagnosis(source)
     result.verdict, result.message = REPRODUCED, _reproduced_message(result)
     from rlcheck.forensics.repro.files import write_reproducer
 

@@ -4,7 +4,7 @@ with a minimal program and the observed against the expected results), followed 
 receiving it would want next: the knob table, the first divergent layer, the engine's self-audits,
 the reduction and how the failure was found.
 
-    text = render_report(result, expected)     # markdown
+    text = render_report(result, expected)     # markdown (expected: expected.json's content)
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 """CPU features that change vLLM's CPU kernels (a bf16 path packs weights where avx512_bf16 is)."""
 
 
-def render_report(result: ReproResult, expected: dict[str, Any], script_text: str | None) -> str:
-    case, source = result.shrunk.case, result.source
+def render_report(result: ReproResult, expected: dict[str, Any]) -> str:
+    case = result.shrunk.case
     parts = [f"# [Bug]: {title(result)}", "", *_preamble(result), "", "## Your current environment", "",
              *environment(), "", "## 🐛 Describe the bug", "", *_description(result, expected), "",
-             "### Minimal program", "", *_program(case), "", *_script_output(result, script_text),
+             "### Minimal program", "", *_program(case), "", *_script_output(result),
              "### Expected vs observed", "", *_expected_table(expected), "",
              "### What changes it (one change at a time)", "", *_knob_table(result), "",
              "### Where it starts", "", *_localized(result), "", "### The engine against itself", "",
              *_audits(result), "", "### Reduction", "", *_reduction(result), "", "### How it was found", "",
-             *_found(source), ""]
+             *_found(result), ""]
     return "\n".join(parts)
 
 
@@ -140,7 +140,7 @@ def _params(requests: Any) -> str:
     return "[" + ", ".join(f"greedy({r.max_tokens})" for r in requests) + "]"
 
 
-def _script_output(result: ReproResult, script_text: str | None) -> list[str]:
+def _script_output(result: ReproResult) -> list[str]:
     lines = []
     for name, run in result.script.items():
         lines += [f"Output of `{run['command']}` ({name}; exit code {run['exit_code']}):", "", "```text",
@@ -228,12 +228,16 @@ def _reduction(result: ReproResult) -> list[str]:
     return lines
 
 
-def _found(source: Any) -> list[str]:
+def _found(result: ReproResult) -> list[str]:
+    source = result.source
     lines = [f"- from `{source.path}` ({source.kind}): " + "; ".join(source.recorded)]
     if source.fault_note:
         lines.append(f"- {source.fault_note}")
-    lines += ["- `rlcheck diagnose RUN` named the cause, `rlcheck replay DUMP` showed the engine leaving the reference, "
-              "`rlcheck localize DUMP` the first layer, `rlcheck repro` confirmed it and shrank it to this case"]
+    if result.diagnosis:
+        lines.append(f"- `rlcheck diagnose` on the run: {result.diagnosis}")
+    lines.append(f"- `rlcheck repro` re-ran the recorded case in {result.confirmations} fresh engines (it failed in "
+                 f"{result.confirmed}) and shrank it in {result.probes} more (`repro.json` has every step); "
+                 "`rlcheck replay` and `rlcheck localize` on the dump say which side and which layer in the run itself")
     return lines
 
 
