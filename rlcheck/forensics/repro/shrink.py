@@ -3,15 +3,17 @@
     shrunk = Shrinker(prober, axes=SHRINK_AXES).run(case, first_probe)
     shrunk.case, shrunk.minimal, shrunk.steps     # the case, 1-minimal or not (budget), what each step took away
 
-In order, each phase on an axis of `axes` (a probe is a fresh engine, `rlcheck.forensics.repro.probe`):
-1. knobs, concurrency first: one request at a time (max_num_seqs 1); kept when it still fails (a
-   failure that needs a slot or a block someone held before then needs two requests, not a crowd);
-2. requests: the batch cut after its first failing request (what arrived later did not cause it),
-   then delta debugging (Zeller's ddmin) over every request, the earlier ones (history) and the
+In order, each phase on an axis of `axes` (a probe is a fresh engine, `rlcheck.forensics.repro.probe`),
+the cheap and large reductions first (a probe costs what its requests and tokens cost):
+1. requests: the batch cut after its first failing request (what arrived later did not cause it);
+2. max_tokens: every request's max_tokens cut down by bisection (a state fault shows in the first
+   tokens; every later probe is shorter for it);
+3. requests: delta debugging (Zeller's ddmin) over every request, the earlier ones (history) and the
    batch's; the batch never empties;
-3. prompt_lengths, max_tokens: the longest prompt (every prompt keeps its first tokens), then the
-   largest max_tokens, cut down by bisection;
-4. passes of one-step reductions until a whole pass removes nothing: drop one request, the weight
+4. knobs, concurrency: one request at a time (max_num_seqs 1), kept when it still fails, then ddmin
+   again (a failure that needs a slot someone held before then needs two requests, not a crowd);
+5. prompt_lengths: every prompt cut to its shortest failing length (keeping its first tokens);
+6. passes of one-step reductions until a whole pass removes nothing: drop one request, the weight
    update, one knob change (back to vLLM's default), one prompt token or one max_token of one request
    (then bisect that request's length down); then eager (`SLOW_KNOBS`: without it vLLM compiles, tens
    of seconds an engine on CPU) back to vLLM's compiled default, and if it still fails the passes
@@ -67,14 +69,18 @@ class Shrinker:
         """Shrink `case`, which failed with `probe` (see the module docstring)."""
         self.best, self.best_probe, stopped, minimal = case, probe, None, False
         try:
-            if "knobs" in self.axes:
-                self._try(self.best.with_knob("max_num_seqs", 1), "concurrency", "one request at a time (max_num_seqs 1)")
             if "requests" in self.axes:
                 self._cut_after_first_failing()
+            if "max_tokens" in self.axes:
+                self._bisect_all("max_tokens")
+            if "requests" in self.axes:
                 self._ddmin()
-            for what in ("prompt_lengths", "max_tokens"):
-                if what in self.axes:
-                    self._bisect_all(what)
+            if ("knobs" in self.axes and len(self.best.requests) > 1 and self.best.knob_dict.get("max_num_seqs") != 1
+                    and self._try(self.best.with_knob("max_num_seqs", 1), "concurrency", "one request at a time (max_num_seqs 1)")
+                    and "requests" in self.axes):
+                self._ddmin()
+            if "prompt_lengths" in self.axes:
+                self._bisect_all("prompt_lengths")
             self._passes()
             minimal = True
         except BudgetSpent as spent:
