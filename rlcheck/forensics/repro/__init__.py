@@ -111,18 +111,31 @@ def _unreproduced(result: ReproResult, prober: Prober, confirm: list[Any]) -> Re
     ran = (f"the recorded case ({case.describe()}) in {result.confirmations} fresh engines failed {result.confirmed} "
            f"time(s)" + (f", the engine erring: {errors[0]}" if errors else f" (max |d| from the reference {worst:.3g}, "
                          f"threshold {case.threshold:g})"))
-    if result.confirmed == 0 and not errors and result.sides is not None and result.sides.side == "trainer":
+    lag = _version_lag(source.meta)
+    trainer = result.sides is not None and result.sides.side == "trainer"
+    if result.confirmed == 0 and not errors and (trainer or lag):
         result.verdict = TRAINER_SIDE
-        result.message = (f"the engine matches the reference: {ran}. In the run, {result.sides.describe()}: the mismatch "
-                          "is on the trainer's side, not an engine failure to reproduce"
+        evidence = "; ".join(([result.sides.describe()] if trainer else []) + ([lag] if lag else []))
+        result.message = (f"the engine matches the reference: {ran}. In the run, {evidence}: the mismatch is on the "
+                          "trainer's side (what it scored, or the weights it sent), not an engine failure to reproduce"
                           + (f" (diagnose: {result.diagnosis})" if result.diagnosis else "")
-                          + ". Look at what the trainer scored: its inputs, alignment and weights "
-                          "(`rlcheck diagnose`, `rlcheck replay` on the dump).")
+                          + ". Look at what the trainer scored and synced: `rlcheck diagnose` on the run, "
+                          "`rlcheck replay` on the dump.")
         return result
     tried = "; ".join(source.recorded + ((source.fault_note,) if source.fault_note else ()))
     result.message = f"not reproducible outside the run: {ran}. What was tried: {tried}." + (
         f" In the run, {result.sides.describe()}." if result.sides is not None else "")
     return result
+
+
+def _version_lag(meta: dict[str, Any]) -> str | None:
+    """The dump's weight-version alarm in words (rollouts from weights behind the trainer's), or None."""
+    from rlcheck.core import metrics as K
+
+    for alarm in meta.get("alarms") or ():
+        if alarm.get("kind") == "weights" and alarm.get("metric") == K.WEIGHTS_MAX_LAG:
+            return f"the rollouts came from weights behind the trainer's ({alarm.get('message', '')})"
+    return None
 
 
 def _diagnosis(source: Source) -> str | None:
