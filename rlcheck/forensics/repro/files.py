@@ -48,7 +48,7 @@ def write_reproducer(result: ReproResult, config: ReproConfig, scorer_model: Any
     _write(out / "expected.json", json.dumps(expected, indent=1))
     if config.verify:
         result.script = verify(out, case.fault)
-    _write(out / "REPORT.md", render_report(result, expected))
+    _write(out / "REPORT.md", render_report(result, expected, model))
     result.files = sorted({str(p.relative_to(out)) for p in out.iterdir()} | {RESULT_FILE})
 
 

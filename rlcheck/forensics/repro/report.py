@@ -4,7 +4,7 @@ with a minimal program and the observed against the expected results), followed 
 receiving it would want next: the knob table, the first divergent layer, the engine's self-audits,
 the reduction and how the failure was found.
 
-    text = render_report(result, expected)     # markdown (expected: expected.json's content)
+    text = render_report(result, expected, "model")   # markdown (expected.json's content; the model as repro.py names it)
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 """CPU features that change vLLM's CPU kernels (a bf16 path packs weights where avx512_bf16 is)."""
 
 
-def render_report(result: ReproResult, expected: dict[str, Any]) -> str:
+def render_report(result: ReproResult, expected: dict[str, Any], model: str = "MODEL") -> str:
     case = result.shrunk.case
     parts = [f"# [Bug]: {title(result)}", "", *_preamble(result), "", "## Your current environment", "",
              *environment(), "", "## 🐛 Describe the bug", "", *_description(result, expected), "",
-             "### Minimal program", "", *_program(case), "", *_script_output(result),
+             "### Minimal program", "", *_program(case, model), "", *_script_output(result),
              "### Expected vs observed", "", *_expected_table(expected), "",
              "### What changes it (one change at a time)", "", *_knob_table(result), "",
              "### Where it starts", "", *_localized(result), "", "### The engine against itself", "",
@@ -112,13 +112,13 @@ def _shape_summary(rows: tuple[Any, ...]) -> str:
     return ("One change at a time: " + ", and ".join(parts) + ".") if parts else ""
 
 
-def _program(case: Any) -> list[str]:
+def _program(case: Any, model: str) -> list[str]:
     engine = case.engine()
     lines = ["`python repro.py` (attached, with `inputs.json`; the model folder is named in it) runs this and then "
              "judges every generated token against Transformers. In short:", "", "```python", "import os",
              'os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process', "",
              "from vllm import LLM, SamplingParams", "",
-             f"llm = LLM(model=MODEL, {', '.join(f'{k}={v!r}' for k, v in engine.items())})",
+             f"llm = LLM(model={model!r}, {', '.join(f'{k}={v!r}' for k, v in engine.items())})",
              "def greedy(n):", "    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)", ""]
     if case.history:
         lines += ["# served first: requests that leave their state behind",
