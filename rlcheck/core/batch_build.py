@@ -187,7 +187,7 @@ def packed_from_padded(
             raise InputError(f"{name} has shape {a.shape}, logp_rollout has shape {lr.shape}")
     if lr.shape[0] == 0:
         raise InputError("empty batch: no sequences to compare")
-    b = lr.shape[0]
+    b, t = lr.shape
     keep = padded_spans(m)  # (B, T)
     lens = keep.sum(axis=1, dtype=np.int64)
     cu = np.zeros(b + 1, dtype=np.int64)
