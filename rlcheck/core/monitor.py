@@ -178,8 +178,6 @@ class Monitor:
             found, weights = check_versions(step, partial.versions, trainer_version, self.cfg.max_weight_lag)
             metrics.update(found)
             alarms += weights
-        hard = self.policy.hard_limit_alarms(step, metrics)
-        alarms += hard
         added: dict[str, Any] = {}
         if verdict is not None and self.quarantine is not None:
             found, quarantine_metrics, added = self.quarantine.step(
@@ -191,6 +189,8 @@ class Monitor:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
         metrics.update({} if batch is None else batch.routing_metrics(), **extra)  # rlcheck/moe/*, if any
         alarms += routing_alarms(step, metrics)
+        hard = self.policy.hard_limit_alarms(step, metrics)  # over every metric of the step, extra ones too
+        alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)
