@@ -121,8 +121,9 @@ class RoutingStats:
 def routing_stats(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> RoutingStats:
     """Agreement of `routing` over the tokens `mask` (M,) keeps, and how |d| of `diff` (M,) splits between the
     tokens routed alike and the others."""
-    keep = np.ones(routing.num_tokens, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    keep &= np.isfinite(diff)
+    keep = np.isfinite(diff)  # (M,) a new array: the caller's mask is evidence, never changed here
+    if mask is not None:
+        keep = keep & np.asarray(mask, dtype=bool)
     agree = same_experts(routing.experts_rollout, routing.experts_train)[keep]  # (n, L)
     d = np.abs(np.asarray(diff, dtype=np.float64)[keep])  # (n,)
     n, num_layers = agree.shape

@@ -110,7 +110,7 @@ class Monitor:
         own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
                **levels.probe_level(probe, self.cfg.stats.clip)}
         return self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
-                             quarantine_batch=batch, own=own)
+                             quarantine_batch=batch, own=own, keep=None if verdict is None else verdict.keep)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
@@ -154,7 +154,7 @@ class Monitor:
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
                  trainer_version: int | None = None, verdict: Q.Verdict | None = None,
                  quarantine_batch: StepBatch | None = None,
-                 own: Mapping[str, float] | None = None) -> StepReport:
+                 own: Mapping[str, float] | None = None, keep: np.ndarray | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -187,7 +187,8 @@ class Monitor:
             metrics.update(quarantine_metrics)
         if self.cfg.correction is not None and batch is not None:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
-        metrics.update({} if batch is None else batch.routing_metrics(), **extra)  # rlcheck/moe/*, if any
+        # rlcheck/moe/*, if any, over the kept sequences (`keep`: the verdict on `batch`'s own sequences)
+        metrics.update({} if batch is None else batch.routing_metrics(keep), **extra)
         alarms += routing_alarms(step, metrics)
         hard = self.policy.hard_limit_alarms(step, metrics)  # over every metric of the step, extra ones too
         alarms += hard
