@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -181,6 +182,8 @@ class OffByOne(Fault):
     name = "off-by-one"
     cause = "token_misalignment"
     shape = "logp_train[t] matches logp_rollout[t+1]; token ids differ"
+    late: ClassVar[bool] = True
+    """Read one token late (position t holds t + 1's); False: one token early (t holds t - 1's)."""
 
     def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
         if not self.active(step):
@@ -191,11 +194,23 @@ class OffByOne(Fault):
         hit = []
         for i, (a, b) in enumerate(per_sequence(batch)):
             if b - a >= 2:
-                lt[a : b - 1] = batch.logp_train[a + 1 : b]
+                to, src = (slice(a, b - 1), slice(a + 1, b)) if self.late else (slice(a + 1, b), slice(a, b - 1))
+                lt[to] = batch.logp_train[src]
                 if tt is not None:
-                    tt[a : b - 1] = tokens[a + 1 : b]
+                    tt[to] = tokens[src]
                 hit.append(batch.request_ids[i])
         return dataclasses.replace(batch, logp_train=lt, tokens_train=tt), hit
+
+
+@dataclass(frozen=True)
+class OffByOneEarly(OffByOne):
+    """The trainer's logprobs (and the ids it scored) are read one token early, as with a prompt length
+    counted one short: position t holds what belongs to t - 1 (the first token keeps its own).
+    Shape: logp_train[t] matches logp_rollout[t-1]; token ids differ."""
+
+    name = "off-by-one-early"
+    shape = "logp_train[t] matches logp_rollout[t-1]; token ids differ"
+    late = False
 
 
 @dataclass(frozen=True)

@@ -278,3 +278,25 @@ class TestProbeOnlyWeightsAlarm:
         assert (v.cause, v.confidence) == ("weights_out_of_sync", 0.85) and "fingerprints agree" in v.evidence[-1]
         v = self.run(tmp_path / "fingerprint", ["1:linear"])
         assert (v.cause, v.confidence) == ("weights_out_of_sync", 0.99)
+
+
+class TestTokenPattern:
+    ENGINE = [11, 12, 13, 14, 15, 16, 17, 18]
+
+    @pytest.mark.parametrize("trainer, pattern, direction", [
+        ([12, 13, 14, 15, 16, 17, 18, 18], "shift", "late"),  # read one token late
+        ([11, 11, 12, 13, 14, 15, 16, 17], "shift", "early"),  # one early, the first token its own
+        ([99, 11, 12, 13, 14, 15, 16, 17], "shift", "early"),  # one early, the prompt's last token first
+        ([11, 12, 13, 14, 99, 16, 17, 18], "from", None),  # parts mid-sequence: another tokenization
+        ([11, 12, 13, 14, 15, 16, 17, 99], "last", None),
+        (ENGINE, None, None),
+    ])
+    def test_both_directions_of_a_shift(self, trainer, pattern, direction):
+        """A one-token shift either way is "shift" (and which way it goes); a later parting is "from"."""
+        from rlcheck.forensics.diagnose.rows import shift_direction, token_pattern
+
+        row = {"response_tokens": self.ENGINE, "tokens_train": trainer}
+        assert token_pattern(row) == pattern
+        engine, theirs = np.asarray(self.ENGINE), np.asarray(trainer)
+        diff = np.flatnonzero(engine != theirs)
+        assert (shift_direction(engine, theirs, int(diff[0])) if diff.size else None) == direction
