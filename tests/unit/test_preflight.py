@@ -189,6 +189,27 @@ class TestSampling:
         assert [(f.key, f.severity) for f in check_prefix_cache(cfg)] == want
 
 
+class TestProbeDevice:
+    @pytest.mark.parametrize("device, cuda, want", [
+        (None, True, "cuda"), (None, False, "cpu"), ("cpu", True, "cpu"), ("cuda:1", True, "cuda:1"),
+    ])
+    def test_scores_where_the_trainer_runs(self, device, cuda, want):
+        """The probe's HF forward runs on the trainer's device: the GPU by default where there is one
+        (before, always the CPU: a 7B in float32 is 28 GB of host memory), the CPU where asked."""
+        from rlcheck.preflight.dynamic import probe_device
+
+        assert probe_device(PreflightConfig(model="m", trainer_device=device), cuda=cuda) == want
+
+    def test_a_missing_gpu_and_a_bad_name_are_refused(self):
+        """A CUDA device on a machine without one, or a device rlcheck does not know, is a ConfigError."""
+        from rlcheck.preflight.dynamic import probe_device
+
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            probe_device(PreflightConfig(model="m", trainer_device="cuda:0"), cuda=False)
+        with pytest.raises(ConfigError, match="trainer_device"):
+            PreflightConfig(model="m", trainer_device="tpu")
+
+
 class TestDtype:
     @pytest.mark.parametrize("dtype, trainer_dtype, want", [
         (None, None, None), ("auto", None, ("float32", "bfloat16")), ("auto", "bfloat16", None),
