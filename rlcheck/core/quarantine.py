@@ -24,8 +24,8 @@ order; `Quarantined.reasons` lists all it breaks):
 | decode_prefill,   | prompt-id alarm, the decode-prefill audit's, the engine guard's, another's; each   |
 | guard, alarm      | reason says what raised it (`outside_reason`; a `weights` one: stale_weights)      |
 
-These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`): a quarantined
-sequence is one the step counts as catastrophic, early-diverged, mismatched or stale.
+These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`) but one: a corrupted
+tail (`corrupt_tails`) is the quarantine's alone, not counted catastrophic in the statistics or their limits.
 
 With some sequences quarantined, the detectors, the hard limits and the weight-version check judge
 the kept sequences (what the trainer learns from); the offenders are the kept ones' worst, their

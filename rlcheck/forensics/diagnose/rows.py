@@ -140,22 +140,6 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Rank correlation with ties ranked by their average (0 when either side is constant)."""
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return 0.0
-    return float(np.corrcoef(_ranks(x), _ranks(y))[0, 1])
-
-
-def _ranks(v: np.ndarray) -> np.ndarray:
-    order = np.argsort(v, kind="stable")
-    ranks = np.empty(v.size, dtype=np.float64)
-    ranks[order] = np.arange(v.size)
-    _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
-    sums = np.bincount(inverse, weights=ranks)
-    return (sums / counts)[inverse]
-
-
 def separated(off: np.ndarray, hit: np.ndarray, share: float = 0.8) -> bool:
     """Whether the rows `hit` (bool (N,)) are the off ones: at least `share` of them above a cut halfway
     (in log) between the two groups' median mean |d|, and `share` of the others at or below it (a stale
