@@ -95,17 +95,6 @@ class StepBatch:
         """(N,) int64 length of every sequence."""
         return np.diff(self.cu_seqlens)
 
-    def routing_metrics(self, keep: np.ndarray | None = None) -> dict[str, float]:
-        """The `rlcheck/moe/*` metrics of the batch's MoE routing (`rlcheck.core.moe`) over the tokens
-        of the sequences `keep` (N,) keeps (the quarantine's verdict; all when None); none without it."""
-        if self.routing is None:
-            return {}
-        mask = self.mask
-        if keep is not None:
-            kept = np.repeat(np.asarray(keep, dtype=bool), self.seq_lens)  # (M,)
-            mask = kept if mask is None else mask & kept
-        return self.routing.metrics(self.logp_train - self.logp_rollout, mask)
-
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod

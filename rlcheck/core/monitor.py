@@ -46,7 +46,7 @@ from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
 from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
-from rlcheck.core.moe import routing_alarms
+from rlcheck.core.moe import batch_routing_metrics, routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
@@ -187,8 +187,7 @@ class Monitor:
             metrics.update(quarantine_metrics)
         if self.cfg.correction is not None and batch is not None:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
-        # rlcheck/moe/*, if any, over the kept sequences (`keep`: the verdict on `batch`'s own sequences)
-        metrics.update({} if batch is None else batch.routing_metrics(keep), **extra)
+        metrics.update(batch_routing_metrics(batch, keep), **extra)  # rlcheck/moe/*, if any, of the kept sequences
         alarms += routing_alarms(step, metrics)
         hard = self.policy.hard_limit_alarms(step, metrics)  # over every metric of the step, extra ones too
         alarms += hard

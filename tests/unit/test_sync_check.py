@@ -287,3 +287,32 @@ class TestProbeRefused:
         with pytest.raises(ConfigError, match="probe_prompts=8, but the task gives 4"):
             check_probe(SyncCheckConfig(probe_prompts=8, probe_tokens=128), [[1, 2]] * 4)
         check_probe(SyncCheckConfig(probe_prompts=4, probe_tokens=128), [[1, 2]] * 4)
+
+
+class TestRowOffset:
+    @pytest.mark.parametrize("shape, placements", [((4,), "S"), ((2, 2), "SS"), ((2, 2), "RS")])
+    def test_public_api_matches_torch(self, shape, placements):
+        """The first row of each rank's FSDP2 shard, from the public DTensor API, is the one torch's own
+        (private) `compute_local_shape_and_global_offset` gives, uneven shards included (10 rows over 4)."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from rlcheck.trainers.fingerprint import row_offset
+
+        kinds = [Shard(0) if c == "S" else Replicate() for c in placements]
+        world = int(np.prod(shape))
+        for rank in range(world):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            try:
+                mesh = init_device_mesh("cpu", shape)
+                local, offset = compute_local_shape_and_global_offset(torch.Size([10, 3]), mesh, kinds)
+                p = DTensor.from_local(torch.zeros(local), mesh, kinds, run_check=False, shape=torch.Size([10, 3]),
+                                       stride=(3, 1))
+                assert row_offset(p) == offset[0]
+            finally:
+                dist.destroy_process_group()
+        assert row_offset(torch.zeros(10, 3)) == 0
