@@ -12,7 +12,7 @@ it can (one in-process V1 worker: CPU, or a hookable engine), else through vLLM'
 
 A forward hook on every MoE router (`rlcheck.engines.moe_routing.moe_gates`) reads the top-k of its
 logits (the experts the softmax-then-top-k router picks), row by row. Which row is whose comes from
-`LayerCapture`'s mechanism (`rlcheck.forensics.localize.capture`): the runner's `execute_model` and
+`LayerCapture`'s mechanism (`rlcheck.engines.layer_capture`): the runner's `execute_model` and
 `_model_forward`, the step's `query_start_loc` and positions. With `flip` the `RouteFlip` hooks run
 first, so what is recorded is the routing the engine used.
 """
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.engines.layer_capture import LayerCapture
 from rlcheck.engines.moe_routing import (
     NEAR_TIE,
     RouteFlip,
@@ -34,7 +35,6 @@ from rlcheck.engines.moe_routing import (
     routed_experts_response,
 )
 from rlcheck.errors import ConfigError, InputError
-from rlcheck.forensics.localize.capture import LayerCapture
 
 
 class _Everyone:

