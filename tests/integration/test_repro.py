@@ -143,7 +143,7 @@ class TestFromStress:
         written[out] = spec
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)  # 7 min alone; one process per fault and one for all 8 healthy runs
 class TestScripts:
     def test_repro_py_with_and_without_the_fault(self, written):
         """Each written repro.py, in child processes: with RLCHECK_VLLM_FAULT (one process per fault,
@@ -173,7 +173,7 @@ def run_scripts(outs: list[Path], fault: str | None) -> dict[str, int]:
     if fault:
         env["RLCHECK_VLLM_FAULT"] = fault
     done = subprocess.run([sys.executable, "-c", code, *map(str, outs)], env=env, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=1800)
     line = next((x for x in done.stdout.splitlines() if x.startswith("CODES ")), None)
     assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
     if fault:
