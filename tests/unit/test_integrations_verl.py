@@ -347,7 +347,7 @@ class TestHandBack:
         kept = fields["response_mask"].bool().any(axis=1).tolist()
         assert kept == [False] * 6 + [True] * (len(before) - 6) and V.WEIGHTS_KEY not in fields
         assert report.correction(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01).metrics[
-            "rollout_rs_seq_masked_fraction"] == pytest.approx(5 / 12)  # rows 0-5 but the quarantined 3, of all (verl)
+            "rollout_rs_seq_masked_fraction"] == pytest.approx(5 / 11)  # rows 0-5 but the quarantined 3, of the 11 kept
 
     def test_bf16_weights(self, tmp_path):
         """Weights take old_log_probs' dtype (bf16 here), as verl's helper returns them."""
