@@ -101,3 +101,16 @@ class MonitorConfig:
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
+        try:
+            K.check_names(watched_metrics(self.detectors, self.halt))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def watched_metrics(detectors: DetectorsConfig, halt: HaltConfig) -> list[tuple[str, str]]:
+    """(where, metric name) of every metric a hard limit, a threshold rule or a detector watches."""
+    out = [("HaltConfig.hard_limits", key) for key in halt.hard_limits]
+    for name, cfg in vars(detectors).items():
+        out += [(f"DetectorsConfig.{name} rule {i}", rule.metric) for i, rule in enumerate(getattr(cfg, "rules", ()))]
+        out += [(f"DetectorsConfig.{name}.metrics", m) for m in getattr(cfg, "metrics", ())]
+    return out

@@ -11,14 +11,14 @@ import math
 
 import numpy as np
 
+from rlcheck.core import metrics as K
 from rlcheck.core.tally import Tally
 from rlcheck.errors import ConfigError
 
 SAFETY_BOUND = 20.0  # verl's: d is clamped to +-20 before any exponential
 EPS = 1e-8  # verl's masked_mean denominator guard
 
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS = K.CORR_RS_OPTIONS
 TOKEN_RS = ("token_k1", "token_k2", "token_k3")
 
 

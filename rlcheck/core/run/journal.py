@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,25 @@ def to_jsonable(x: Any) -> Any:
     if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):  # numpy scalar or array
         return to_jsonable(x.tolist())
     return x
+
+
+def step_record(report: Any, hist: Any, empty: bool = False, resumed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One step's record of a `StepReport` and its |d| histogram (numpy counts per bin); `empty` and
+    `resumed` only where they apply, so older readers see the schema they know."""
+    bins = hist.nonzero()[0]
+    record = {
+        "step": report.step,
+        "time": time.time(),
+        "metrics": report.metrics,
+        "alarms": [a.to_dict() for a in report.alarms],
+        "offenders": [o.to_dict() for o in report.offenders],
+        "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
+    }
+    if empty:
+        record["empty"] = True
+    if resumed is not None:
+        record["resumed"] = resumed
+    return record
 
 
 def encode_line(record: dict[str, Any]) -> bytes:
