@@ -134,10 +134,12 @@ class Monitor:
                              check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch,
                              own=levels.probe_level(probe, self.cfg.stats.clip), tally=tally)
 
-    def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
-        """Write the forensic dump of `batch` for `step` now."""
+    def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand",
+             selected: Mapping[str, Any] | None = None) -> Path:
+        """Write the forensic dump of `batch` for `step` now; `selected`: how `batch` was chosen among the
+        step's sequences when it is not all of them (meta.json's `selected`)."""
         return self.run.write_dump(
-            step, batch, reason=reason,
+            step, batch, reason=reason, selected=selected,
             metrics=report.metrics if report else None,
             alarms=[a.to_dict() for a in report.alarms] if report else (),
             offenders=[o.to_dict() for o in report.offenders] if report else (),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from rlcheck.distributed import _rebuild, _sendable
+from rlcheck.distributed.failures import rebuild as _rebuild
+from rlcheck.distributed.failures import sendable as _sendable
 from rlcheck.errors import ConfigError, InputError, RecordWriteError, RLCheckError, RunDirError
 
 

@@ -56,7 +56,8 @@ class TestIdenticalSides:
         travels as its name and message (`_sendable`)."""
         import torch.distributed as dist
 
-        from rlcheck.distributed import _sendable, observe_across_ranks
+        from rlcheck.distributed import observe_across_ranks
+        from rlcheck.distributed.failures import sendable as _sendable
 
         if dist.is_initialized():
             pytest.skip("a process group is already up in this process")

@@ -20,6 +20,12 @@ meta.json's `routing` gives `moe_layers` L and `top_k` k, and `read_dump` hands 
 `route_agree_frac` (its tokens routed alike at every MoE layer) and `first_route_diff_layer` (the first
 MoE layer where one of its tokens is routed differently; null if none), both over the tokens the mask keeps.
 
+A halt over several ranks (`rlcheck.distributed`) dumps each rank's worst sequences (its offenders),
+not every sequence of the step: meta.json's `selected` says so (how, and of how many sequences), its
+`metrics` are the whole step's, and diagnose reads those rather than recomputing them from the rows.
+`read_dump` hands the per-token columns back as numpy arrays (one flat array per column, a slice per
+row), never a Python float per token.
+
 `redact=True` keeps text out: no token ids (prompt, response, trainer; the columns are null), no
 per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`), nor the
 trainer's prompt ids (`prompt_tokens_train`);
@@ -50,6 +56,9 @@ from rlcheck.errors import InputError
 SEQUENCES = "sequences.parquet"
 META = "meta.json"
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "tokens_train")
+ARRAY_COLUMNS = ("logp_rollout", "logp_train", "mask", *TOKEN_COLUMNS, PROMPT_TOKENS_TRAIN, "experts_rollout",
+                 "experts_train")
+"""The per-token list columns `read_dump` hands back as numpy arrays."""
 
 
 def dump_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -133,9 +142,11 @@ def write_dump(
     divergence_tau: float = 0.5,
     redact: bool = False,
     quarantined: Iterable[dict] | None = None,
+    selected: dict[str, Any] | None = None,
 ) -> Path:
     """Write the dump of one step to `directory` (replaced whole, atomically) and return it;
-    `quarantined` (a quarantine dump's sequences, their reasons) goes into meta.json when given."""
+    `quarantined` (a quarantine dump's sequences, their reasons) and `selected` (how the sequences were
+    chosen when they are not the whole step's) go into meta.json when given."""
     import pyarrow as pa
 
     directory = Path(directory)
@@ -156,6 +167,8 @@ def write_dump(
     }
     if quarantined is not None:
         meta["quarantined"] = list(quarantined)
+    if selected is not None:
+        meta["selected"] = dict(selected)
     if batch.routing is not None:
         meta["routing"] = {"moe_layers": batch.routing.num_layers, "top_k": int(batch.routing.experts_rollout.shape[2])}
     _write_atomically(directory, pa.table(cols), meta)
@@ -260,8 +273,9 @@ def _fsync_file(path: Path) -> None:
 
 
 def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays; the experts (T, L, k)), and
-    meta.json (`meta`: already read by the caller)."""
+    """(rows, meta) of a dump: one dict per sequence, its list columns as numpy arrays (views of one
+    array per column: no Python object per token; the experts (T, L, k)), and meta.json (`meta`:
+    already read by the caller)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -272,12 +286,26 @@ def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) 
         data = f.read()
     # pyarrow's reader threads could abort the process at exit ("terminate called without an active
     # exception", 3 of 8 `rlcheck diagnose` runs here); a dump is small, one thread reads it
-    rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
+    table = pq.read_table(pa.BufferReader(data), use_threads=False)
     meta = json.loads((directory / META).read_text()) if meta is None else meta
     shape = (meta["routing"]["moe_layers"], meta["routing"]["top_k"]) if meta.get("routing") else None
-    for row in rows:
-        for key in ("logp_rollout", "logp_train"):
-            row[key] = np.asarray(row[key], dtype=np.float64)
-        for key in ("experts_rollout", "experts_train") if shape else ():
-            row[key] = np.asarray(row[key], dtype=np.int64).reshape(-1, *shape)  # (T, L, k)
-    return rows, meta
+    columns = {name: _read_column(table.column(name), name in ARRAY_COLUMNS) for name in table.column_names}
+    for key in ("logp_rollout", "logp_train"):
+        columns[key] = [None if v is None else v.astype(np.float64, copy=False) for v in columns[key]]
+    for key in ("experts_rollout", "experts_train") if shape else ():
+        columns[key] = [None if v is None else v.reshape(-1, *shape) for v in columns[key]]  # (T, L, k)
+    return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)], meta
+
+
+def _read_column(column: Any, as_arrays: bool) -> list[Any]:
+    """One parquet column, per row: with `as_arrays` (a per-token list column) numpy slices of its flat
+    values (None where null), else Python values (the meta columns, as they were given)."""
+    import pyarrow as pa
+
+    column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if not as_arrays or not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return column.to_pylist()
+    offsets = column.offsets.to_numpy()  # (N+1,) into `values`
+    values = column.values.to_numpy(zero_copy_only=False)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(column))]
