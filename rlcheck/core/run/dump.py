@@ -12,7 +12,9 @@ compare, so masked-out tokens never count and a dump agrees with the step's offe
 Atomic: both files are written and fsynced in a hidden temp dir (`dumps/.step_NNNNNN.*`), which is
 renamed into place and the parent fsynced; a crash mid-dump leaves only the hidden dir, which no
 reader takes for a dump and the next Monitor removes (`remove_partial_dumps`). A dump written again
-for the same step replaces the old one whole (the old one is moved aside first, never mixed).
+for the same step replaces the old one whole (the old one is moved aside first, never mixed); a crash
+between moving it aside and renaming the new one into place leaves both hidden, and the next Monitor
+puts the finished new one in place (never deleting both).
 
 A batch with MoE routing (`StepBatch.routing`, `rlcheck.core.moe`) adds, per sequence: `experts_rollout` and
 `experts_train` (its tokens' top-k experts at every MoE layer, T*L*k int64 flattened token by token;
@@ -71,12 +73,29 @@ def quarantine_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def remove_partial_dumps(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the hidden temp dirs a crash in the middle of `write_dump` left under run_dir/dumps
-    (and run_dir/quarantine)."""
-    partial = [p for sub in ("dumps", "quarantine") for p in (Path(run_dir) / sub).glob(".step_*") if p.is_dir()]
-    for p in partial:
-        shutil.rmtree(p, ignore_errors=True)
-    return partial
+    """Settle what a crash in the middle of `write_dump` left under run_dir/dumps (and run_dir/quarantine),
+    and return the hidden dirs removed: a rewrite cut between its two renames (the previous dump moved
+    aside, the finished new one not yet in place) gets the finished new one back as its dump (or, were it
+    gone, the previous one); any other hidden dir is a dump cut short while it was written."""
+    removed = []
+    for sub in ("dumps", "quarantine"):
+        hidden = sorted(p for p in (Path(run_dir) / sub).glob(".step_*") if p.is_dir())
+        for name in sorted({p.name.split(".")[1] for p in hidden}):
+            target = Path(run_dir) / sub / name
+            aside = [p for p in hidden if p.name.startswith(f".{name}.old.")]
+            finished = [p for p in hidden if p.name.startswith(f".{name}.") and p not in aside and _whole(p)]
+            if not target.exists() and aside:  # cut between the renames: finished (fsynced) before the first
+                os.replace((finished or aside)[0], target)
+                fsync_dir(target.parent)
+        for p in hidden:
+            if p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _whole(directory: Path) -> bool:
+    return (directory / SEQUENCES).is_file() and (directory / META).is_file()
 
 
 def is_id_column(name: str) -> bool:
