@@ -31,12 +31,12 @@ import numpy as np
 
 from rlcheck.core.batch_build import (
     bool_array,
-    float_array,
     int_array,
     packed_from_padded,
     packed_from_ragged,
     request_id_tuple,
     to_numpy,
+    two_sides,
     version_array,
 )
 from rlcheck.core.batch_torch import device_packed, device_padded, host_copies
@@ -121,8 +121,7 @@ class StepBatch:
         """From packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets); `weight_version`:
         one int or one per sequence; `topk`, `routing`: one row per token (the module docstring)."""
         tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
-        lr = float_array(logp_rollout, "logp_rollout")
-        lt = float_array(logp_train, "logp_train")
+        lr, lt = two_sides(logp_rollout, logp_train)
         cu = int_array(cu_seqlens, "cu_seqlens")
         if cu.ndim != 1 or cu.shape[0] < 1:
             raise InputError("cu_seqlens: expected a 1-D array of N+1 sequence offsets")

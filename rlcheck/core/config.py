@@ -85,6 +85,11 @@ class MonitorConfig:
     """Take the sequences the evidence condemns out of the step instead of halting
     (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
+    true_on_policy: bool = False
+    """Declare that the two sides compute bitwise the same numbers (batch-invariant kernels, deterministic
+    inference, the same weights: SGLang's deterministic mode, slime's true on-policy, verl's exact path):
+    any difference at all on a compared token is then a critical alarm that halts at once. Off, bitwise
+    equal sides read as the best possible health, with one note (`rlcheck.core.inputs.identical_sides`)."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -99,6 +104,8 @@ class MonitorConfig:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
         if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if not isinstance(self.true_on_policy, bool):
+            raise ConfigError(f"true_on_policy must be True or False, got {self.true_on_policy!r}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
         try:

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core import inputs
 from rlcheck.core import metrics as K
 from rlcheck.core import quarantine as Q
 from rlcheck.core.batch import StepBatch
@@ -45,7 +46,7 @@ from rlcheck.core.catch_up import catch_up
 from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
-from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
+from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
 from rlcheck.core.moe import routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
@@ -77,6 +78,7 @@ class Monitor:
             self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
             self.resumes = 0
+            self._noted_identical = False  # bitwise-equal sides are noted once (`rlcheck.core.inputs`)
             self.quarantine = Quarantine(cfg.quarantine, cfg.detectors.signature) if cfg.quarantine else None
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
             if self.run.has_state():
@@ -175,7 +177,10 @@ class Monitor:
             warnings.warn(f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
                           "(a resumed trainer repeating steps?)", stacklevel=3)
         metrics, offenders = finalize(partial, self.cfg.stats)
-        empty = check_metrics(metrics)
+        empty = is_empty_step(metrics)
+        if not (self.cfg.true_on_policy or self._noted_identical) and inputs.identical_sides(metrics):
+            self._noted_identical = True
+            warnings.warn(inputs.IDENTICAL_NOTE.format(count=metrics[K.TOKEN_COUNT], step=step), stacklevel=3)
         metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
         if empty:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
@@ -197,7 +202,7 @@ class Monitor:
         alarms: list[Alarm] = []
         for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)
-        hard = self.policy.hard_limit_alarms(step, metrics)
+        hard = self.policy.hard_limit_alarms(step, metrics) + (inputs.exact_alarms(step, metrics) if self.cfg.true_on_policy else [])
         alarms += outside + weights + hard + quarantined + routing_alarms(step, metrics)
         metrics.update(extra)
         metrics[K.ALARM_COUNT] = float(len(alarms))
