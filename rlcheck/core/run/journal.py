@@ -79,10 +79,11 @@ def encode_line(record: dict[str, Any]) -> bytes:
 
 
 class Journal:
-    """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl`."""
+    """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl` (or to the run's other JSONL
+    file `name`: loop.jsonl), each on a line of its own after a crash cut the last one short."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]):
-        self.path = Path(run_dir) / FILENAME
+    def __init__(self, run_dir: str | os.PathLike[str], name: str = FILENAME):
+        self.path = Path(run_dir) / name
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -138,9 +139,26 @@ def _ends_with_newline(path: Path) -> bool:
 
 class Records(list):
     """The records of a metrics.jsonl file; `num_skipped` counts lines that were not valid JSON
-    (a truncated last line after a crash, or one left in the middle by a resumed run)."""
+    (a truncated last line after a crash, or one left in the middle by a resumed run), `superseded` the
+    steps whose earlier records `latest` left out."""
 
     num_skipped: int = 0
+    superseded: tuple[int, ...] = ()
+
+    def latest(self) -> Records:
+        """One record per step, the last one journaled (a trainer resumed from an earlier checkpoint
+        repeats steps: its records supersede the abandoned ones), in step order; records without an
+        integer step are kept, after them."""
+        last: dict[int, int] = {}
+        for i, r in enumerate(self):
+            if isinstance(r.get("step"), int):
+                last[r["step"]] = i
+        out = Records(self[i] for _, i in sorted(last.items()))
+        out.extend(r for r in self if not isinstance(r.get("step"), int))
+        out.num_skipped = self.num_skipped
+        out.superseded = tuple(sorted({r["step"] for i, r in enumerate(self)
+                                       if isinstance(r.get("step"), int) and last[r["step"]] != i}))
+        return out
 
 
 def read_jsonl(path: str | os.PathLike[str], offset: int = 0) -> Records:

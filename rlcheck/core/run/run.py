@@ -60,6 +60,7 @@ class Run:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.journal: Journal | None = None
+        self._loop_journal: Journal | None = None
         self._lock: files.RunDirLock | None = None
         self._read: dict[Any, Any] = {}
 
@@ -91,8 +92,9 @@ class Run:
     def close(self) -> None:
         """Close the journal and release the lock (a second call does nothing more)."""
         try:
-            if self.journal is not None:
-                self.journal.close()
+            for journal in (self.journal, self._loop_journal):
+                if journal is not None:
+                    journal.close()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -121,9 +123,13 @@ class Run:
         return files.uncommitted_records(self.path, committed)
 
     def append_loop(self, line: dict[str, Any]) -> None:
-        """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts)."""
-        with open(self.path / LOOP_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts), written as
+        the journal writes its own: whole, fsynced, never glued onto a line a crash cut short."""
+        if self.journal is None:
+            raise RunDirError(f"{self.path} was opened for reading; use Run.create to write a run")
+        if self._loop_journal is None:
+            self._loop_journal = Journal(self.path, LOOP_FILE)
+        self._loop_journal.append(int(line.get("step", -1)), line)
 
     def write_dump(self, step: int, batch: Any, **kwargs: Any) -> Path:
         """The dump of `step` (`rlcheck.core.run.dump.write_dump`) under dumps/."""
@@ -146,8 +152,10 @@ class Run:
         return value
 
     def records(self) -> Records:
-        """The journal's records (an InputError without metrics.jsonl or without a record)."""
-        return self._once("records", self._read_records)
+        """The journal's records, one per step in step order: where a trainer resumed from an earlier
+        checkpoint journaled a step again, the later record (`Records.latest`; `superseded` names the
+        steps). An InputError without metrics.jsonl or without a record."""
+        return self._once("records", lambda: self._read_records().latest())
 
     def _read_records(self) -> Records:
         path = self.path / JOURNAL_FILE
@@ -217,6 +225,6 @@ class Run:
         return self._once("guard", lambda: load_guard(self.path))
 
     def loop(self) -> list[dict[str, Any]]:
-        """loop.jsonl's lines; [] without one."""
+        """loop.jsonl's lines, one per step as `records` (the later of a repeated step); [] without one."""
         path = self.path / LOOP_FILE
-        return self._once("loop", lambda: list(read_jsonl(path)) if path.is_file() else [])
+        return self._once("loop", lambda: list(read_jsonl(path).latest()) if path.is_file() else [])
