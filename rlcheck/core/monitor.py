@@ -81,6 +81,7 @@ class Monitor:
             self._noted_identical = False  # bitwise-equal sides are noted once (`rlcheck.core.inputs`)
             self.quarantine = Quarantine(cfg.quarantine, cfg.detectors.signature) if cfg.quarantine else None
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
+            self._sink_state: dict[str, Any] = {}
             if self.run.has_state():
                 if not cfg.resume:
                     raise RunDirError(f"{self.run_dir} already holds a run (state.json); pass resume=True to "
@@ -88,6 +89,7 @@ class Monitor:
                 self._load_state()
             self._has_state = self.run.has_state()
             self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
+            self.sinks.load_state_dict(self._sink_state)  # a resumed run's W&B totals go on from its own
         except BaseException:
             self.run.close()
             raise
@@ -289,6 +291,7 @@ class Monitor:
             "resumes": self.resumes,
             **({"quarantine": self.quarantine.state_dict()} if self.quarantine is not None else {}),
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
+            "sinks": self.sinks.state_dict(),
         }
 
     def _save_state(self) -> None:
@@ -303,6 +306,7 @@ class Monitor:
         self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
         self.resumes = int(state.get("resumes", 0)) + 1
+        self._sink_state = state.get("sinks") or {}
         if self.quarantine is not None:
             self.quarantine.load_state_dict(state.get("quarantine") or {})
         for kind, det_state in state.get("detectors", {}).items():
