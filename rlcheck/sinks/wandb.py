@@ -193,6 +193,8 @@ class WandbSink(Sink):
         return False
 
     def close(self) -> None:
+        if self._skipped:  # the steps W&B missed, said in the summary once more at the end
+            self._send(-1, lambda: self.run.summary.update({SUMMARY_SKIPPED: self._skipped}))
         if self._owns_run and not self._closed:
             self._closed = True
             self.run.finish()

@@ -149,7 +149,10 @@ class TestMonitorWandbResume:
         for steps in (range(0, 3), range(3, 5)):
             with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), halt=NO_HALT)) as mon:
                 for step in steps:
-                    mon.observe(step, synthetic_batch(SMALL if step in (1, 3) else CLEAN, step))
+                    b = synthetic_batch(CLEAN, step)
+                    if step in (1, 3):  # every token 2 nats off: a hard-limit alarm (halting off)
+                        b = StepBatch.from_packed(b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens, b.request_ids)
+                    mon.observe(step, b)
         parts = sorted((run_dir / "wandb").glob("offline-run-*"))
         assert len(parts) == 2 and len({p.name.rsplit("-", 1)[1] for p in parts}) == 1  # one run id
         records = read_jsonl(run_dir / "metrics.jsonl")
