@@ -151,6 +151,16 @@ class TestLoopJournal:
         run.close()
         assert [line["step"] for line in Run.open(tmp_path).loop()] == [0, 2]
 
+    def test_line_after_the_run_closed(self, tmp_path):
+        """The loop writes its halt's line after the halted Monitor closed the run: it is appended."""
+        from rlcheck.core.run import Run
+
+        run = Run.create(tmp_path)
+        run.append_loop({"step": 0})
+        run.close()
+        run.append_loop({"step": 1, "halted": True})
+        assert [line["step"] for line in Run.open(tmp_path).loop()] == [0, 1]
+
 
 class TestResumedTrainer:
     """Issue 42 item 12: a trainer resumed from an earlier checkpoint journals its repeated steps again;

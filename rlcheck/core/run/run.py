@@ -60,7 +60,6 @@ class Run:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.journal: Journal | None = None
-        self._loop_journal: Journal | None = None
         self._lock: files.RunDirLock | None = None
         self._read: dict[Any, Any] = {}
 
@@ -92,9 +91,8 @@ class Run:
     def close(self) -> None:
         """Close the journal and release the lock (a second call does nothing more)."""
         try:
-            for journal in (self.journal, self._loop_journal):
-                if journal is not None:
-                    journal.close()
+            if self.journal is not None:
+                self.journal.close()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -124,12 +122,13 @@ class Run:
 
     def append_loop(self, line: dict[str, Any]) -> None:
         """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts), written as
-        the journal writes its own: whole, fsynced, never glued onto a line a crash cut short."""
-        if self.journal is None:
-            raise RunDirError(f"{self.path} was opened for reading; use Run.create to write a run")
-        if self._loop_journal is None:
-            self._loop_journal = Journal(self.path, LOOP_FILE)
-        self._loop_journal.append(int(line.get("step", -1)), line)
+        the journal writes its own: whole, fsynced, never glued onto a line a crash cut short. Opened
+        for each line: the loop writes its halt's line after the halted Monitor released the run."""
+        journal = Journal(self.path, LOOP_FILE)
+        try:
+            journal.append(int(line.get("step", -1)), line)
+        finally:
+            journal.close()
 
     def write_dump(self, step: int, batch: Any, **kwargs: Any) -> Path:
         """The dump of `step` (`rlcheck.core.run.dump.write_dump`) under dumps/."""
