@@ -9,18 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
-from rlcheck.core.correction import PREFIX, Correction, CorrectionConfig, batch_correction, metrics_of
+from rlcheck.core.correction import PREFIX, Correction, CorrectionConfig, correct, metrics_of, response_mask
 from rlcheck.core.moe import routing_tally
 from rlcheck.core.moe import tally_metrics as routing_metrics_of
 from rlcheck.core.tally import Tally
-
-
-def kept_tokens(batch: StepBatch, keep: np.ndarray | None) -> np.ndarray | None:
-    """(M,) bool: the compared tokens (`batch.mask`) of the sequences `keep` (N,) keeps; None: all."""
-    if keep is None:
-        return batch.mask
-    out = np.repeat(np.asarray(keep, dtype=bool), batch.seq_lens)
-    return out if batch.mask is None else out & batch.mask
 
 
 def batch_tally(batch: StepBatch, keep: np.ndarray | None,
@@ -29,10 +21,10 @@ def batch_tally(batch: StepBatch, keep: np.ndarray | None,
     routing) for the sequences `keep` keeps (None: all)."""
     tally, found = Tally(), None
     if correction is not None and correction.enabled:
-        found = batch_correction(batch, keep, correction)
+        found = correct(batch, keep, correction)
         tally.add(found.tally)
     if batch.routing is not None:
-        tally.add(routing_tally(batch.routing, batch.logp_train - batch.logp_rollout, kept_tokens(batch, keep)))
+        tally.add(routing_tally(batch.routing, batch.logp_train - batch.logp_rollout, response_mask(batch, keep)))
     return found, tally
 
 

@@ -115,8 +115,9 @@ class MonitorConfig:
 
 
 def watched_metrics(detectors: DetectorsConfig, halt: HaltConfig) -> list[tuple[str, str]]:
-    """(where, metric name) of every metric a hard limit, a threshold rule or a detector watches."""
-    out = [("HaltConfig.hard_limits", key) for key in halt.hard_limits]
+    """(where, metric name) of every rlcheck metric a hard limit, and of every metric a threshold rule or
+    a detector, watches (a hard limit may watch the caller's own scalars, observe's `extra`, too)."""
+    out = [("HaltConfig.hard_limits", key) for key in halt.hard_limits if key.startswith(K.PREFIX)]  # others: your own
     for name, cfg in vars(detectors).items():
         out += [(f"DetectorsConfig.{name} rule {i}", rule.metric) for i, rule in enumerate(getattr(cfg, "rules", ()))]
         out += [(f"DetectorsConfig.{name}.metrics", m) for m in getattr(cfg, "metrics", ())]

@@ -51,7 +51,7 @@ from rlcheck.core.tally import Tally
 from rlcheck.errors import ConfigError
 
 PREFIX = "rlcheck/corr/"
-__all__ = ["LEVELS", "PREFIX", "Correction", "CorrectionConfig", "batch_correction", "batch_metrics", "compute",
+__all__ = ["LEVELS", "PREFIX", "Correction", "CorrectionConfig", "batch_metrics", "compute", "correct",
            "is_weights", "metrics_of", "parse_is_threshold", "response_mask", "rs_mask", "sequence_weights"]
 
 
@@ -189,15 +189,15 @@ def is_weights(d: np.ndarray, m: np.ndarray, cu: np.ndarray, level: str, thresho
     return w, metrics
 
 
-def batch_correction(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
-    """`compute` of `cfg` on a StepBatch's valid tokens of the sequences `keep` keeps."""
+def correct(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
+    """`cfg`'s correction of a StepBatch's tokens `response_mask(batch, keep)` counts."""
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout
     return compute(d, response_mask(batch, keep), batch.cu_seqlens, cfg)
 
 
 def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:
     """The `rlcheck/corr/...` metrics of `cfg` on a StepBatch's kept, valid tokens ({} when off or none)."""
-    return batch_correction(batch, keep, cfg).prefixed() if cfg.enabled else {}
+    return correct(batch, keep, cfg).prefixed() if cfg.enabled else {}
 
 
 def sequence_weights(d: np.ndarray, mask: np.ndarray, cu: np.ndarray, keep: np.ndarray,

@@ -200,5 +200,5 @@ def check_names(watched: list[tuple[str, str]]) -> None:
             near = closest(name) if isinstance(name, str) else None
             hint = f"; did you mean {near!r}?" if near else f"; metric names start with {PREFIX!r}"
             outside = ("" if not isinstance(name, str) or name.startswith(PREFIX) else
-                       " (your own scalars, observe's `extra`, are logged but never judged)")
+                       " (your own scalars, observe's `extra`, reach the hard limits only, not the detectors)")
             raise ValueError(f"{where} watches {name!r}, which no rlcheck metric is{outside}{hint}")

@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core.correction import response_mask
 from rlcheck.core.tally import Tally
 from rlcheck.core.types import Alarm
 from rlcheck.errors import InputError
 
-__all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "first_diff_layer", "routing_alarms",
-           "routing_metrics", "routing_stats", "routing_tally", "same_experts", "sequence_routing", "tally_metrics"]
+__all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "batch_routing_metrics", "first_diff_layer",
+           "routing_alarms", "routing_metrics", "routing_stats", "routing_tally", "same_experts", "sequence_routing",
+           "tally_metrics"]
 
 MIN_SHARE = 0.5
 """Routing drives a step's mismatch when the tokens routed differently carry at least this share of its
@@ -122,8 +124,9 @@ class RoutingStats:
 def routing_stats(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> RoutingStats:
     """Agreement of `routing` over the tokens `mask` (M,) keeps, and how |d| of `diff` (M,) splits between the
     tokens routed alike and the others."""
-    keep = np.ones(routing.num_tokens, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    keep &= np.isfinite(diff)
+    keep = np.isfinite(diff)  # (M,) a new array: the caller's mask is evidence, never changed here
+    if mask is not None:
+        keep = keep & np.asarray(mask, dtype=bool)
     agree = same_experts(routing.experts_rollout, routing.experts_train)[keep]  # (n, L)
     d = np.abs(np.asarray(diff, dtype=np.float64)[keep])  # (n,)
     n, num_layers = agree.shape
@@ -200,6 +203,14 @@ def tally_metrics(t: Tally) -> dict[str, float]:
     if moved and alike and s["moe/alike_abs"] > 0:
         out[K.MOE_ABS_DIFF_LIFT] = (s["moe/moved_abs"] / moved) / (s["moe/alike_abs"] / alike)
     return out
+
+
+def batch_routing_metrics(batch: Any, keep: np.ndarray | None = None) -> dict[str, float]:
+    """`routing_metrics` of a StepBatch's routing over the compared tokens (`response_mask`) of the
+    sequences `keep` (N,) keeps (the quarantine's verdict; all when None); {} without routing."""
+    if batch is None or batch.routing is None:
+        return {}
+    return routing_metrics(batch.routing, batch.logp_train - batch.logp_rollout, response_mask(batch, keep))
 
 
 def routing_alarms(step: int, metrics: Mapping[str, float]) -> list[Alarm]:

@@ -188,7 +188,7 @@ class Monitor:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
                           f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "
                           "an empty step, skipped by the detectors", stacklevel=3)
-        # every metric a rule or hard limit may name, before they judge (`rlcheck.core.metric_names`)
+        # every metric a rule or a hard limit may name, before they judge (`rlcheck.core.metrics.check_names`)
         weights: list[Alarm] = []
         if trainer_version is not None:
             found, weights = check_versions(step, partial.versions, trainer_version, self.cfg.max_weight_lag)
@@ -204,9 +204,9 @@ class Monitor:
         alarms: list[Alarm] = []
         for det in self.detectors.values() if not empty else ():
             alarms += det.update(step, metrics)
+        metrics.update(extra)  # the caller's own scalars: a hard limit may watch them, the detectors do not
         hard = self.policy.hard_limit_alarms(step, metrics) + (inputs.exact_alarms(step, metrics) if self.cfg.true_on_policy else [])
         alarms += outside + weights + hard + quarantined + routing_alarms(step, metrics)
-        metrics.update(extra)
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)

@@ -117,13 +117,13 @@ class StepReport:
         """The step's `rlcheck.core.correction.Correction`: per token (packed like the batch) the IS
         weight and the response mask (valid tokens of kept sequences, not rejected), and verl's
         metrics. Arguments: verl's `rollout_correction` fields, with its defaults."""
-        from rlcheck.core.correction import CorrectionConfig, batch_correction
+        from rlcheck.core.correction import CorrectionConfig, correct
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
         b = self._batch()
         if cfg not in self.corrections:
-            self.corrections[cfg] = batch_correction(b, self.keep, cfg)
+            self.corrections[cfg] = correct(b, self.keep, cfg)
         return self.corrections[cfg]
 
     def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,

@@ -103,9 +103,11 @@ class TestUnknownNamesRefused:
         assert repr(near) in str(err.value)
 
     def test_own_scalar_is_refused_with_why(self, tmp_path):
-        """A rule on one of the caller's own scalars (observe's `extra`) is refused: they are never judged."""
-        with pytest.raises(ConfigError, match="never judged"):
+        """A threshold rule on one of the caller's own scalars (observe's `extra`) is refused: the detectors
+        never see them; a hard limit may watch them."""
+        with pytest.raises(ConfigError, match="hard limits only"):
             MonitorConfig(run_dir=tmp_path / "run", detectors=rule("loop/reward_mean", 1.0))
+        MonitorConfig(run_dir=tmp_path / "run", halt=HaltConfig(hard_limits={"loop/reward_mean": 1.0}))
 
     @pytest.mark.parametrize("name", [K.frac_abs_diff_above(0.25), K.moe_layer_agree(11), K.moe_first_diff(3),
                                       K.quarantine_reason("tail"), K.CORR_PREFIX + "rollout_rs_seq_mean_k1_seq_fraction_low",
