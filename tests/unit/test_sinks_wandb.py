@@ -232,3 +232,38 @@ class TestMakeSinksWandb:
             warnings.simplefilter("error")
             fan.log(0, example_record(0))
             fan.close()
+
+
+class TestMonitorCarriesWandbTotals:
+    """Issue 42 item 11, through the Monitor: the sink's totals go into state.json and a resumed Monitor's
+    sink continues them (a fake run stands for W&B; the real offline run: tests/integration/test_monitor_wandb.py)."""
+
+    def test_resumed_monitor_continues_totals(self, tmp_path):
+        pytest.importorskip("wandb")
+        from rlcheck import HaltConfig, Monitor, MonitorConfig, StepBatch
+        from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+        clean, run_dir = SyntheticConfig(num_sequences=32, mean_length=12), tmp_path / "run"
+        runs = []
+        for steps in (range(0, 3), range(3, 5)):
+            run = _FlakyRun(lambda step, calls: step == 2)  # step 2 never reaches W&B: counted as skipped
+            runs.append(run)
+            cfg = MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), halt=HaltConfig(enabled=False),
+                                resume=bool(runs[:-1]), wandb=WandbConfig(retry_wait_s=0.0))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Monitor(cfg, wandb_run=run) as mon:
+                    for step in steps:
+                        b = synthetic_batch(clean, step)
+                        if step in (1, 3):  # every token 2 nats off: a hard-limit alarm (halting off)
+                            b = StepBatch.from_packed(b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens,
+                                                      b.request_ids)
+                        mon.observe(step, b)
+            alarms_so_far = sum(mon.alarm_counts.values())
+        first, second = runs
+        assert first.summary[S + "worst_step"] == 1 and first.summary[S + "skipped_steps"] == 1
+        assert alarms_so_far > first.summary[S + "alarms_total"] > 0
+        # the second process's summary counts both processes' alarms and the first one's skipped step
+        assert second.summary[S + "alarms_total"] == alarms_so_far
+        assert second.summary[S + "skipped_steps"] == 1
+        assert [s for s, _ in second.rows] == [3, 4]
