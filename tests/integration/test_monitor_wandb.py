@@ -16,6 +16,7 @@ from rlcheck.sinks.testing import RecordingSink, read_offline_run
 from rlcheck.sinks.wandb import (
     OFFENDER_COLUMNS,
     OFFENDERS_KEY,
+    RUN_ID_FILE,
     SUMMARY_ALARMS_TOTAL,
     SUMMARY_SKIPPED,
     SUMMARY_WORST_STEP,
@@ -154,7 +155,9 @@ class TestMonitorWandbResume:
                         b = StepBatch.from_packed(b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens, b.request_ids)
                     mon.observe(step, b)
         parts = sorted((run_dir / "wandb").glob("offline-run-*"))
-        assert len(parts) == 2 and len({p.name.rsplit("-", 1)[1] for p in parts}) == 1  # one run id
+        # offline-run-<time>-<id>, "-1" appended to the second when both started within the same second
+        run_id = (run_dir / "wandb" / RUN_ID_FILE).read_text().strip()
+        assert len(parts) == 2 and [p.name.split("-")[3] for p in parts] == [run_id, run_id]  # one run id
         records = read_jsonl(run_dir / "metrics.jsonl")
         alarms = sum(len(r["alarms"]) for r in records)
         worst = max(records, key=lambda r: r["metrics"][K.ABS_DIFF_MEAN])
