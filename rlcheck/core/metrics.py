@@ -110,7 +110,7 @@ TURN_COUNT = "rlcheck/turn/count"  # model turns in the step
 TURN_PER_SEQ_MEAN = "rlcheck/turn/per_seq_mean"
 TURN_PER_SEQ_MAX = "rlcheck/turn/per_seq_max"
 TURN_TOOL_TOKENS = "rlcheck/turn/tool_tokens"  # tool / observation tokens (not the model's)
-TURN_ZERO_LP_COUNT = "rlcheck/turn/zero_lp_count"  # compared tokens whose engine logprob is exactly 0.0
+TURN_ZERO_LP_COUNT = "rlcheck/turn/zero_lp_count"  # compared tokens, engine logprob exactly 0.0, trainer's <= -1e-3
 TURN_WORST = "rlcheck/turn/worst"  # the turn (0..7) of the largest clipped mean |d|
 TURN_WORST_LEVEL = "rlcheck/turn/worst_abs_diff_clipped_mean"
 TURN_SLOPE = "rlcheck/turn/slope"  # least squares of the turns' clipped mean |d| on the turn (0..7), per turn

@@ -73,6 +73,8 @@ class TurnVerdict:
     """invariant -> the first `MAX_EVIDENCE` breaches: request_id, index, turn, offset, what differs."""
     stale_tokens: np.ndarray | None = None
     """(M,) bool the tokens of stale turns (None when no turn is stale)."""
+    zero_tokens: int = 0
+    """Compared tokens with an engine logprob of exactly 0.0 where the trainer is not as sure."""
 
     def condemned(self, cfg: TurnCheckConfig) -> np.ndarray:
         """(N,) bool sequences to quarantine: every breach but a stale turn that masking handles."""
@@ -86,6 +88,7 @@ class TurnVerdict:
     def metrics(self) -> dict[str, float]:
         out = {K.turn_invariant(name): float(np.count_nonzero(flags)) for name, flags in self.broken.items()}
         out[K.TURN_MASKED_TOKENS] = float(0 if self.stale_tokens is None else np.count_nonzero(self.stale_tokens))
+        out[K.TURN_ZERO_LP_COUNT] = float(self.zero_tokens)
         return out
 
 
@@ -259,7 +262,8 @@ def _zero_logprobs(batch, cfg: TurnCheckConfig, verdict: TurnVerdict) -> None:
     compared = np.ones(lr.shape[0], dtype=bool) if batch.mask is None else batch.mask
     with np.errstate(invalid="ignore"):
         z = compared & (lr == 0.0) & (lt <= -cfg.zero_tol)  # (M,)
-    if not z.any():
+    verdict.zero_tokens = int(np.count_nonzero(z))
+    if not verdict.zero_tokens:
         return
     turns, cu = batch.turns, batch.cu_seqlens
     runs = turns.runs(cu)

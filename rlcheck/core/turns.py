@@ -113,6 +113,7 @@ class TurnRuns:
     seq: np.ndarray  # (R,) int64 its sequence
     turn: np.ndarray  # (R,) int64 its number within the sequence
     last: np.ndarray  # (R,) bool the last turn of its sequence
+    begin: np.ndarray  # (B,) int64 the first token of every run, the model's and the tool's, in order
 
 
 @dataclass(frozen=True, eq=False)
@@ -273,15 +274,14 @@ def run_starts(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> np.ndarra
 
 
 def _model_runs(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> TurnRuns:
-    model = ~tool
-    new = run_starts(index, tool, cu) & model
-    start = np.flatnonzero(new).astype(np.int64)  # (R,)
-    run_id = np.cumsum(new) - 1  # (M,) the latest model run at or before each token
-    length = np.bincount(run_id[model], minlength=start.shape[0]).astype(np.int64) if start.size else start.copy()
+    begin = np.flatnonzero(run_starts(index, tool, cu)).astype(np.int64)  # (B,) every run, both kinds
+    ends = np.append(begin[1:], index.shape[0])  # a run ends where the next begins (runs break at sequences)
+    model = ~tool[begin] if begin.size else np.zeros(0, dtype=bool)
+    start = begin[model]  # (R,)
     seq = (np.searchsorted(cu, start, side="right") - 1).astype(np.int64)
     last = np.ones(start.shape[0], dtype=bool)
     last[:-1] = seq[1:] != seq[:-1]
-    return TurnRuns(start, length, seq, index[start].astype(np.int64), last)
+    return TurnRuns(start, (ends - begin)[model], seq, index[start].astype(np.int64), last, begin)
 
 
 def _number_runs(model: np.ndarray, cu: np.ndarray) -> np.ndarray:

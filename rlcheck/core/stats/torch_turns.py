@@ -5,8 +5,6 @@ result; the slots and metrics are the numpy path's."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from rlcheck.core.stats.turns import Segments, segments, slot_parts
 from rlcheck.core.stats.types import RATIO_LOG_CAP
 
@@ -29,14 +27,11 @@ def turn_partial_torch(batch, cfg, lr, lt, d, ad, valid, clipped: bool, sums: di
     seg_sums = torch.zeros((num, values.shape[1]), dtype=torch.float64, device=device).index_add_(0, token_seg, values)
     seg_max = torch.zeros(num, dtype=torch.float64, device=device).scatter_reduce_(
         0, token_seg, ad.double(), "amax", include_self=False)
-    rollout = torch.from_numpy(batch.logp_rollout).to(device) if batch.device_tensors is None \
-        else batch.device_tensors["logp_rollout"]
-    zero_lp = torch.count_nonzero((rollout == 0.0) & ok).double().reshape(1)
-    flat = torch.cat([seg_sums.reshape(-1), seg_max, zero_lp]).cpu().numpy()  # one device-to-host copy
+    flat = torch.cat([seg_sums.reshape(-1), seg_max]).cpu().numpy()  # one device-to-host copy
     q = values.shape[1]
-    found, top = slot_parts(seg, flat[:num * q].reshape(num, q), flat[num * q:num * q + num],
-                            batch.turns.turn_counts(batch.cu_seqlens), int(np.count_nonzero(batch.turns.tool)),
-                            int(flat[-1]))
+    runs = batch.turns.runs(batch.cu_seqlens)
+    found, top = slot_parts(seg, flat[:num * q].reshape(num, q), flat[num * q:],
+                            batch.turns.turn_counts(batch.cu_seqlens), batch.num_tokens - int(runs.length.sum()))
     sums.update(found)
     maxima.update(top)
     return seg

@@ -20,15 +20,21 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rlcheck.core import metrics as K
-from rlcheck.core.turns import Turns, run_starts
+from rlcheck.core.turns import Turns
 from rlcheck.core.types import Offender
 
+QUANTITIES = ("n", "ad", "ad_clip", "d", "e", "pdiff", "cat")
+"""Per segment, summed over its valid tokens: count, |d|, min(|d|, clip), d, r - 1, |p_t - p_r|, catastrophic."""
+SUM_KEYS = tuple(f"turn/{slot}/{q}" for slot in K.TURN_SLOTS for q in QUANTITIES)  # slot-major, as slot_parts
+TURNS_KEYS = tuple(f"turn/{slot}/turns" for slot in K.TURN_SLOTS)
+MAX_KEYS = tuple(f"turn/{slot}/ad" for slot in K.TURN_SLOTS)
+_NAMES = {slot: ({**{q: f"turn/{slot}/{q}" for q in (*QUANTITIES, "turns")}, "max": f"turn/{slot}/ad"},
+                 {stat: K.turn_metric(slot, stat) for stat in K.TURN_STATS}) for slot in K.TURN_SLOTS}
+"""Per slot: (its partial's sum keys, its metric keys), built once."""
 RATIO_FLOOR = 1e-3
 """Added to both levels (clipped mean |d|) of a ratio: an fp32 run's 1e-7 against 3e-7 is no spike (ratio
 1.0002), a later turn at 2e-3 where turn 0 sits at 1e-7 is (ratio 3); smooth, so a rolling baseline of the
 ratio never sees a run of exact 1.0 (a clamp's) and a MAD of 0."""
-QUANTITIES = ("n", "ad", "ad_clip", "d", "e", "pdiff", "cat")
-"""Per segment, summed over its valid tokens: count, |d|, min(|d|, clip), d, r - 1, |p_t - p_r|, catastrophic."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class Segments:
 def segments(turns: Turns, cu: np.ndarray, head_tokens: int) -> Segments:
     """The head/body segments of every model turn and the tool runs between (see the module docstring)."""
     runs = turns.runs(cu)
-    begin = np.flatnonzero(run_starts(turns.index, turns.tool, cu)).astype(np.int64)  # every run, both kinds
+    begin = runs.begin  # every run, both kinds
     split = runs.start + np.minimum(head_tokens, runs.length)
     split = split[runs.length > head_tokens]  # a body follows the head
     starts = np.concatenate([begin, split])
@@ -60,9 +66,14 @@ def segments(turns: Turns, cu: np.ndarray, head_tokens: int) -> Segments:
     starts, head = starts[order], head[order]
     model = ~turns.tool[starts]
     turn = turns.index[starts].astype(np.int64)
-    counts = turns.turn_counts(cu)  # (N,)
-    seq = np.searchsorted(cu, starts, side="right") - 1
-    return Segments(starts, model, turn, model & (turn == counts[seq] - 1), head & model)
+    last = _last_turn(starts, model, runs)
+    return Segments(starts, model, turn, last, head & model)
+
+
+def _last_turn(starts: np.ndarray, model: np.ndarray, runs) -> np.ndarray:
+    """(S,) bool: segments of a sequence's last model turn (its head and its body)."""
+    run = np.searchsorted(runs.start, starts, side="right") - 1  # (S,) the model run at or before each segment
+    return model & (run >= 0) & runs.last[np.maximum(run, 0)]
 
 
 def segment_sums(values: dict[str, np.ndarray | None], ad: np.ndarray, seg: Segments,
@@ -75,22 +86,37 @@ def segment_sums(values: dict[str, np.ndarray | None], ad: np.ndarray, seg: Segm
     return np.stack(cols, axis=1), np.maximum.reduceat(ad, seg.starts).astype(np.float64)
 
 
+def _tool_tokens(runs, num_tokens: int) -> int:
+    """The tool / observation tokens: the tokens outside the model's runs."""
+    return num_tokens - int(runs.length.sum())
+
+
 def slot_parts(seg: Segments, sums: np.ndarray, seg_max: np.ndarray, counts: np.ndarray,
-               tool_tokens: int, zero_lp: int) -> tuple[dict[str, float], dict[str, float]]:
+               tool_tokens: int) -> tuple[dict[str, float], dict[str, float]]:
     """The partial's "turn/..." sums and maxima from the segments' sums: per slot of `K.TURN_SLOTS`,
-    and the batch's turn counts (`counts`: (N,) model turns per sequence)."""
-    model = seg.model
-    slots = {str(t): model & (seg.turn == t) for t in range(K.TURN_MAX_INDEX + 1)}
-    slots.update(last=model & seg.last, later=model & (seg.turn >= 1), head=model & seg.head & (seg.turn >= 1),
-                 body=model & ~seg.head & (seg.turn >= 1))
+    and the batch's turn counts (`counts`: (N,) model turns per sequence). One (S, slots) membership
+    matrix: the slots' sums are one matrix product, their maxima one masked reduction."""
+    model, later = seg.model, seg.model & (seg.turn >= 1)
+    member = np.zeros((seg.starts.shape[0], len(K.TURN_SLOTS)), dtype=bool)  # (S, slots)
+    numbered = model & (seg.turn <= K.TURN_MAX_INDEX)
+    member[np.flatnonzero(numbered), seg.turn[numbered]] = True
+    first = K.TURN_MAX_INDEX + 1
+    member[:, first] = model & seg.last
+    member[:, first + 1] = later
+    member[:, first + 2] = later & seg.head
+    member[:, first + 3] = later & ~seg.head
+    totals = member.T.astype(np.float64) @ sums  # (slots, Q)
+    tops = np.where(member, seg_max[:, None], -math.inf).max(axis=0) if member.size else np.full(member.shape[1],
+                                                                                                 -math.inf)
+    starts = member & (seg.head | ~model)[:, None]  # one head segment per turn (a body segment for "body")
+    starts[:, first + 3] = member[:, first + 3]
+    turns = starts.sum(axis=0)
     out_sums: dict[str, float] = {"turn/count": float(counts.sum()), "turn/seqs": float(counts.shape[0]),
-                                  "turn/tool_tokens": float(tool_tokens), "turn/zero_lp": float(zero_lp)}
+                                  "turn/tool_tokens": float(tool_tokens)}
+    out_sums.update(zip(SUM_KEYS, totals.ravel().tolist(), strict=True))
+    out_sums.update(zip(TURNS_KEYS, turns.astype(np.float64).tolist(), strict=True))
     out_max: dict[str, float] = {"turn/per_seq_max": float(counts.max()) if counts.size else 0.0}
-    for name, pick in slots.items():
-        total = sums[pick].sum(axis=0) if pick.any() else np.zeros(len(QUANTITIES))
-        out_sums.update({f"turn/{name}/{q}": float(v) for q, v in zip(QUANTITIES, total, strict=True)})
-        out_sums[f"turn/{name}/turns"] = float(np.count_nonzero(pick & (seg.head | (name == "body"))))
-        out_max[f"turn/{name}/ad"] = float(seg_max[pick].max()) if pick.any() else -math.inf
+    out_max.update(zip(MAX_KEYS, tops.tolist(), strict=True))
     return out_sums, out_max
 
 
@@ -102,9 +128,8 @@ def turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums: dict[str, float], max
     values = {"n": None if valid is None else valid, "ad": ad, "ad_clip": np.minimum(ad, cfg.clip), "d": d, "e": e,
               "pdiff": pdiff, "cat": ad >= cfg.catastrophic_tau}
     seg_sums, seg_max = segment_sums(values, ad, seg, batch.num_tokens)
-    zero = batch.logp_rollout == 0.0
-    zero_lp = int(np.count_nonzero(zero if valid is None else zero & valid))
-    found, top = slot_parts(seg, seg_sums, seg_max, turns.turn_counts(cu), int(np.count_nonzero(turns.tool)), zero_lp)
+    tool = turns.runs(cu)
+    found, top = slot_parts(seg, seg_sums, seg_max, turns.turn_counts(cu), _tool_tokens(tool, batch.num_tokens))
     sums.update(found)
     maxima.update(top)
     return seg
@@ -113,16 +138,15 @@ def turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums: dict[str, float], max
 def turn_positions(offenders: tuple[Offender, ...], batch, seg: Segments) -> tuple[Offender, ...]:
     """The offenders with the turn and the offset in it of their first divergence (a tool token's:
     the turn it follows, its offset in the observation)."""
+    diverged = [o for o in offenders if o.first_divergence is not None]
+    if not diverged:
+        return offenders
     begin = seg.starts[seg.head | ~seg.model]  # (R',) the first token of every run
-    out = []
-    for o in offenders:
-        if o.first_divergence is None:
-            out.append(o)
-            continue
-        pos = int(batch.cu_seqlens[o.index]) + o.first_divergence
-        start = int(begin[np.searchsorted(begin, pos, side="right") - 1])
-        out.append(replace(o, turn=int(batch.turns.index[pos]), turn_offset=pos - start))
-    return tuple(out)
+    pos = np.array([int(batch.cu_seqlens[o.index]) + o.first_divergence for o in diverged], dtype=np.int64)
+    offset = pos - begin[np.searchsorted(begin, pos, side="right") - 1]
+    found = {id(o): (t, f) for o, t, f in zip(diverged, batch.turns.index[pos].tolist(), offset.tolist(), strict=True)}
+    return tuple(o if id(o) not in found else replace(o, turn=found[id(o)][0], turn_offset=found[id(o)][1])
+                 for o in offenders)
 
 
 def turn_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:
@@ -132,26 +156,23 @@ def turn_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:
         return {}
     seqs = max(s["turn/seqs"], 1.0)
     out = {K.TURN_COUNT: s["turn/count"], K.TURN_PER_SEQ_MEAN: s["turn/count"] / seqs,
-           K.TURN_PER_SEQ_MAX: mx["turn/per_seq_max"], K.TURN_TOOL_TOKENS: s["turn/tool_tokens"],
-           K.TURN_ZERO_LP_COUNT: s["turn/zero_lp"]}
+           K.TURN_PER_SEQ_MAX: mx["turn/per_seq_max"], K.TURN_TOOL_TOKENS: s["turn/tool_tokens"]}
     level: dict[str, float] = {}
-    for slot in K.TURN_SLOTS:
-        n = s[f"turn/{slot}/n"]
-        out[K.turn_metric(slot, "tokens")] = n
-        out[K.turn_metric(slot, "turns")] = s[f"turn/{slot}/turns"]
+    for slot, (sum_key, out_key) in _NAMES.items():
+        n = s[sum_key["n"]]
+        out[out_key["tokens"]] = n
+        out[out_key["turns"]] = s[sum_key["turns"]]
         if n <= 0:
             continue
-        level[slot] = s[f"turn/{slot}/ad_clip"] / n
-        out.update({
-            K.turn_metric(slot, "abs_diff_mean"): s[f"turn/{slot}/ad"] / n,
-            K.turn_metric(slot, "abs_diff_clipped_mean"): level[slot],
-            K.turn_metric(slot, "abs_diff_max"): mx[f"turn/{slot}/ad"],
-            K.turn_metric(slot, "diff_mean"): s[f"turn/{slot}/d"] / n,
-            K.turn_metric(slot, "kl_k1"): -s[f"turn/{slot}/d"] / n,
-            K.turn_metric(slot, "kl_k3"): max((s[f"turn/{slot}/e"] - s[f"turn/{slot}/d"]) / n, 0.0),
-            K.turn_metric(slot, "prob_abs_diff_mean"): s[f"turn/{slot}/pdiff"] / n,
-            K.turn_metric(slot, "catastrophic_frac"): s[f"turn/{slot}/cat"] / n,
-        })
+        level[slot] = s[sum_key["ad_clip"]] / n
+        out[out_key["abs_diff_mean"]] = s[sum_key["ad"]] / n
+        out[out_key["abs_diff_clipped_mean"]] = level[slot]
+        out[out_key["abs_diff_max"]] = mx[sum_key["max"]]
+        out[out_key["diff_mean"]] = s[sum_key["d"]] / n
+        out[out_key["kl_k1"]] = -s[sum_key["d"]] / n
+        out[out_key["kl_k3"]] = max((s[sum_key["e"]] - s[sum_key["d"]]) / n, 0.0)
+        out[out_key["prob_abs_diff_mean"]] = s[sum_key["pdiff"]] / n
+        out[out_key["catastrophic_frac"]] = s[sum_key["cat"]] / n
     out.update(_shape_metrics(level))
     return out
 
