@@ -161,6 +161,18 @@ class TestTorchPath:
             assert tor[key] == pytest.approx(num[key], rel=1e-6, abs=1e-9), key
         assert [(o.turn, o.turn_offset) for o in off_t] == [(o.turn, o.turn_offset) for o in off_n]
 
+    def test_device_code_path(self, monkeypatch):
+        """The segment reductions a GPU runs (torch.segment_reduce, not numpy's reduceat), run on the CPU."""
+        pytest.importorskip("torch")
+        from rlcheck.core.stats import torch_kernels as TK
+
+        b = multi_turn_batch(seed=8, later_scale=3.0)
+        num, _ = compute(b, StatsConfig(backend="numpy"))
+        monkeypatch.setattr(TK, "host_path", lambda device: False)
+        tor, _ = compute(b, StatsConfig(backend="torch-eager"))
+        for key in [k for k in num if k.startswith(K.TURN_PREFIX)]:
+            assert tor[key] == pytest.approx(num[key], rel=1e-6, abs=1e-9), key
+
     def test_device_batch(self, monkeypatch):
         """A batch from tensors 'on a device' (the GPU path, run on the CPU) with mask-run turns."""
         torch = pytest.importorskip("torch")

@@ -56,12 +56,12 @@ def compute_partial_torch(batch, cfg: StatsConfig, compiled: bool, versions: dic
         # compiled for the common batches only (with or without a mask or a d below -4): a step with a
         # capped or a float32-unsafe d runs eager rather than stall compiling a variant (15-40 s here)
         common = not (flags["clipped"] or (f64 and lr.dtype != torch.float64))
-        token, d, ad = TK.run(TK.token_pass, (lr, lt, valid_arg), {**consts, **flags}, compiled and common)
+        token, d, ad, e, pdiff = TK.run(TK.token_pass, (lr, lt, valid_arg), {**consts, **flags}, compiled and common)
         hist = TK.abs_histogram(ad)
         turn_sums: dict = {}
         turn_max: dict = {}
-        turn_seg = None if batch.turns is None else turn_partial_torch(
-            batch, cfg, lr, lt, d, ad, valid, flags["clipped"], turn_sums, turn_max)
+        turn_seg = None if batch.turns is None else turn_partial_torch(batch, cfg, d, ad, e, pdiff, valid,
+                                                                       turn_sums, turn_max)
         seq = sequence_parts(cfg, cu, d, ad, valid, bad, cfg.top_k)
         sig = signature_sums(batch, cfg, lr, lt, cu, valid, f64, tensor)  # its pairs skip invalid tokens
         dist = distribution_sums(batch.topk, batch.mask, lr.device) if cfg.distribution else ({}, {})
