@@ -8,7 +8,7 @@ matrix's multi-turn rows at the batch level).
     .venv/bin/python benchmarks/bench_turns.py healthy --steps 10000 --seeds 0 10
 
 cost: `compute_partial` of one multi-turn batch (synthetic, `rlcheck.synthetic.turns`, ~3.5 turns a
-sequence) with its turns and with `turns=None`, best of `--repeat` (+1) interleaved runs, numpy and eager torch on the host; and
+sequence) with its turns and with `turns=None`, the least CPU time (process time) of `--repeat` (+1) interleaved runs, numpy and eager torch on the host; and
 the cross-turn invariants of the same batch (`rlcheck.core.turn_checks.check`, per-call prompts recorded).
 power: each fault of `rlcheck.faults.turns` from step `ONSET` on a `MultiTurnStream` through the default
 Monitor (quarantine on, `max_frac` 0.9, so the run goes on), with the engine's per-call prompts recorded
@@ -70,13 +70,15 @@ def cost(sizes: list[int], repeat: int) -> list[dict]:
 
 
 def _timed(fn) -> float:
-    t = time.perf_counter()
+    """CPU seconds of `fn()` (process time: a shared machine's other load does not count)."""
+    t = time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.process_time() - t
 
 
 def run(fault, seed: int, mask_runs: bool, steps: int) -> dict:
-    cfg = MultiTurnConfig(field=FieldConfig(num_sequences=16, seed=seed), mask_runs=mask_runs)
+    cfg = MultiTurnConfig(field=FieldConfig(num_sequences=16, seed=seed, growth_steps=max(steps, 10_000)),
+                          mask_runs=mask_runs)
     stream = MultiTurnStream(cfg, fault=fault, num_steps=steps)
     run_dir = tempfile.mkdtemp(prefix="bench-turns-", dir="/dev/shm")
     alarms: list[tuple[int, str, str, bool]] = []
