@@ -14,6 +14,7 @@ from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
+from rlcheck.core.turn_checks import TurnCheckConfig
 from rlcheck.errors import ConfigError
 
 DEFAULT_HARD_LIMITS = {
@@ -90,6 +91,10 @@ class MonitorConfig:
     inference, the same weights: SGLang's deterministic mode, slime's true on-policy, verl's exact path):
     any difference at all on a compared token is then a critical alarm that halts at once. Off, bitwise
     equal sides read as the best possible health, with one note (`rlcheck.core.inputs.identical_sides`)."""
+    turn_checks: TurnCheckConfig | None = field(default_factory=TurnCheckConfig)
+    """The cross-turn invariants of multi-turn batches (`StepBatch.turns`; `rlcheck.core.turn_checks`):
+    each breach an alarm with its evidence, its sequences quarantined (reason `turn_invariant`) or, with
+    quarantine off, a critical alarm; stale turns' tokens masked. None: off. Batches without turns: no cost."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -106,6 +111,8 @@ class MonitorConfig:
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
         if not isinstance(self.true_on_policy, bool):
             raise ConfigError(f"true_on_policy must be True or False, got {self.true_on_policy!r}")
+        if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):
+            raise ConfigError(f"turn_checks must be a TurnCheckConfig or None, got {type(self.turn_checks).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
         try:

@@ -48,6 +48,7 @@ from rlcheck.core.importance import LEVELS, is_metrics, is_tally, norm_factor, r
 from rlcheck.core.limits import MIN_LOGPROB
 from rlcheck.core.rejection import EPS, TOKEN_RS, parse_rs, rs_mask, rs_metrics, rs_parts, seg_sum
 from rlcheck.core.tally import Tally
+from rlcheck.core.turn_correction import episode_d
 from rlcheck.errors import ConfigError
 
 PREFIX = "rlcheck/corr/"
@@ -191,8 +192,10 @@ def is_weights(d: np.ndarray, m: np.ndarray, cu: np.ndarray, level: str, thresho
 
 def correct(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
     """`cfg`'s correction of a StepBatch's tokens `response_mask(batch, keep)` counts."""
+    mask = response_mask(batch, keep)
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout
-    return compute(d, response_mask(batch, keep), batch.cu_seqlens, cfg)
+    d = episode_d(batch, d, mask, cfg.rollout_is)  # multi-turn: the sequence level is the per-token mean
+    return compute(d, mask, batch.cu_seqlens, cfg)
 
 
 def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:

@@ -54,9 +54,10 @@ from rlcheck.core.run.files import STATE_FILE
 from rlcheck.core.run.journal import step_record
 from rlcheck.core.stats import PartialStats, finalize, levels
 from rlcheck.core.tally import Tally
+from rlcheck.core.turn_alarms import turn_step
 from rlcheck.core.types import StepReport
 from rlcheck.core.weights import check_versions
-from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
+from rlcheck.errors import MismatchHalt, RecordWriteError, RunDirError
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
@@ -105,19 +106,18 @@ class Monitor:
         engine guard's), judged by the halt policy like the detectors' own. `trainer_version`: the
         trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`).
         `probe`: the sync check's fixed probe batch scored this step, the drift detectors' control."""
-        if not isinstance(batch, StepBatch):
-            raise InputError(f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
-                             "StepBatch.from_ragged, from_padded or from_packed")
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
+        batch = (turned := turn_step(batch, self.cfg.turn_checks, trainer_version, self.cfg.max_weight_lag)).batch
         partial, verdict = Q.step_partial(batch, self.cfg.stats, self.cfg.quarantine, trainer_version,
                                           self.cfg.max_weight_lag, check_alarms(alarms, step),
-                                          self.cfg.detectors.signature)
+                                          self.cfg.detectors.signature, turned.condemned)
         keep = None if verdict is None else verdict.keep
-        own = {**levels.level_spread(batch, self.cfg.stats.clip, keep), **levels.probe_level(probe, self.cfg.stats.clip)}
+        own = {**levels.level_spread(batch, self.cfg.stats.clip, keep), **levels.probe_level(probe, self.cfg.stats.clip),
+               **turned.metrics()}
         correction, tally = batch_tally(batch, keep, self.cfg.correction)
-        report = self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
-                               quarantine_batch=batch, own=own, tally=tally)
+        report = self._observe(step, partial, batch, t0, extra, [*alarms, *turned.alarms(step, verdict, self.cfg.quarantine)],
+                               trainer_version, verdict=verdict, quarantine_batch=batch, own=own, tally=tally)
         if correction is not None:  # the loss's `report.correction(...)` of the same settings: not computed again
             report.corrections[self.cfg.correction] = correction
         return report

@@ -64,6 +64,8 @@ class Offender:
     length: int
     mean_diff: float  # mean d over its valid tokens
     nonfinite: bool = False
+    turn: int | None = None  # multi-turn batches: the turn of its first divergence ...
+    turn_offset: int | None = None  # ... and that token's offset in the turn (`rlcheck.core.turns`)
 
     @property
     def score(self) -> float:
@@ -78,6 +80,8 @@ class Offender:
             "length": self.length,
             "mean_diff": self.mean_diff,
             "nonfinite": self.nonfinite,
+            "turn": self.turn,
+            "turn_offset": self.turn_offset,
         }
 
 
@@ -91,7 +95,8 @@ class StepReport:
     sequence of the observed batch (this rank's, with `observe_across_ranks`), in batch order; with
     quarantine off every sequence is kept. `correction`, `token_weights` and `sequence_weights`
     compute the importance-sampling correction of the batch (`rlcheck.core.correction`, verl's names
-    and defaults); they need the batch, which the report holds until `release()`."""
+    and defaults; on a multi-turn batch the sequence level is exp(mean d), `rlcheck.core.turn_correction`); they
+    need the batch, which the report holds until `release()`."""
 
     step: int
     metrics: dict[str, float]

@@ -28,6 +28,10 @@ not every sequence of the step: meta.json's `selected` says so (how, and of how 
 `read_dump` hands the per-token columns back as numpy arrays (one flat array per column, a slice per
 row), never a Python float per token.
 
+A multi-turn batch (`StepBatch.turns`) adds its turn columns (`rlcheck.core.run.dump_turns`): `turn_index`
+per token (negative on tool tokens), `turn_count`, `first_divergence_turn` and `_turn_offset`, the recorded
+per-call versions and logprob counts; meta.json's `turns`.
+
 `redact=True` keeps text out: no token ids (prompt, response, trainer; the columns are null), no
 per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`), nor the
 trainer's prompt ids (`prompt_tokens_train`);
@@ -51,6 +55,7 @@ from rlcheck.core.batch import StepBatch
 from rlcheck.core.moe import sequence_routing
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 from rlcheck.core.run.dump_read import META, SEQUENCES, TOKEN_COLUMNS, read_dump
+from rlcheck.core.run.dump_turns import turn_columns, turn_meta
 from rlcheck.core.run.files import fsync_dir
 from rlcheck.core.run.journal import to_jsonable
 from rlcheck.core.stats import StatsConfig, compute_partial
@@ -185,6 +190,8 @@ def write_dump(
         meta["quarantined"] = list(quarantined)
     if selected is not None:
         meta["selected"] = dict(selected)
+    if batch.turns is not None:
+        meta["turns"] = turn_meta(batch)
     if batch.routing is not None:
         meta["routing"] = {"moe_layers": batch.routing.num_layers, "top_k": int(batch.routing.experts_rollout.shape[2])}
     _write_atomically(directory, pa.table(cols), meta)
@@ -221,6 +228,8 @@ def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any]
         cols["tokens_train"] = _list_column(batch.tokens_train, cu)
     if batch.routing is not None:
         cols.update(_routing_columns(batch))
+    if batch.turns is not None:
+        cols.update(turn_columns(batch, first, _list_column))
     dropped = []
     for key, values in batch.meta.items():
         if key in cols:
