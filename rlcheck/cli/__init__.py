@@ -6,7 +6,8 @@ its commands, listed in `COMMANDS` in the order `rlcheck --help` shows them:
 - `models`: make-model;
 - `preflight`: preflight (before a run: the settings on which the engine and the trainer would differ);
 - `forensics`: stress, sweep (vLLM under load, replayed against the reference), localize (the first
-  divergent decoder layer).
+  divergent decoder layer);
+- `repro`: repro (an engine failure shrunk to a standalone reproducer and a bug report draft).
 
 `main` is the console entry point (`rlcheck = "rlcheck.cli:main"` in pyproject.toml).
 """
@@ -15,12 +16,12 @@ import typer
 
 # the commands register as their modules are imported: this order is the order of `rlcheck --help`
 # isort: off
-from rlcheck.cli import run_commands, inspection, models, preflight, forensics
+from rlcheck.cli import run_commands, inspection, models, preflight, forensics, repro
 # isort: on
 from rlcheck.cli.base import EXIT_USAGE, app
 from rlcheck.errors import RLCheckError
 
-COMMANDS = (run_commands, inspection, models, preflight, forensics)
+COMMANDS = (run_commands, inspection, models, preflight, forensics, repro)
 """The command modules; each registers its commands on `app` when it is imported."""
 
 

@@ -65,7 +65,8 @@ _BATCHED = typer.Option(None, "--batched-tokens", min=1, help="vLLM max_num_batc
 _DTYPE = typer.Option(StressConfig.dtype, help="Engine dtype (the reference scores in float32).")
 _SEED = typer.Option(StressConfig.seed, help="Seed of the prompts and the engine: same seed, same failing ids.")
 _INJECT = typer.Option(None, "--inject", help="An engine fault: stale-state, index-wrap[=B] (B: wrap boundary in blocks, default "
-                                              "max_num_seqs/2) or perturb-layer=K (decoder layer K's output projection x 1.01 in vLLM).")
+                                              "max_num_seqs/2), perturb-layer=K (decoder layer K's output projection x 1.01 in vLLM) or "
+                                              "stale-buffer (one weight sync leaves the Mamba conv buffers stale).")
 _AUDIT = typer.Option(None, "--audit", help="Engine self-audit (repeatable): decode-prefill (every request re-scored by a fresh "
                                             "prefill of the same engine) or batch-invariance (again at max_num_seqs 1 and in "
                                             "shuffled order).")

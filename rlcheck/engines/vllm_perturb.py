@@ -74,6 +74,11 @@ def _scale_output(model: Any, index: int, factor: float) -> str:
     return f"decoder layer {index} ({kind}) {name}"
 
 
+def scale_output(model: Any, index: int, factor: float = PERTURB_FACTOR) -> str:
+    """perturb-layer on a model already in hand (inside a vLLM worker: `rlcheck.engines.vllm_plugin`)."""
+    return _scale_output(model, index, factor)
+
+
 def _unscale_output(model: Any, index: int) -> None:
     _, _, proj = output_projection(decoder_layers(model)[index])
     hook = getattr(proj, "_rlcheck_perturb", None)

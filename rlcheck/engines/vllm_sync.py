@@ -145,20 +145,22 @@ class StaleConvBuffers:
         self.syncs = 0
 
     def sync_weights(self, named_tensors, version: int) -> None:
-        old = self.engine.llm.apply_model(_conv_buffers)
+        old = self.engine.llm.apply_model(conv_buffers)
         self.real_sync(named_tensors, version)
-        self.engine.llm.apply_model(lambda model: _restore_conv_buffers(model, old[0]))
+        self.engine.llm.apply_model(lambda model: restore_conv_buffers(model, old[0]))
         self.syncs += 1
 
     def remove(self) -> None:
         self.engine.__dict__.pop("sync_weights", None)
 
 
-def _conv_buffers(model: Any) -> dict[str, Any]:
+def conv_buffers(model: Any) -> dict[str, Any]:
+    """A copy of every Mamba mixer's conv_weights buffer, by mixer name (runs inside the engine)."""
     return {name: mixer.conv_weights.detach().clone() for name, mixer in conv_mixers(model)}
 
 
-def _restore_conv_buffers(model: Any, old: dict[str, Any]) -> int:
+def restore_conv_buffers(model: Any, old: dict[str, Any]) -> int:
+    """Put `conv_buffers`' copies back, each in storage of its own (the stale-buffer fault); how many."""
     for name, mixer in conv_mixers(model):
         mixer.conv_weights = old[name].clone()  # storage of its own: the conv reads it, the reload does not reach it
     return len(old)

@@ -71,6 +71,10 @@ def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress
     t0 = time.perf_counter()
     if cfg.reference:
         scorer = scorer or load_scorer(resolve_model({}, cfg.model))
+        if cfg.fault == "stale-buffer":  # the engine syncs an update: the reference judges on its weights
+            from rlcheck.forensics.stress.sync import updated_scorer
+
+            scorer = updated_scorer(scorer, cfg.model)
     prompts = make_prompts(cfg, _allowed_ids(cfg.model, scorer if cfg.reference else None))
     rollouts, fields, audited = _generate(cfg, prompts, progress, t0)
     if audited.shuffled is not None:
@@ -157,8 +161,9 @@ def start_engine(cfg: StressConfig):
 
 
 def inject_faults(engine: Any, cfg: StressConfig) -> tuple[Any, Any, str]:
-    """(slot trace handle or None, perturb-layer handle or None, what the trace is) for `cfg.fault`:
-    the slot faults through the trace's own hook; perturb-layer beside a plain trace."""
+    """(slot trace handle or None, the perturb-layer or stale-buffer handle or None, what the trace is)
+    for `cfg.fault`: the slot faults through the trace's own hook; perturb-layer beside a plain trace;
+    stale-buffer with its one weight sync (`rlcheck.forensics.stress.sync`)."""
     from rlcheck.engines import vllm_faults
 
     slot_fault = cfg.fault if cfg.fault in SLOT_FAULTS else "none"
@@ -170,6 +175,10 @@ def inject_faults(engine: Any, cfg: StressConfig) -> tuple[Any, Any, str]:
             raise
         trace = f"no slot trace: {exc}"
     perturb = vllm_faults.inject(engine, "perturb-layer", layer=cfg.layer) if cfg.fault == "perturb-layer" else None
+    if cfg.fault == "stale-buffer":
+        from rlcheck.forensics.stress.sync import stale_buffer_sync
+
+        perturb = stale_buffer_sync(engine, cfg.model)
     return handle, perturb, trace
 
 
@@ -202,8 +211,9 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
             fields.update(contexts=tuple(slot_context(handle.events, fields["request_ids"])),
                           fault_affected=handle.affected_external(), num_steps=handle.step)
         if perturb is not None:  # every request runs through the perturbed layer (the audits' passes too)
-            fields["fault_affected"] = {rid: f"ran through {perturb.target} x {perturb.factor:g}"
-                                        for rid in fields["request_ids"]}
+            why = (f"ran through {perturb.target} x {perturb.factor:g}" if cfg.fault == "perturb-layer"
+                   else "ran after a weight sync that left the Mamba conv buffers stale")
+            fields["fault_affected"] = {rid: why for rid in fields["request_ids"]}
         if engine.guard is not None:
             fields["guard"] = engine.guard.output()
         t2 = time.perf_counter()
@@ -220,9 +230,9 @@ def _generate(cfg: StressConfig, prompts: list[list[int]], progress: Progress | 
 
 def serial_config(cfg: StressConfig) -> StressConfig:
     """The settings of batch-invariance's serial run: max_num_seqs 1, no guard, no audit, and no fault
-    but a perturbed layer (a wrong weight is wrong at every concurrency; a state fault stands for one
-    that the stress load brings out)."""
-    keep = cfg.fault == "perturb-layer"
+    but a perturbed layer or a stale buffer (a wrong weight is wrong at every concurrency; a state
+    fault stands for one that the stress load brings out)."""
+    keep = cfg.fault in ("perturb-layer", "stale-buffer")
     return replace(cfg, max_num_seqs=1, fault=cfg.fault if keep else "none", boundary=None,
                    layer=cfg.layer if keep else None, guard=False, audits=())
 
@@ -235,7 +245,7 @@ def serial_run(cfg: StressConfig, prompts: list[list[int]], progress: Progress |
         return cache[key]
     engine = start_engine(key)
     try:
-        if key.fault != "none":  # a perturbed layer
+        if key.fault != "none":  # a perturbed layer, a stale buffer
             inject_faults(engine, key)
         bar = None if progress is None else progress_bar(
             lambda d, t: progress("audit: max_num_seqs 1 (requests)", d, len(prompts)))

@@ -17,7 +17,7 @@ from typing import Any
 from rlcheck.core.limits import ENGINE_TOL, FP32_ENGINE_TOL
 from rlcheck.errors import ConfigError
 
-FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer")
+FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer", "stale-buffer")
 SLOT_FAULTS = ("stale-state", "index-wrap")
 AUDITS = ("decode-prefill", "batch-invariance")
 """The engine self-audits a stress run can add (`rlcheck.forensics.audits`)."""
@@ -56,7 +56,8 @@ class StressConfig:
     seed: int = 0
     """Seed of the prompts and of the engine."""
     fault: str = "none"
-    """An engine fault to inject (FAULTS): proves that stress finds it."""
+    """An engine fault to inject (FAULTS): proves that stress finds it. stale-buffer: one weight sync
+    before the generation keeps the Mamba conv buffers on the old weights (`rlcheck.forensics.stress.sync`)."""
     boundary: int | None = None
     """index-wrap: blocks at or past it wrap (None: max_num_seqs // 2)."""
     layer: int | None = None
@@ -128,11 +129,11 @@ def parse_audits(names: Sequence[str] | None) -> tuple[str, ...]:
 
 def parse_inject(text: str | None) -> tuple[str, int | None]:
     """`--inject` as (fault, value): "stale-state", "index-wrap", "index-wrap=4" (the boundary),
-    "perturb-layer=2" (the layer), "none" or None."""
+    "perturb-layer=2" (the layer), "stale-buffer", "none" or None."""
     name, _, value = (text or "none").strip().partition("=")
     if name not in FAULTS:
-        raise ConfigError(f"--inject {text!r}: choose stale-state, index-wrap[=B] (B: the wrap boundary, in blocks) "
-                          "or perturb-layer=K (K: a decoder layer)")
+        raise ConfigError(f"--inject {text!r}: choose stale-state, index-wrap[=B] (B: the wrap boundary, in blocks), "
+                          "perturb-layer=K (K: a decoder layer) or stale-buffer")
     if name == "perturb-layer" and not value.isdigit():
         raise ConfigError(f"--inject {text!r}: perturb-layer needs a decoder layer index >= 0 (perturb-layer=2)")
     if not value:
