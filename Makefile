@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow test-vllm031 constraints matrix chromium bench docs lint lint-docker clean gpu-check
+.PHONY: install demo test test-fast test-slow test-vllm031 test-repro-matrix constraints matrix chromium bench docs lint lint-docker clean gpu-check
 
 install: $(STAMP)
 
@@ -53,6 +53,11 @@ $(STAMP031): pyproject.toml requirements/constraints-vllm031.txt
 
 test-vllm031: $(STAMP031)
 	$(VENV031)/bin/python -m pytest -q -m vllm_compat tests
+
+# `rlcheck repro` on every engine fault from both sources (a halted demo run, a stress output): about 45
+# minutes here; `make test` runs one case a source and fault kind (tests/integration/test_repro.py).
+test-repro-matrix: $(STAMP)
+	RLCHECK_REPRO_MATRIX=1 $(PY) -m pytest -q tests/integration/test_repro.py
 
 # Pin what is installed now (after a deliberate upgrade of the stack, then run make test).
 constraints: $(STAMP)
