@@ -37,6 +37,16 @@ perturb-layer: any model):
 | index-wrap=B            | B >= 1       | more live requests than B slots: shared state          | index_aliasing       |
 | perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
 | moe-route-flip=P        | P in (0, 1]  | near-tie tokens rerouted (MoE): they carry the mismatch | moe_routing         |
+
+Of multi-turn episodes (a multi-turn task, `--task calculator`; `rlcheck.faults.turns`, read by `rlcheck.loop.agent`):
+
+| retokenized-history     | -            | turn k+1's prompt leaves turn k's ids inside turn k      | retokenized_history |
+| stripped-history        | -            | the prefix breaks at an earlier turn's <think>           | stripped_history    |
+| missing-generation-prompt | -          | a spike on the first tokens of turns >= 1; turn 0 clean  | missing_generation_prompt |
+| join-token-mask         | -            | a loss token with engine logprob 0.0 at each turn's end  | join_token_mask     |
+| tool-tokens-in-loss     | -            | whole loss runs with engine logprob 0.0, trainer far below | tool_tokens_in_loss |
+| turn-logprobs-missing   | -            | turn 1's engine logprobs all exactly 0.0                 | turn_logprobs_missing |
+| stale-turn              | -            | the sync lands before turn 1: turn 0 from stale weights  | stale_turn_weights  |
 """
 
 from __future__ import annotations
@@ -46,6 +56,17 @@ from rlcheck.faults.base import Fault, TrainerInputs
 from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
 from rlcheck.faults.engine_settings import RawLogprobs, RopeMismatch, StalePrefixCache
 from rlcheck.faults.inputs import DoubleBos, LeftPadPositions, Retokenize, StopToken
+from rlcheck.faults.turns import (
+    JoinTokenMask,
+    MissingGenerationPrompt,
+    RetokenizedHistory,
+    StaleTurn,
+    StrippedHistory,
+    ToolTokensInLoss,
+    TurnFault,
+    TurnLogprobsMissing,
+    TurnPlan,
+)
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -82,6 +103,13 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     StalePrefixCache.name: (StalePrefixCache, None, int),
     RopeMismatch.name: (RopeMismatch, "factor", float),
     RawLogprobs.name: (RawLogprobs, None, int),
+    RetokenizedHistory.name: (RetokenizedHistory, None, int),
+    StrippedHistory.name: (StrippedHistory, None, int),
+    MissingGenerationPrompt.name: (MissingGenerationPrompt, None, int),
+    JoinTokenMask.name: (JoinTokenMask, None, int),
+    ToolTokensInLoss.name: (ToolTokensInLoss, None, int),
+    TurnLogprobsMissing.name: (TurnLogprobsMissing, None, int),
+    StaleTurn.name: (StaleTurn, None, int),
 }
 
 
@@ -112,7 +140,8 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "LeftPadPositions",
-           "MoeRouteFlip", "OffByOne", "PerturbLayer", "RawLogprobs", "Retokenize", "RopeMismatch", "SkipSync",
-           "StaleBuffer", "StalePrefixCache", "StaleState", "StaleWeights", "StopToken", "TemperatureMismatch", "TopP",
-           "TrainerInputs", "parse_inject"]
+__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "JoinTokenMask",
+           "LeftPadPositions", "MissingGenerationPrompt", "MoeRouteFlip", "OffByOne", "PerturbLayer", "RawLogprobs",
+           "RetokenizedHistory", "Retokenize", "RopeMismatch", "SkipSync", "StaleBuffer", "StalePrefixCache",
+           "StaleState", "StaleTurn", "StaleWeights", "StopToken", "StrippedHistory", "TemperatureMismatch",
+           "ToolTokensInLoss", "TopP", "TrainerInputs", "TurnFault", "TurnLogprobsMissing", "TurnPlan", "parse_inject"]
