@@ -18,6 +18,16 @@ import numpy as np
 from rlcheck.errors import InputError
 
 
+def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
+    """(sum(lens),) int64 indices of the tokens of segments [starts[i], starts[i] + lens[i]), in order;
+    equal to `np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])`, without the loop.
+    All offset arithmetic is int64, so offsets past 2**32 do not wrap."""
+    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)  # (N,) each
+    offs = np.zeros(lens.shape[0] + 1, dtype=np.int64)  # (N+1,) where segment i lands in the output
+    np.cumsum(lens, out=offs[1:])
+    return np.repeat(starts - offs[:-1], lens) + np.arange(offs[-1], dtype=np.int64)
+
+
 def to_numpy(x: Any, name: str) -> np.ndarray:
     """Any array-like (numpy, torch on any device, list) as a numpy array, without copying numpy."""
     if isinstance(x, np.ndarray):
@@ -177,14 +187,7 @@ def packed_from_padded(
     if lr.shape[0] == 0:
         raise InputError("empty batch: no sequences to compare")
     b, t = lr.shape
-    any_in = m.any(axis=1)
-    first = np.where(any_in, m.argmax(axis=1), 0)  # (B,)
-    last = np.where(any_in, t - 1 - m[:, ::-1].argmax(axis=1), -1)  # (B,)
-    cols = np.arange(t, dtype=np.int64)
-    keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
-    lens = keep.sum(axis=1, dtype=np.int64)
-    cu = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
+    keep, cu = padded_keep(m)
 
     def pick(x: Any, name: str) -> np.ndarray | None:
         if x is None:
@@ -203,6 +206,20 @@ def packed_from_padded(
         "tokens_train": pick(tokens_train, "tokens_train"),
         "topk": None if topk is None else _padded_topk(topk, b * t, keep),
     }
+
+
+def padded_keep(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """((B, T) bool, (B+1,) int64): the positions `packed_from_padded` keeps of a [B, T] response mask
+    (each row from its first to its last masked-in token), and the packed rows' `cu_seqlens`."""
+    b, t = mask.shape
+    any_in = mask.any(axis=1)
+    first = np.where(any_in, mask.argmax(axis=1), 0)  # (B,)
+    last = np.where(any_in, t - 1 - mask[:, ::-1].argmax(axis=1), -1)  # (B,)
+    cols = np.arange(t, dtype=np.int64)
+    keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(keep.sum(axis=1, dtype=np.int64), out=cu[1:])
+    return keep, cu
 
 
 def _padded_topk(topk: Any, rows: int, keep: np.ndarray) -> Any:
