@@ -38,6 +38,8 @@ INJECTED_MAX_STEPS = 100
 DEFAULT_MODEL = Path("runs/models/hybrid-trained")
 """The demo's model folder; a folder named `<arch>-trained` gets a trained model of that arch, any
 other name the random hybrid (`ensure_model`)."""
+CALCULATOR_MODEL = Path("runs/models/llama-calculator")
+"""The model of `--task calculator`: the tiny Llama trained on the calculator's tool-calling dialogues."""
 """With a fault injected the demo runs until the monitor halts, at most this many steps (the
 detectors' rolling baselines warm up over 32 steps before the periodic test may fire)."""
 
@@ -66,10 +68,18 @@ class DemoOptions:
     """The decode-prefill audit on 8 rollouts a step (`rlcheck.loop.audit.DecodePrefillAudit`)."""
     weight_sync: str = "object-store"
     """How the weights reach vLLM after each update (`rlcheck.loop.weight_sync`): "object-store" or "collective"."""
+    task: str = "addition"
+    """"addition" (one call per rollout) or "calculator": multi-turn episodes with a tool
+    (`rlcheck.loop.agent`), on `CALCULATOR_MODEL` unless `model` names another."""
 
     @property
     def fault(self) -> Fault:
         return parse_inject(self.inject, seed=self.seed)
+
+    @property
+    def model_dir(self) -> Path:
+        """The model folder: the calculator's own when the task is it and `model` is left at the default."""
+        return CALCULATOR_MODEL if self.task == "calculator" and self.model == DEFAULT_MODEL else self.model
 
     @property
     def max_steps(self) -> int:
@@ -97,9 +107,9 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
     fault = opts.fault
     os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
-    model = ensure_model(opts.model, console)
+    model = ensure_model(opts.model_dir, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
-                   fault=fault, seed=opts.seed, guard=opts.guard)
+                   fault=fault, seed=opts.seed, guard=opts.guard, task=opts.task)
     if opts.correction is not None:
         from rlcheck.core.correction import CorrectionConfig
 

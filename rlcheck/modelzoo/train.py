@@ -46,7 +46,10 @@ TEXT_LINES = 4000
 EVAL_PROMPTS = 256
 TRAINED_SUFFIX = "-trained"
 TASKS = ("addition", "calculator")
+CALCULATOR_SUFFIX = "-calculator"
 CALCULATOR_ROW_TOKENS = 128
+CALCULATOR_STEPS = {"llama": 300, "hybrid": 200, "mamba2": 200, "moe": 400}
+"""Training steps of the calculator model (rows of 128 tokens, one dialogue each) when not told."""
 DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600}
 """Training steps `build_trained` takes when not told: the hybrid learns the task in fewer steps
 (loss 1.48 after 200, the llama's 1.61 after 400) but each of its steps costs ~2-3x more here (HF's
@@ -98,6 +101,9 @@ def build_trained(arch: str = "llama", out_dir: str | os.PathLike = "runs/models
                   force: bool = False, **options) -> Path:
     """`train(TrainSpec(arch, **options), out_dir, force=force)`, with `DEFAULT_STEPS[arch]` steps
     unless `steps` is given."""
+    if options.get("task") == "calculator":
+        options.setdefault("row_tokens", CALCULATOR_ROW_TOKENS)
+        options.setdefault("steps", CALCULATOR_STEPS.get(arch, TrainSpec.steps))
     options.setdefault("steps", DEFAULT_STEPS.get(arch, TrainSpec.steps))
     return train(TrainSpec(arch=arch, **options), out_dir, force=force)
 
@@ -114,15 +120,17 @@ def ensure_trained(out_dir: str | os.PathLike, arch: str = "llama", **options) -
 def ensure_model(out_dir: str | os.PathLike) -> Path:
     """The model at `out_dir`, built there first if the folder holds none, by its name: a folder
     named `<arch>-trained` (runs/models/hybrid-trained, the demo's) gets a model of that arch trained
-    on the task (`ensure_trained`, a few CPU minutes), any other the random hybrid (`build`, seconds)."""
+    on the task (`ensure_trained`, a few CPU minutes), `<arch>-calculator` one trained on the
+    multi-turn calculator (`task="calculator"`), any other the random hybrid (`build`, seconds)."""
     from rlcheck.modelzoo.models import ARCHS
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    if out.name.endswith(TRAINED_SUFFIX):
-        arch = out.name[: -len(TRAINED_SUFFIX)]
-        return ensure_trained(out, arch if arch in ARCHS else "hybrid")
+    for suffix, task in ((TRAINED_SUFFIX, "addition"), (CALCULATOR_SUFFIX, "calculator")):
+        if out.name.endswith(suffix):
+            arch = out.name[: -len(suffix)]
+            return ensure_trained(out, arch if arch in ARCHS else "hybrid", task=task)
     return build(ModelSpec(arch="hybrid"), out)
 
 

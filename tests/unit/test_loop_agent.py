@@ -180,6 +180,10 @@ class TestView:
         batch = view.step_batch(episodes, lp)
         assert batch.mask.sum() == sum(len(t.output_ids) for e in episodes for t in e.turns)
         assert (batch.tokens_train == batch.tokens).all()
+        assert batch.turns.turn_counts(batch.cu_seqlens).tolist() == [3] * 4 and (batch.turns.tool == ~batch.mask).all()
+        record = batch.turns.records[0]
+        assert [len(p) for p in record.prompt_ids] == [len(t.prompt_ids) for t in episodes[0].turns]
+        assert record.versions == (0, 0, 0) and record.num_turns == 3
         seqs = view.update_inputs(np.zeros(len(episodes)), lp, None, None)
         assert seqs.loss_tokens == int(batch.mask.sum())
 

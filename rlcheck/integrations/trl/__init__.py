@@ -78,6 +78,7 @@ from rlcheck.integrations.trl.preflight_checks import check_attach, check_before
 from rlcheck.integrations.trl.rundir import start_run
 from rlcheck.integrations.trl.sync import WeightSync
 from rlcheck.integrations.trl.topk import attach_topk, build_step_topk
+from rlcheck.integrations.trl.turns import recorder_for, with_turns
 from rlcheck.versions import check_tested
 
 HALTED_KEY = "rlcheck/halted"
@@ -96,6 +97,7 @@ class RLCheckHook:
         self.options = options or TRLOptions()
         check_attach(trainer, self.options)  # sampling refusals, then the preflight (unless run before vLLM started)
         self.fault = check_fault(self.options.inject)
+        self.turns = recorder_for(trainer, self.fault)  # with tools: vLLM's calls, turn by turn
         if monitor is None:
             monitor = MonitorConfig(run_dir=Path(trainer.args.output_dir) / "rlcheck")
         self._owned = isinstance(monitor, MonitorConfig)
@@ -170,8 +172,8 @@ class RLCheckHook:
         rows = output["completion_mask"].shape[0]
         meta = row_meta(self.rank, rows, self.trainer.num_generations, self.sync.synced_step)
         train = None if output.get("old_per_token_logps") is not None else self._recompute(output)
-        return to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train, meta=meta,
-                             weight_version=self.sync.synced_step, topk=self._topk(output, topk_rows))
+        return with_turns(self, output, to_step_batch(output, request_ids(step, self.rank, rows), logp_train=train,
+                          meta=meta, weight_version=self.sync.synced_step, topk=self._topk(output, topk_rows)))
 
     def _topk(self, output: dict, rows):
         """The step's `TopK` with top-k on (`TRLOptions.top_logprobs`): one more no-grad forward; None when off."""

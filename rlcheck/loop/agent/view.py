@@ -22,15 +22,15 @@ monitor's weights, laid back onto the trainer's parts.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from rlcheck.core.batch import StepBatch
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
-from rlcheck.engines.vllm import to_step_batch
+from rlcheck.core.turns_build import Trajectory, Turn
 from rlcheck.faults.turns import TurnPlan
 from rlcheck.loop.agent.episodes import Episode
 from rlcheck.loop.trainer_view import fit
@@ -133,15 +133,24 @@ class EpisodeView:
         return [episode_mask(ep, self.plan) for ep in self.episodes]
 
     def step_batch(self, rollouts: Sequence[Any], logp_train: Sequence[np.ndarray], topk: Any = None,
-                   routing: Any = None):
-        """The monitor's `StepBatch` in the episodes' layout: the trainer's parts laid against the engine's."""
-        laid, ids = [], []
-        for ep, side, lp in zip(self.episodes, self.sides, logp_train, strict=True):
-            laid.append(lay(np.asarray(lp, dtype=np.float32), side.segments, ep.segments, 0.0))
-            ids.append(lay(np.asarray(side.response, dtype=np.int64), side.segments, ep.segments, self.pad_id))
-        batch = to_step_batch(list(self.episodes), laid, tokens_train=ids)
-        return dataclasses.replace(batch, mask=np.concatenate(self.masks()),
-                                   meta={**batch.meta, PROMPT_TOKENS_TRAIN: [list(s.prompt) for s in self.sides]})
+                   routing: Any = None) -> StepBatch:
+        """The monitor's `StepBatch` (`StepBatch.from_turns`): each episode's turns as the engine ran them
+        (prompt, sampled ids, logprobs, weight version) with the tool's suffix after each, and the
+        trainer's parts laid against them; the sequence's weight version is its last turn's."""
+        trajectories = []
+        for ep, side, lp, mask in zip(self.episodes, self.sides, logp_train, self.masks(), strict=True):
+            turns = [Turn(t.output_ids, t.logprobs, prompt_ids=t.prompt_ids, version=t.weight_version,
+                          observation_ids=ep.suffixes[k] if k < len(ep.suffixes) else ())
+                     for k, t in enumerate(ep.turns)]
+            trajectories.append(Trajectory(
+                turns, logp_train=lay(np.asarray(lp, dtype=np.float32), side.segments, ep.segments, 0.0),
+                tokens_train=lay(np.asarray(side.response, dtype=np.int64), side.segments, ep.segments, self.pad_id),
+                prompt_ids=ep.prompt_token_ids, mask=mask, num_turns=len(ep.turns)))
+        eps = self.episodes
+        meta = {"vllm_request_id": [e.vllm_request_id for e in eps], "prompt_index": [e.prompt_index for e in eps],
+                "sample_index": [e.sample_index for e in eps], PROMPT_TOKENS_TRAIN: [list(s.prompt) for s in self.sides]}
+        return StepBatch.from_turns(trajectories, [e.request_id for e in eps], meta=meta,
+                                    weight_version=[e.weight_version for e in eps])
 
     def touched_ids(self, rollouts: Sequence[Any]) -> list[str]:
         """Episodes the fault changed: other trainer ids than the engine's, a mask with suffix tokens
