@@ -14,6 +14,7 @@ from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
+from rlcheck.core.turn_checks import TurnCheckConfig
 from rlcheck.errors import ConfigError
 
 DEFAULT_HARD_LIMITS = {
@@ -85,6 +86,10 @@ class MonitorConfig:
     """Take the sequences the evidence condemns out of the step instead of halting
     (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
+    turn_checks: TurnCheckConfig | None = field(default_factory=TurnCheckConfig)
+    """The cross-turn invariants of multi-turn batches (`StepBatch.turns`; `rlcheck.core.turn_checks`):
+    each breach an alarm with its evidence, its sequences quarantined (reason `turn_invariant`) or, with
+    quarantine off, a critical alarm; stale turns' tokens masked. None: off. Batches without turns: no cost."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -99,5 +104,7 @@ class MonitorConfig:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
         if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):
+            raise ConfigError(f"turn_checks must be a TurnCheckConfig or None, got {type(self.turn_checks).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")

@@ -45,6 +45,7 @@ from rlcheck.core.rejection import (
     seg_sum,
     seq_mean,
 )
+from rlcheck.core.turn_correction import episode_d
 from rlcheck.errors import ConfigError
 
 PREFIX = "rlcheck/corr/"
@@ -214,6 +215,7 @@ def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) ->
     if not cfg.enabled or not mask.any():
         return {}
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout
+    d = episode_d(batch, d, mask, cfg.rollout_is)  # multi-turn: the sequence level is the per-token mean
     return compute(d, mask, batch.cu_seqlens, cfg).prefixed()
 
 

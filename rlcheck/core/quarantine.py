@@ -20,6 +20,9 @@ order; `Quarantined.reasons` lists all it breaks):
 |                   | detector's early burst (`SignatureConfig.early_*`: a stale state, step-wide)       |
 | token_mismatch    | was scored by the trainer on other token ids than the engine sampled               |
 | stale_weights     | comes from weights further behind the trainer's than `MonitorConfig.max_weight_lag`|
+| turn_invariant    | breaks a cross-turn invariant of a multi-turn batch (`rlcheck.core.turn_checks`:   |
+|                   | a prefix break, logprobs of exactly 0.0, counts or turns that disagree, tool tokens |
+|                   | in the loss; a stale turn when its tokens cannot be masked alone)                  |
 | guard             | is named by an alarm found outside the Monitor (`details["request_ids"]`: the      |
 |                   | engine guard's violations)                                                         |
 
@@ -54,7 +57,8 @@ from rlcheck.core.types import Alarm
 from rlcheck.core.weights import is_stale
 from rlcheck.errors import ConfigError
 
-REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "guard")
+REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "turn_invariant",
+           "guard")
 
 MAX_LISTED = 100
 """Quarantined sequences a step's metrics.jsonl record lists (all of them are in `StepReport`)."""
@@ -168,9 +172,11 @@ def is_burst(counts: np.ndarray, signature: SignatureConfig | None = None) -> bo
 
 def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, trainer_version: int | None = None,
           max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None,
-          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None) -> Verdict:
+          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None,
+          turn_invariant: np.ndarray | None = None) -> Verdict:
     """The rules of `cfg` applied to every sequence of `batch` (vectorised over tokens); `signature`:
-    the signature detector's early-burst levels (default `SignatureConfig()`). A step split over ranks
+    the signature detector's early-burst levels (default `SignatureConfig()`); `turn_invariant`: (N,) the
+    sequences breaking a cross-turn invariant (`rlcheck.core.turn_checks`). A step split over ranks
     passes its `per_sequence_flags` and whether the whole step is a burst (`is_burst` of the summed
     `burst_counts`), so each rank judges as one process would."""
     cu = batch.cu_seqlens  # (N+1,)
@@ -191,6 +197,7 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
     if trainer_version is not None and batch.weight_version is not None:
         stale = is_stale(batch.weight_version, trainer_version, max_weight_lag)  # (N,)
     found["stale_weights"] = stale
+    found["turn_invariant"] = np.zeros(num, dtype=bool) if turn_invariant is None else turn_invariant
     named = {rid for a in alarms for rid in (a.details.get("request_ids") or ())}
     found["guard"] = np.array([rid in named for rid in batch.request_ids], dtype=bool) if named else np.zeros(num, bool)
     firm = np.zeros(num, dtype=bool)  # what the per-sequence rules condemn
@@ -290,14 +297,14 @@ def kept_partial(batch: StepBatch, verdict: Verdict, stats: StatsConfig) -> Part
 
 
 def step_partial(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig | None, trainer_version: int | None,
-                 max_weight_lag: int, alarms: Sequence[Alarm],
-                 signature: SignatureConfig | None = None) -> tuple[PartialStats, Verdict | None]:
+                 max_weight_lag: int, alarms: Sequence[Alarm], signature: SignatureConfig | None = None,
+                 turn_invariant: np.ndarray | None = None) -> tuple[PartialStats, Verdict | None]:
     """The statistics the Monitor judges a step by, and the verdict (None with quarantine off): the
     kept sequences' when some are quarantined within `max_frac`, else the whole batch's."""
     if cfg is None:
         return compute_partial(batch, stats), None
     verdict = judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag, alarms=alarms,
-                    signature=signature)
+                    signature=signature, turn_invariant=turn_invariant)
     if 0 < verdict.count and verdict.frac <= cfg.max_frac:
         return kept_partial(batch, verdict, stats), verdict
     return compute_partial(batch, stats), verdict

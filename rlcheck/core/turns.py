@@ -4,7 +4,7 @@ An agent's trajectory is one flat token sequence: the model's output of call 0, 
 environment's) reply, the model's output of call 1, ... A `StepBatch` carries that structure in
 `StepBatch.turns`, packed like its tokens:
 
-    index  (M,) int32  the model turn of each token: 0, 1, ... in order within its sequence; a tool or
+    index  (M,) int64  the model turn of each token: 0, 1, ... in order within its sequence; a tool or
                        observation token holds the turn it follows (0 before the first one)
     tool   (M,) bool   tool / observation / template tokens: not sampled by the model
     source str         "explicit" (the adapter knew the boundaries) or "mask_runs" (runs of 1 in
@@ -113,13 +113,14 @@ class TurnRuns:
     seq: np.ndarray  # (R,) int64 its sequence
     turn: np.ndarray  # (R,) int64 its number within the sequence
     last: np.ndarray  # (R,) bool the last turn of its sequence
+    begin: np.ndarray  # (B,) int64 the first token of every run, the model's and the tool's, in order
 
 
 @dataclass(frozen=True, eq=False)
 class Turns:
     """The turn structure of a step's packed tokens; see the module docstring."""
 
-    index: np.ndarray  # (M,) int32
+    index: np.ndarray  # (M,) int64
     tool: np.ndarray  # (M,) bool
     source: str = "explicit"
     records: tuple[TurnRecord | None, ...] | None = None  # N
@@ -132,7 +133,7 @@ class Turns:
         index, tool = np.asarray(self.index), np.asarray(self.tool)
         if index.ndim != 1 or tool.shape != index.shape:
             raise InputError(f"turns: index {index.shape} and tool {tool.shape} must be (M,) arrays of one shape")
-        object.__setattr__(self, "index", index.astype(np.int32, copy=False))
+        object.__setattr__(self, "index", index.astype(np.int64, copy=False))
         object.__setattr__(self, "tool", tool.astype(bool, copy=False))
         if self.records is not None:
             object.__setattr__(self, "records", tuple(self.records))
@@ -168,7 +169,7 @@ class Turns:
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         if raw.shape[0] != int(cu[-1]):
             raise InputError(f"turns: {raw.shape[0]} entries for {int(cu[-1])} tokens (one per token)")
-        turns = cls(_fill_tool(raw.astype(np.int32), tool, cu), tool, "explicit", records, join)
+        turns = cls(_fill_tool(raw.astype(np.int64), tool, cu), tool, "explicit", records, join)
         turns.check(cu)
         return turns
 
@@ -181,7 +182,7 @@ class Turns:
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         if len(spans) != cu.shape[0] - 1:
             raise InputError(f"turn spans: {len(spans)} sequences' spans for {cu.shape[0] - 1} sequences")
-        index = np.full(int(cu[-1]), -1, dtype=np.int32)
+        index = np.full(int(cu[-1]), -1, dtype=np.int64)
         for i, seq_spans in enumerate(spans):
             length, end_prev = int(cu[i + 1] - cu[i]), 0
             for k, (a, b) in enumerate(seq_spans):
@@ -273,19 +274,18 @@ def run_starts(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> np.ndarra
 
 
 def _model_runs(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> TurnRuns:
-    model = ~tool
-    new = run_starts(index, tool, cu) & model
-    start = np.flatnonzero(new).astype(np.int64)  # (R,)
-    run_id = np.cumsum(new) - 1  # (M,) the latest model run at or before each token
-    length = np.bincount(run_id[model], minlength=start.shape[0]).astype(np.int64) if start.size else start.copy()
+    begin = np.flatnonzero(run_starts(index, tool, cu)).astype(np.int64)  # (B,) every run, both kinds
+    ends = np.append(begin[1:], index.shape[0])  # a run ends where the next begins (runs break at sequences)
+    model = ~tool[begin] if begin.size else np.zeros(0, dtype=bool)
+    start = begin[model]  # (R,)
     seq = (np.searchsorted(cu, start, side="right") - 1).astype(np.int64)
     last = np.ones(start.shape[0], dtype=bool)
     last[:-1] = seq[1:] != seq[:-1]
-    return TurnRuns(start, length, seq, index[start].astype(np.int64), last)
+    return TurnRuns(start, (ends - begin)[model], seq, index[start].astype(np.int64), last, begin)
 
 
 def _number_runs(model: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """(M,) int32 turn numbers: run k of model tokens within its sequence is turn k; other tokens
+    """(M,) int64 turn numbers: run k of model tokens within its sequence is turn k; other tokens
     hold the turn they follow (0 before the first)."""
     m = model.shape[0]
     prev_model = np.zeros(m, dtype=bool)
@@ -294,7 +294,7 @@ def _number_runs(model: np.ndarray, cu: np.ndarray) -> np.ndarray:
     seq_of = np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu))  # (M,)
     runs_before = np.cumsum(new)  # (M,) model runs begun at or before each token
     at_seq_start = np.concatenate([[0], runs_before])[cu[:-1]]  # (N,) runs begun before each sequence
-    return np.maximum(runs_before - at_seq_start[seq_of] - 1, 0).astype(np.int32)
+    return np.maximum(runs_before - at_seq_start[seq_of] - 1, 0).astype(np.int64)
 
 
 def _fill_tool(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> np.ndarray:
@@ -306,4 +306,4 @@ def _fill_tool(index: np.ndarray, tool: np.ndarray, cu: np.ndarray) -> np.ndarra
     last_model = np.maximum.accumulate(np.where(~tool, pos, -1)) if m else pos  # (M,)
     has = last_model >= seq_start
     src = np.where(has, last_model, 0)
-    return np.where(tool, np.where(has, index[src] if m else 0, 0), index).astype(np.int32)
+    return np.where(tool, np.where(has, index[src] if m else 0, 0), index).astype(np.int64)

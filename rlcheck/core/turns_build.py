@@ -76,7 +76,7 @@ def _turn_layout(k: int, turn: Turn, join: JoinEdits | None) -> dict[str, np.nda
     lp_kept = np.concatenate([lp[:have].astype(np.float64), np.zeros(kept - have)])
     return {"ids": np.concatenate([out[:kept], obs]), "lp": np.concatenate([lp_kept, np.zeros(obs.shape[0])]),
             "mask": np.concatenate([np.arange(kept) < have, np.zeros(obs.shape[0], bool)]),
-            "index": np.concatenate([np.full(kept, k, np.int32), np.full(obs.shape[0], -1, np.int32)]),
+            "index": np.concatenate([np.full(kept, k, np.int64), np.full(obs.shape[0], -1, np.int64)]),
             "count": np.int64(lp.shape[0])}
 
 

@@ -64,6 +64,8 @@ class Offender:
     length: int
     mean_diff: float  # mean d over its valid tokens
     nonfinite: bool = False
+    turn: int | None = None  # multi-turn batches: the turn of its first divergence ...
+    turn_offset: int | None = None  # ... and that token's offset in the turn (`rlcheck.core.turns`)
 
     @property
     def score(self) -> float:
@@ -78,6 +80,8 @@ class Offender:
             "length": self.length,
             "mean_diff": self.mean_diff,
             "nonfinite": self.nonfinite,
+            "turn": self.turn,
+            "turn_offset": self.turn_offset,
         }
 
 
@@ -91,7 +95,8 @@ class StepReport:
     sequence of the observed batch (this rank's, with `observe_across_ranks`), in batch order; with
     quarantine off every sequence is kept. `correction`, `token_weights` and `sequence_weights`
     compute the importance-sampling correction of the batch (`rlcheck.core.correction`, verl's names
-    and defaults); they need the batch, which the report holds until `release()`."""
+    and defaults; on a multi-turn batch the sequence level is exp(mean d), `rlcheck.core.turn_correction`); they
+    need the batch, which the report holds until `release()`."""
 
     step: int
     metrics: dict[str, float]
@@ -117,8 +122,12 @@ class StepReport:
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
+        from rlcheck.core.turn_correction import episode_d
+
         b = self._batch()
-        return compute(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep), b.cu_seqlens, cfg)
+        mask = response_mask(b, self.keep)  # a multi-turn episode's sequence level: the per-token mean
+        return compute(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is), mask,
+                       b.cu_seqlens, cfg)
 
     def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,
                       rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
@@ -138,9 +147,12 @@ class StepReport:
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
         b = self._batch()
+        from rlcheck.core.turn_correction import episode_d
+
         keep = np.ones(b.num_sequences, dtype=bool) if self.keep is None else self.keep
-        return sequence_weights(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep),
-                                b.cu_seqlens, keep, cfg)
+        mask = response_mask(b, self.keep)
+        return sequence_weights(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is),
+                                mask, b.cu_seqlens, keep, cfg)
 
     def _batch(self) -> Any:
         if self.batch is None:

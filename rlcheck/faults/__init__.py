@@ -38,7 +38,9 @@ perturb-layer: any model):
 | perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
 | moe-route-flip=P        | P in (0, 1]  | near-tie tokens rerouted (MoE): they carry the mismatch | moe_routing         |
 
-Of multi-turn episodes (a multi-turn task, `--task calculator`; `rlcheck.faults.turns`, read by `rlcheck.loop.agent`):
+Of multi-turn episodes (`rlcheck.faults.turns`): in the own loop (a multi-turn task, `--task calculator`)
+the episodes themselves go wrong (`rlcheck.faults.turn_plan`, read by `rlcheck.loop.agent`); on any other
+batch with `StepBatch.turns` (synthetic streams, adapters) `apply` corrupts it the same way:
 
 | retokenized-history     | -            | turn k+1's prompt leaves turn k's ids inside turn k      | retokenized_history |
 | stripped-history        | -            | the prefix breaks at an earlier turn's <think>           | stripped_history    |
@@ -56,7 +58,9 @@ from rlcheck.faults.base import Fault, TrainerInputs
 from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
 from rlcheck.faults.engine_settings import RawLogprobs, RopeMismatch, StalePrefixCache
 from rlcheck.faults.inputs import DoubleBos, LeftPadPositions, Retokenize, StopToken
+from rlcheck.faults.turn_plan import apply_in_loop
 from rlcheck.faults.turns import (
+    TURN_FAULTS,
     JoinTokenMask,
     MissingGenerationPrompt,
     RetokenizedHistory,
@@ -65,7 +69,6 @@ from rlcheck.faults.turns import (
     ToolTokensInLoss,
     TurnFault,
     TurnLogprobsMissing,
-    TurnPlan,
 )
 from rlcheck.faults.zoo import (
     Bf16Noise,
@@ -103,13 +106,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     StalePrefixCache.name: (StalePrefixCache, None, int),
     RopeMismatch.name: (RopeMismatch, "factor", float),
     RawLogprobs.name: (RawLogprobs, None, int),
-    RetokenizedHistory.name: (RetokenizedHistory, None, int),
-    StrippedHistory.name: (StrippedHistory, None, int),
-    MissingGenerationPrompt.name: (MissingGenerationPrompt, None, int),
-    JoinTokenMask.name: (JoinTokenMask, None, int),
-    ToolTokensInLoss.name: (ToolTokensInLoss, None, int),
-    TurnLogprobsMissing.name: (TurnLogprobsMissing, None, int),
-    StaleTurn.name: (StaleTurn, None, int),
+    **{f.name: (f, None, int) for f in TURN_FAULTS},  # multi-turn batches (rlcheck.faults.turns)
 }
 
 
@@ -140,8 +137,8 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "JoinTokenMask",
+__all__ = ["FAULTS", "TURN_FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "JoinTokenMask",
            "LeftPadPositions", "MissingGenerationPrompt", "MoeRouteFlip", "OffByOne", "PerturbLayer", "RawLogprobs",
            "RetokenizedHistory", "Retokenize", "RopeMismatch", "SkipSync", "StaleBuffer", "StalePrefixCache",
            "StaleState", "StaleTurn", "StaleWeights", "StopToken", "StrippedHistory", "TemperatureMismatch",
-           "ToolTokensInLoss", "TopP", "TrainerInputs", "TurnFault", "TurnLogprobsMissing", "TurnPlan", "parse_inject"]
+           "ToolTokensInLoss", "TopP", "TrainerInputs", "TurnFault", "TurnLogprobsMissing", "apply_in_loop", "parse_inject"]

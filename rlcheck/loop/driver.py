@@ -43,7 +43,7 @@ from rlcheck.core.monitor import Monitor
 from rlcheck.core.prompt_ids import prompt_alarms
 from rlcheck.core.types import StepReport
 from rlcheck.errors import ActorDiedError, MismatchHalt
-from rlcheck.loop.agent.wiring import rollouts_of, view_of
+from rlcheck.loop.agent.wiring import apply_in_loop, rollouts_of, view_of
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
 from rlcheck.loop.preflight_wiring import check_loop
@@ -181,7 +181,7 @@ class GRPOLoop:
             **self.engine.metrics(step),
             **guard_extra,
         }
-        batch, faulted = cfg.fault.apply(step, view.step_batch(rollouts, logp_train, topk, routing))
+        batch, faulted = apply_in_loop(cfg.fault, step, view.step_batch(rollouts, logp_train, topk, routing))
         faulted = view.touched_ids(rollouts) + faulted
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)

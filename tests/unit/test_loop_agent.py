@@ -9,7 +9,7 @@ import pytest
 from rlcheck.engines.vllm import Rollout
 from rlcheck.errors import ConfigError
 from rlcheck.faults import parse_inject
-from rlcheck.faults.turns import TurnPlan
+from rlcheck.faults.turn_plan import TurnPlan
 from rlcheck.loop.agent.calculator import CalculatorEnv, CalculatorTask
 from rlcheck.loop.agent.episodes import EpisodeRunner
 from rlcheck.loop.agent.view import episode_mask, episode_view, lay
@@ -207,12 +207,18 @@ class TestView:
         assert side.segments[1] == ep.segments[1]  # the suffix
 
     def test_mask_faults(self, tok):
-        """join-token-mask counts each suffix's first token in; tool-tokens-in-loss the whole suffix."""
+        """join-token-mask counts each suffix's first token in; tool-tokens-in-loss the whole suffix; the
+        batch's turns are then the mask's runs (each turn one token longer; one run), the calls' records kept."""
         _, _, _, episodes = run(tok)
         ep = episodes[0]
         healthy = episode_mask(ep, TurnPlan()).sum()
         assert episode_mask(ep, TurnPlan(join_in_loss=True)).sum() == healthy + len(ep.suffixes)
         assert episode_mask(ep, TurnPlan(tool_in_loss=True)).sum() == len(ep.token_ids)
+        for plan, runs in ((TurnPlan(join_in_loss=True), 3), (TurnPlan(tool_in_loss=True), 1)):
+            view = episode_view(episodes, plan, tok)
+            batch = view.step_batch(episodes, [np.zeros(len(r), dtype=np.float32) for r in view.seqs.responses])
+            assert batch.turns.source == "mask_runs" and batch.turns.turn_counts(batch.cu_seqlens)[0] == runs
+            assert batch.turns.records[0].num_turns == 3
 
     def test_lay(self):
         """Parts cut or padded to the target's lengths, in order."""

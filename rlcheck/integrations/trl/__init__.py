@@ -54,7 +54,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
 from rlcheck.errors import MismatchHalt
-from rlcheck.faults import Fault
+from rlcheck.faults import Fault, apply_in_loop
 from rlcheck.integrations.trl.batch import (
     MASK_KEY,
     mask_rows,
@@ -152,7 +152,7 @@ class RLCheckHook:
         quarantined sequences' rows of `output["completion_mask"]` are zeroed. With top-k on,
         `topk_rows` are vLLM's top-k of the generation's completions (`EngineTopK.take()`)."""
         step = self.trainer.state.global_step
-        batch, _ = self.fault.apply(step, self._batch(step, output, topk_rows))
+        batch, _ = apply_in_loop(self.fault, step, self._batch(step, output, topk_rows))  # a turn fault acts for real
         try:
             report = self._observe(step, batch, extra)
         except MismatchHalt as halt:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.engines.vllm import Rollout
-from rlcheck.faults.turns import TurnPlan
+from rlcheck.faults.turn_plan import TurnPlan
 from rlcheck.modelzoo.calculator import TOOL_NAME, tool_suffix_ids
 
 Generate = Callable[[list[list[int]], int, "list[int] | None"], list[Rollout]]

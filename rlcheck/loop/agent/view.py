@@ -16,8 +16,9 @@ the chat template's assistant headers and their eos; a trainer side without the 
 ("no-generation-prompt") is the episode with each suffix's assistant header left out.
 
 The mask marks the model's tokens (the turns: 1, the tool suffixes: 0), as the fault's plan leaves it
-(the join newline or the whole reply counted in); the update's loss weights are the mask times the
-monitor's weights, laid back onto the trainer's parts.
+(the join newline or the whole reply counted in: the turns are then that mask's runs, as a framework
+that keeps no boundaries has them, with each call's record kept); the update's loss weights are the
+mask times the monitor's weights, laid back onto the trainer's parts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 from rlcheck.core.turns_build import Trajectory, Turn
-from rlcheck.faults.turns import TurnPlan
+from rlcheck.faults.turn_plan import TurnPlan
 from rlcheck.loop.agent.episodes import Episode
 from rlcheck.loop.trainer_view import fit
 from rlcheck.trainers import Sequences
@@ -149,8 +150,10 @@ class EpisodeView:
         eps = self.episodes
         meta = {"vllm_request_id": [e.vllm_request_id for e in eps], "prompt_index": [e.prompt_index for e in eps],
                 "sample_index": [e.sample_index for e in eps], PROMPT_TOKENS_TRAIN: [list(s.prompt) for s in self.sides]}
-        return StepBatch.from_turns(trajectories, [e.request_id for e in eps], meta=meta,
-                                    weight_version=[e.weight_version for e in eps])
+        batch = StepBatch.from_turns(trajectories, [e.request_id for e in eps], meta=meta,
+                                     weight_version=[e.weight_version for e in eps])
+        # a loop whose mask is wrong finds its turns in that mask, as frameworks without boundaries do
+        return batch.with_turns("mask_runs", records=batch.turns.records) if self.plan.masks_differ else batch
 
     def touched_ids(self, rollouts: Sequence[Any]) -> list[str]:
         """Episodes the fault changed: other trainer ids than the engine's, a mask with suffix tokens

@@ -1,7 +1,8 @@
 """The multi-turn task in the loop's step (`rlcheck.loop.driver`): its episodes, with the weight sync a
 `stale-turn` fault moves between two turns, and the trainer's view of them (the single-turn task's
 rollouts and view otherwise); and what `LoopConfig` refuses with a multi-turn task (or a multi-turn
-fault without one)."""
+fault without one). `apply_in_loop`: a fault's batch-level `apply`, left out for a multi-turn fault,
+whose episodes went wrong themselves."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault
-from rlcheck.faults.turns import HEALTHY, TurnFault, TurnPlan
+from rlcheck.faults.turn_plan import TurnPlan, apply_in_loop, turn_plan
+from rlcheck.faults.turns import TurnFault
 
 
 def plan_of(fault: Any, step: int) -> TurnPlan:
-    """The fault's plan for this step's episodes; the healthy one for a fault of another kind."""
-    return fault.turn_plan(step) if isinstance(fault, TurnFault) else HEALTHY
+    """The fault's plan for this step's episodes (`rlcheck.faults.turn_plan`); the healthy one for another."""
+    return turn_plan(fault, step)
 
 
 def rollouts_of(loop: Any, items, prompts: list[list[int]], step: int) -> list:
@@ -68,3 +70,6 @@ def check_task(cfg: Any) -> None:
     if type(fault).trainer_inputs is not Fault.trainer_inputs:
         raise ConfigError(f"{fault.name} changes what the trainer scores of a single-turn rollout; the multi-turn "
                           "faults of that kind are retokenized-history, stripped-history and missing-generation-prompt")
+
+
+__all__ = ["apply_in_loop", "check_task", "plan_of", "rollouts_of", "run_episodes", "view_of"]
