@@ -184,7 +184,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                  rewards=list(result.rewards))
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
                  alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
-                 error=result.error, restarts=result.restarts)
+                 error=result.error, restarts=result.restarts, last=result.reports[-1].metrics if result.reports else {})
 
 
 def _print_found(found: dict[str, Any], console: Any) -> None:
@@ -206,6 +206,10 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
                       f"at step {a.step}; next expected at step {a.details['next_expected']}")
     elif not found["alarms"]:
         console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
+    turns = [(t, found["last"][K.turn_metric(t, "abs_diff_mean")]) for t in range(K.TURN_MAX_INDEX + 1)
+             if found.get("last", {}).get(K.turn_metric(t, "tokens"))]
+    if turns:  # a multi-turn task: the last step, turn by turn
+        console.print("last step's mean |d| by turn: " + ", ".join(f"turn {t} {v:.2g}" for t, v in turns))
     if found.get("quarantine"):
         q, t = set(found["quarantined"]), found["touched"]
         by_reason = Counter(found["quarantined"].values())

@@ -89,12 +89,18 @@ class TestCalculatorLoop:
         assert stale_turn_run.lines("loop.jsonl")[0]["reward_mean"] > 0.5  # the calculator model solves most
 
     def test_healthy_stretch_is_clean(self, stale_turn_run, tool_loss_run):
-        """Before each fault acts (hf steps 0-3, FSDP2 steps 0-1): no alarm, fp32 agreement on every turn."""
+        """Before each fault acts (hf steps 0-3, FSDP2 steps 0-1): no alarm, fp32 agreement on every turn,
+        the per-turn statistics in the journal (turns 0, 1, 2; no invariant broken)."""
         for run, clean in ((stale_turn_run, 4), (tool_loss_run, 2)):
             lines = run.lines()[:clean]
             assert [line["step"] for line in lines] == list(range(clean))
             assert all(not line["alarms"] for line in lines), [line["alarms"] for line in lines]
             assert max(line["metrics"][K.ABS_DIFF_MEAN] for line in lines) < 1e-4
+            for m in (line["metrics"] for line in lines):
+                assert all(m[K.turn_metric(t, "tokens")] > 0 and m[K.turn_metric(t, "abs_diff_mean")] < 1e-4
+                           for t in range(3))
+                assert m[K.TURN_COUNT] > 2 * len(run.batches[0].request_ids)
+                assert all(m[K.turn_invariant(name)] == 0 for name in K.TURN_INVARIANTS)
 
     def test_stale_turn_is_a_real_version_change_inside_the_episodes(self, stale_turn_run):
         """Step 4: turn 0 of every episode served by version 3, turns >= 1 by version 4 (the trainer's)."""
@@ -103,12 +109,27 @@ class TestCalculatorLoop:
         assert versions and all(v[0] == 3 and set(v[1:]) == {4} for v in versions)
         assert all(len(set(r.versions)) == 1 for r in run.batches[3].turns.records if r is not None)
         log = run.lines("loop.jsonl")
-        assert log[3]["sync_skipped"] and not log[4]["sync_skipped"] and log[4]["fault_touched"]
+        assert log[3]["sync_skipped"] and log[4]["fault_touched"]
+
+    def test_stale_turn_alarms_and_is_named(self, stale_turn_run):
+        """The stale turns break the invariant at step 4, its turns' tokens masked; diagnose names the cause."""
+        from rlcheck.forensics.diagnose import diagnose
+
+        line = stale_turn_run.lines()[4]
+        assert line["metrics"][K.turn_invariant("stale_turn")] > 0 and line["metrics"][K.TURN_MASKED_TOKENS] > 0
+        assert any(a["details"].get("signature") == "turn_stale_turn" for a in line["alarms"])
+        assert diagnose(stale_turn_run.run_dir).verdict.cause == "stale_turn_weights"
 
     def test_tool_tokens_in_loss_masks_the_replies_in(self, tool_loss_run):
-        """From step 2 the tool's replies are loss tokens with engine logprob 0.0, the trainer's far below on their digits."""
-        batch = tool_loss_run.batches[2]
-        tool = batch.turns.tool
-        assert batch.mask[tool].all() and (batch.logp_rollout[tool] == 0.0).all()
-        assert batch.logp_train[tool].min() < -1.0
-        assert not tool_loss_run.batches[1].mask[tool_loss_run.batches[1].turns.tool].any()
+        """From step 2 the tool's replies are loss tokens with engine logprob 0.0, the trainer's far below on
+        their digits: the loop's mask holds every token, its runs merge the turns its records count apart."""
+        before, batch = tool_loss_run.batches[1], tool_loss_run.batches[2]
+        assert not before.mask[before.turns.tool].any() and batch.mask.all()
+        counts = batch.turns.turn_counts(batch.cu_seqlens)
+        assert all(c == 1 and r.num_turns == len(r.output_ids) for c, r in zip(counts, batch.turns.records, strict=True))
+        replies = (batch.logp_rollout == 0.0) & (batch.logp_train < -1.0)
+        assert replies.sum() > batch.num_sequences  # a reply's digits in every sequence that called the tool
+        from rlcheck.forensics.diagnose import diagnose
+
+        line = tool_loss_run.lines()[2]
+        assert line["alarms"] and diagnose(tool_loss_run.run_dir).verdict.cause == "tool_tokens_in_loss"
