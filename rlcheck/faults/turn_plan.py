@@ -61,11 +61,6 @@ class TurnPlan:
             raise ConfigError(f"TurnPlan: history in {HISTORIES} and trainer in {TRAINER_SIDES}, got "
                               f"{self.history!r}, {self.trainer!r}")
 
-    @property
-    def masks_differ(self) -> bool:
-        """The loop's mask holds tokens the model did not sample."""
-        return self.join_in_loss or self.tool_in_loss
-
 
 HEALTHY = TurnPlan()
 PLANS: dict[type, TurnPlan] = {

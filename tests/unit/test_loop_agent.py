@@ -205,20 +205,26 @@ class TestView:
         ep, side = episodes[0], view.sides[0]
         assert side.segments[0] < ep.segments[0] and side.segments[-1] == ep.segments[-1]
         assert side.segments[1] == ep.segments[1]  # the suffix
+        batch = view.step_batch(episodes, [np.zeros(len(r), dtype=np.float32) for r in view.seqs.responses])
+        runs = batch.turns.runs(batch.cu_seqlens)
+        assert runs.length[0] == side.segments[0] and batch.tokens[: side.segments[0]].tolist() == list(side.response[: side.segments[0]])
+        assert tok.decode(batch.turns.records[0].output_ids[0][:5]) == "<think>"  # the engine's turn, as sampled
 
     def test_mask_faults(self, tok):
-        """join-token-mask counts each suffix's first token in; tool-tokens-in-loss the whole suffix; the
-        batch's turns are then the mask's runs (each turn one token longer; one run), the calls' records kept."""
+        """join-token-mask counts each suffix's first token in (the turns then the mask's runs, each one token
+        longer, the calls' records kept); tool-tokens-in-loss the whole suffix (its tokens still tool tokens)."""
         _, _, _, episodes = run(tok)
         ep = episodes[0]
         healthy = episode_mask(ep, TurnPlan()).sum()
         assert episode_mask(ep, TurnPlan(join_in_loss=True)).sum() == healthy + len(ep.suffixes)
         assert episode_mask(ep, TurnPlan(tool_in_loss=True)).sum() == len(ep.token_ids)
-        for plan, runs in ((TurnPlan(join_in_loss=True), 3), (TurnPlan(tool_in_loss=True), 1)):
+        for plan, source in ((TurnPlan(join_in_loss=True), "mask_runs"), (TurnPlan(tool_in_loss=True), "explicit")):
             view = episode_view(episodes, plan, tok)
             batch = view.step_batch(episodes, [np.zeros(len(r), dtype=np.float32) for r in view.seqs.responses])
-            assert batch.turns.source == "mask_runs" and batch.turns.turn_counts(batch.cu_seqlens)[0] == runs
+            assert batch.turns.source == source and batch.turns.turn_counts(batch.cu_seqlens)[0] == 3
             assert batch.turns.records[0].num_turns == 3
+        runs = batch.turns.runs(batch.cu_seqlens)
+        assert batch.mask[batch.turns.tool].all() and runs.length[0] == len(ep.turns[0].output_ids)
 
     def test_lay(self):
         """Parts cut or padded to the target's lengths, in order."""

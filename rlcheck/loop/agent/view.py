@@ -15,10 +15,11 @@ turn, shows on that turn. A re-rendered history (`TurnPlan.history` "text" or "s
 the chat template's assistant headers and their eos; a trainer side without the generation prompt
 ("no-generation-prompt") is the episode with each suffix's assistant header left out.
 
-The mask marks the model's tokens (the turns: 1, the tool suffixes: 0), as the fault's plan leaves it
-(the join newline or the whole reply counted in: the turns are then that mask's runs, as a framework
-that keeps no boundaries has them, with each call's record kept); the update's loss weights are the
-mask times the monitor's weights, laid back onto the trainer's parts.
+The mask marks the model's tokens (the turns: 1, the tool suffixes: 0), as the fault's plan leaves it:
+the whole reply counted in (the loop still knows where its turns are: the reply's tokens stay tool
+tokens, in the loss), or the join newline (put into the turn it follows, as verl's builder attaches
+the ids it inserts: the turns are then that mask's runs, each call's record kept); the update's loss
+weights are the mask times the monitor's weights, laid back onto the trainer's parts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
-from rlcheck.core.turns_build import Trajectory, Turn
+from rlcheck.core.turns import TurnRecord
 from rlcheck.faults.turn_plan import TurnPlan
 from rlcheck.loop.agent.episodes import Episode
 from rlcheck.loop.trainer_view import fit
@@ -131,29 +132,32 @@ class EpisodeView:
         return list(rollouts)
 
     def masks(self) -> list[np.ndarray]:
-        return [episode_mask(ep, self.plan) for ep in self.episodes]
+        """Each episode's loss mask over the trainer's response (`episode_mask` laid onto its parts: a
+        token of a turn the engine returned no logprob for is left out, as `StepBatch.from_turns` does)."""
+        return [lay(episode_mask(ep, self.plan), ep.segments, side.segments, False)
+                for ep, side in zip(self.episodes, self.sides, strict=True)]
 
     def step_batch(self, rollouts: Sequence[Any], logp_train: Sequence[np.ndarray], topk: Any = None,
                    routing: Any = None) -> StepBatch:
-        """The monitor's `StepBatch` (`StepBatch.from_turns`): each episode's turns as the engine ran them
-        (prompt, sampled ids, logprobs, weight version) with the tool's suffix after each, and the
-        trainer's parts laid against them; the sequence's weight version is its last turn's."""
-        trajectories = []
-        for ep, side, lp, mask in zip(self.episodes, self.sides, logp_train, self.masks(), strict=True):
-            turns = [Turn(t.output_ids, t.logprobs, prompt_ids=t.prompt_ids, version=t.weight_version,
-                          observation_ids=ep.suffixes[k] if k < len(ep.suffixes) else ())
-                     for k, t in enumerate(ep.turns)]
-            trajectories.append(Trajectory(
-                turns, logp_train=lay(np.asarray(lp, dtype=np.float32), side.segments, ep.segments, 0.0),
-                tokens_train=lay(np.asarray(side.response, dtype=np.int64), side.segments, ep.segments, self.pad_id),
-                prompt_ids=ep.prompt_token_ids, mask=mask, num_turns=len(ep.turns)))
-        eps = self.episodes
+        """The monitor's `StepBatch` over what the trainer scored (its ids, its logprobs), each turn's engine
+        logprobs laid onto that turn's part (0.0 on the tool's), the turns explicit, and per episode what the
+        engine ran (`TurnRecord`: each call's prompt, sampled ids, logprob count, weight version); the
+        sequence's weight version is its last turn's."""
+        eps, sides = self.episodes, self.sides
+        index = [_turn_index(side.segments) for side in sides]
+        records = [TurnRecord([t.prompt_ids for t in ep.turns], [t.output_ids for t in ep.turns],
+                              [len(t.logprobs) for t in ep.turns], [t.weight_version for t in ep.turns],
+                              num_turns=len(ep.turns)) for ep in eps]
         meta = {"vllm_request_id": [e.vllm_request_id for e in eps], "prompt_index": [e.prompt_index for e in eps],
-                "sample_index": [e.sample_index for e in eps], PROMPT_TOKENS_TRAIN: [list(s.prompt) for s in self.sides]}
-        batch = StepBatch.from_turns(trajectories, [e.request_id for e in eps], meta=meta,
-                                     weight_version=[e.weight_version for e in eps])
-        # a loop whose mask is wrong finds its turns in that mask, as frameworks without boundaries do
-        return batch.with_turns("mask_runs", records=batch.turns.records) if self.plan.masks_differ else batch
+                "sample_index": [e.sample_index for e in eps], PROMPT_TOKENS_TRAIN: [list(s.prompt) for s in sides]}
+        ids = [np.asarray(s.response, dtype=np.int64) for s in sides]
+        batch = StepBatch.from_ragged(
+            [lay(ep.logprobs, ep.segments, side.segments, 0.0) for ep, side in zip(eps, sides, strict=True)],
+            [np.asarray(lp, dtype=np.float32) for lp in logp_train], [e.request_id for e in eps], ids,
+            mask=self.masks(), tokens_train=ids, prompt_tokens=[np.asarray(e.prompt_token_ids) for e in eps],
+            meta=meta, weight_version=[e.weight_version for e in eps], turns=index, turn_records=records)
+        # a builder that puts the join newline into the turn: the turns are the runs of its mask (verl's)
+        return batch.with_turns("mask_runs", records=batch.turns.records) if self.plan.join_in_loss else batch
 
     def touched_ids(self, rollouts: Sequence[Any]) -> list[str]:
         """Episodes the fault changed: other trainer ids than the engine's, a mask with suffix tokens
@@ -172,12 +176,17 @@ class EpisodeView:
     def update_inputs(self, advantages: Any, logp_train: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None,
                       loss_tokens: int | None) -> Sequences:
         """The update's sequences: the trainer's ids and logprobs, each token's loss weight the mask's
-        times the monitor's (laid onto the trainer's parts; 0 where the trainer has more)."""
+        times the monitor's (the batch is over the trainer's tokens: no laying)."""
         masks = self.masks()
-        engine = [m.astype(np.float32) * (1.0 if weights is None else np.asarray(w, dtype=np.float32))
-                  for m, w in zip(masks, weights or [None] * len(masks), strict=True)]
-        laid = [lay(w, ep.segments, side.segments, 0.0) for w, ep, side in zip(engine, self.episodes, self.sides, strict=True)]
-        return self.seqs.with_update_inputs(advantages, logp_train, laid, int(sum(float((w > 0).sum()) for w in laid)))
+        out = [m.astype(np.float32) * (1.0 if weights is None else np.asarray(w, dtype=np.float32))
+               for m, w in zip(masks, weights or [None] * len(masks), strict=True)]
+        return self.seqs.with_update_inputs(advantages, logp_train, out, int(sum(int((w > 0).sum()) for w in out)))
+
+
+def _turn_index(segments: Sequence[int]) -> np.ndarray:
+    """(sum(segments),) the turn of each token of parts turn 0, suffix 0, turn 1, ...; -1 on the suffixes."""
+    parts = np.arange(len(segments))
+    return np.repeat(np.where(parts % 2 == 0, parts // 2, -1), segments)
 
 
 def episode_view(episodes: Sequence[Episode], plan: TurnPlan, tokenizer: Any) -> EpisodeView:
