@@ -39,7 +39,7 @@ from rlcheck.core.batch_build import (
     int_array,
     packed_from_padded,
     packed_from_ragged,
-    padded_keep,
+    padded_spans,
     request_id_tuple,
     segment_token_indices,  # noqa: F401 - importable from here
     to_numpy,
@@ -94,10 +94,6 @@ class StepBatch:
     def seq_lens(self) -> np.ndarray:
         """(N,) int64 length of every sequence."""
         return np.diff(self.cu_seqlens)
-
-    def routing_metrics(self) -> dict[str, float]:
-        """The `rlcheck/moe/*` metrics of the batch's MoE routing (`rlcheck.core.moe`); none without it."""
-        return {} if self.routing is None else self.routing.metrics(self.logp_train - self.logp_rollout, self.mask)
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -231,7 +227,7 @@ class StepBatch:
         else:
             packed = host_copies(tensors)
         if turns is not None and not isinstance(turns, (str, Turns)):
-            turns = int_array(turns, "turns")[padded_keep(bool_array(mask, "mask"))[0]]  # (M,) as the tokens
+            turns = int_array(turns, "turns")[padded_spans(bool_array(mask, "mask"))]  # (M,) as the tokens
         batch = cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
                                 weight_version=weight_version, turns=turns, turn_records=turn_records, join=join,
                                 **packed)

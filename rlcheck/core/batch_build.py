@@ -169,6 +169,17 @@ def packed_from_ragged(
     }
 
 
+def padded_spans(mask: np.ndarray) -> np.ndarray:
+    """(B, T) bool: the positions of a [B, T] `mask` that `packed_from_padded` packs, row b from its
+    first to its last masked-in token (none for a row without one): where each packed token lies."""
+    t = mask.shape[1]
+    any_in = mask.any(axis=1)
+    first = np.where(any_in, mask.argmax(axis=1), 0)  # (B,)
+    last = np.where(any_in, t - 1 - mask[:, ::-1].argmax(axis=1), -1)  # (B,)
+    cols = np.arange(t, dtype=np.int64)
+    return (cols >= first[:, None]) & (cols <= last[:, None])
+
+
 def packed_from_padded(
     logp_rollout: Any, logp_train: Any, mask: Any, tokens: Any, tokens_train: Any, topk: Any = None
 ) -> dict[str, Any]:
@@ -187,7 +198,10 @@ def packed_from_padded(
     if lr.shape[0] == 0:
         raise InputError("empty batch: no sequences to compare")
     b, t = lr.shape
-    keep, cu = padded_keep(m)
+    keep = padded_spans(m)  # (B, T)
+    lens = keep.sum(axis=1, dtype=np.int64)
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
 
     def pick(x: Any, name: str) -> np.ndarray | None:
         if x is None:
@@ -206,20 +220,6 @@ def packed_from_padded(
         "tokens_train": pick(tokens_train, "tokens_train"),
         "topk": None if topk is None else _padded_topk(topk, b * t, keep),
     }
-
-
-def padded_keep(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """((B, T) bool, (B+1,) int64): the positions `packed_from_padded` keeps of a [B, T] response mask
-    (each row from its first to its last masked-in token), and the packed rows' `cu_seqlens`."""
-    b, t = mask.shape
-    any_in = mask.any(axis=1)
-    first = np.where(any_in, mask.argmax(axis=1), 0)  # (B,)
-    last = np.where(any_in, t - 1 - mask[:, ::-1].argmax(axis=1), -1)  # (B,)
-    cols = np.arange(t, dtype=np.int64)
-    keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
-    cu = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(keep.sum(axis=1, dtype=np.int64), out=cu[1:])
-    return keep, cu
 
 
 def _padded_topk(topk: Any, rows: int, keep: np.ndarray) -> Any:

@@ -209,14 +209,19 @@ def _is_metrics(w, raw, log_for_metrics, m, cu, level, upper, lower) -> dict[str
     return out
 
 
-def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:
-    """The `rlcheck/corr/...` metrics of `cfg` on a StepBatch's kept, valid tokens ({} when off or none)."""
+def correct(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
+    """`cfg`'s correction of a StepBatch's tokens `response_mask(batch, keep)` counts."""
     mask = response_mask(batch, keep)
-    if not cfg.enabled or not mask.any():
-        return {}
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout
     d = episode_d(batch, d, mask, cfg.rollout_is)  # multi-turn: the sequence level is the per-token mean
-    return compute(d, mask, batch.cu_seqlens, cfg).prefixed()
+    return compute(d, mask, batch.cu_seqlens, cfg)
+
+
+def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:
+    """The `rlcheck/corr/...` metrics of `cfg` on a StepBatch's kept, valid tokens ({} when off or none)."""
+    if not cfg.enabled or not response_mask(batch, keep).any():
+        return {}
+    return correct(batch, keep, cfg).prefixed()
 
 
 def sequence_weights(d: np.ndarray, mask: np.ndarray, cu: np.ndarray, keep: np.ndarray,

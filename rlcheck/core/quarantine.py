@@ -1,7 +1,6 @@
 """Quarantine: take the few sequences the evidence condemns out of the step, instead of halting the run.
 
-    mon = Monitor(MonitorConfig(run_dir, quarantine=QuarantineConfig()))
-    report = mon.observe(step, batch)
+    report = Monitor(MonitorConfig(run_dir, quarantine=QuarantineConfig())).observe(step, batch)
     report.keep            # (N,) bool, batch order: False for a quarantined sequence
     report.quarantined     # (Quarantined(request_id, index, reason, ...), ...)
 
@@ -20,23 +19,22 @@ order; `Quarantined.reasons` lists all it breaks):
 |                   | detector's early burst (`SignatureConfig.early_*`: a stale state, step-wide)       |
 | token_mismatch    | was scored by the trainer on other token ids than the engine sampled               |
 | stale_weights     | comes from weights further behind the trainer's than `MonitorConfig.max_weight_lag`|
-| turn_invariant    | breaks a cross-turn invariant of a multi-turn batch (`rlcheck.core.turn_checks`:   |
-|                   | a prefix break, logprobs of exactly 0.0, counts or turns that disagree, tool tokens |
-|                   | in the loss; a stale turn when its tokens cannot be masked alone)                  |
-| guard             | is named by an alarm found outside the Monitor (`details["request_ids"]`: the      |
-|                   | engine guard's violations)                                                         |
+| turn_invariant    | breaks a cross-turn invariant of its multi-turn batch (`rlcheck.core.turn_checks`)  |
+| prompt_mismatch,  | is named (`details["request_ids"]`) by an alarm found outside the Monitor: a       |
+| decode_prefill,   | prompt-id alarm, the decode-prefill audit's, the engine guard's, another's; each   |
+| guard, alarm      | reason says what raised it (`outside_reason`; a `weights` one: stale_weights)      |
 
-These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`): a quarantined
-sequence is one the step counts as catastrophic, early-diverged, mismatched or stale.
+These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`) but one: a corrupted
+tail (`corrupt_tails`) is the quarantine's alone, not counted catastrophic in the statistics or their limits.
 
-With some sequences quarantined, the detectors, the hard limits and the weight-version check judge
-the kept sequences (what the trainer learns from); the offenders are the kept ones' worst, their
-`index` in the whole batch. Past `max_frac` of the step's sequences the step is judged whole, as if
-quarantine were off (so the alarms that name the cause fire), and a critical `quarantine` alarm
-halts the run: masking that much would hide a broken engine (a step past it only through a burst of
-early divergences halts, as the signature detector does, when the burst recurs within its
-`recur_window`; once, it warns). With `patience` set, quarantine on that many steps in a row halts
-too. The run's bookkeeping, the alarm and the dumps: `rlcheck.core.quarantine_run`.
+With some sequences quarantined, the detectors, the hard limits and the weight-version check judge the kept
+sequences (what the trainer learns from); the offenders are the kept ones' worst, their `index` in the whole
+batch. Past `max_frac` of the step's sequences the step is judged whole, as if quarantine were off (so the
+alarms that name the cause fire), and a critical `quarantine` alarm halts the run: masking that much would
+hide a broken engine (a step past it only through a burst of early divergences halts, as the signature
+detector does, when the burst recurs within its `recur_window`; once, it warns). With `patience` set,
+quarantine on that many steps in a row halts too. The run's bookkeeping, the alarm and the dumps:
+`rlcheck.core.quarantine_run`.
 """
 
 from __future__ import annotations
@@ -58,7 +56,10 @@ from rlcheck.core.weights import is_stale
 from rlcheck.errors import ConfigError
 
 REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "turn_invariant",
-           "guard")
+           "prompt_mismatch", "decode_prefill", "guard", "alarm")
+OUTSIDE_REASONS = {"prompt_id_mismatch": "prompt_mismatch", "decode_prefill": "decode_prefill", "engine_guard": "guard"}
+"""An outside alarm's `details["signature"]` -> the reason its sequences are quarantined for (the
+signatures of `rlcheck.core.prompt_ids`, `rlcheck.loop.audit` and `rlcheck.engines.guard`)."""
 
 MAX_LISTED = 100
 """Quarantined sequences a step's metrics.jsonl record lists (all of them are in `StepReport`)."""
@@ -156,6 +157,14 @@ class Verdict:
         return out
 
 
+def outside_reason(alarm: Alarm) -> str:
+    """The reason an alarm found outside the Monitor quarantines the sequences it names: "stale_weights"
+    for a `weights` alarm, else by its signature (`OUTSIDE_REASONS`), "alarm" for any other."""
+    if alarm.kind == "weights":
+        return "stale_weights"
+    return OUTSIDE_REASONS.get(alarm.details.get("signature"), "alarm")
+
+
 def burst_counts(flags: Mapping[str, np.ndarray]) -> np.ndarray:
     """(5,) float64 counts the step's early burst is decided on, additive over a step's parts (ranks):
     sequences diverging early, sequences, diverged tokens, compared tokens, early slots."""
@@ -172,13 +181,11 @@ def is_burst(counts: np.ndarray, signature: SignatureConfig | None = None) -> bo
 
 def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, trainer_version: int | None = None,
           max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None,
-          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None,
-          turn_invariant: np.ndarray | None = None) -> Verdict:
+          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None, turn_invariant=None) -> Verdict:
     """The rules of `cfg` applied to every sequence of `batch` (vectorised over tokens); `signature`:
-    the signature detector's early-burst levels (default `SignatureConfig()`); `turn_invariant`: (N,) the
-    sequences breaking a cross-turn invariant (`rlcheck.core.turn_checks`). A step split over ranks
-    passes its `per_sequence_flags` and whether the whole step is a burst (`is_burst` of the summed
-    `burst_counts`), so each rank judges as one process would."""
+    the signature detector's early-burst levels (default `SignatureConfig()`); `turn_invariant`: (N,) bool, the
+    Monitor's multi-turn verdict (`rlcheck.core.turn_checks`). A step split over ranks passes its
+    `per_sequence_flags` and whether it is a burst (`is_burst` of the summed `burst_counts`), as one process."""
     cu = batch.cu_seqlens  # (N+1,)
     num = batch.num_sequences
     flags = per_sequence_flags(batch, stats) if flags is None else flags
@@ -196,10 +203,13 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
     stale = np.zeros(num, dtype=bool)
     if trainer_version is not None and batch.weight_version is not None:
         stale = is_stale(batch.weight_version, trainer_version, max_weight_lag)  # (N,)
-    found["stale_weights"] = stale
-    found["turn_invariant"] = np.zeros(num, dtype=bool) if turn_invariant is None else turn_invariant
-    named = {rid for a in alarms for rid in (a.details.get("request_ids") or ())}
-    found["guard"] = np.array([rid in named for rid in batch.request_ids], dtype=bool) if named else np.zeros(num, bool)
+    found["stale_weights"], found["turn_invariant"] = stale, np.zeros(num, bool) if turn_invariant is None else turn_invariant
+    for reason in ("prompt_mismatch", "decode_prefill", "guard", "alarm"):
+        found[reason] = np.zeros(num, dtype=bool)
+    for a in alarms:
+        named = set(a.details.get("request_ids") or ())
+        if named:
+            found[outside_reason(a)] |= np.array([rid in named for rid in batch.request_ids], dtype=bool)
     firm = np.zeros(num, dtype=bool)  # what the per-sequence rules condemn
     for reason in cfg.rules:
         firm |= found[reason]

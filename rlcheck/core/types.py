@@ -118,16 +118,11 @@ class StepReport:
         """The step's `rlcheck.core.correction.Correction`: per token (packed like the batch) the IS
         weight and the response mask (valid tokens of kept sequences, not rejected), and verl's
         metrics. Arguments: verl's `rollout_correction` fields, with its defaults."""
-        from rlcheck.core.correction import CorrectionConfig, compute, response_mask
+        from rlcheck.core.correction import CorrectionConfig, correct
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
-        from rlcheck.core.turn_correction import episode_d
-
-        b = self._batch()
-        mask = response_mask(b, self.keep)  # a multi-turn episode's sequence level: the per-token mean
-        return compute(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is), mask,
-                       b.cu_seqlens, cfg)
+        return correct(self._batch(), self.keep, cfg)
 
     def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,
                       rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
@@ -143,12 +138,11 @@ class StepReport:
         """(N,) float32, one per sequence: its sequence-level IS weight (default: sequence TIS, cap 2;
         None: 1), 0 where it is quarantined or rejected by a sequence-level `rollout_rs`."""
         from rlcheck.core.correction import CorrectionConfig, response_mask, sequence_weights
+        from rlcheck.core.turn_correction import episode_d
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
         b = self._batch()
-        from rlcheck.core.turn_correction import episode_d
-
         keep = np.ones(b.num_sequences, dtype=bool) if self.keep is None else self.keep
         mask = response_mask(b, self.keep)
         return sequence_weights(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is),

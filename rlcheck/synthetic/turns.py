@@ -29,8 +29,9 @@ from rlcheck.synthetic.field import FieldConfig, FieldStream
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    field: FieldConfig = field(default_factory=lambda: FieldConfig(num_sequences=16))
-    """The per-token law, the step wobble and the floor (its lengths are not used)."""
+    field: FieldConfig = field(default_factory=lambda: FieldConfig(num_sequences=16, growth_steps=10_000))
+    """The per-token law, the step wobble and the floor (its lengths are not used); the floor grows 10x over
+    10,000 steps (1e-3 to 1e-2, the published range), so a 10,000-step stream stays a healthy one."""
     min_turns: int = 2
     max_turns: int = 5
     first_length: int = 300

@@ -79,3 +79,20 @@ class TestDiagnose:
 
     def test_healthy(self, tmp_path):
         assert run_and_diagnose(tmp_path, None, steps=12) == "healthy"
+
+    def test_turn_shape_outranks_position(self, tmp_path):
+        """Later turns sit at later positions: a fault confined to turns >= 1 (mask runs only, the bench's
+        seed 1, where the dump's |d| rises with the position) is still named for the turns."""
+        cls = TURN_FAULTS[0]
+        cfg = MultiTurnConfig(field=FieldConfig(num_sequences=16, seed=1), mask_runs=True)
+        stream = MultiTurnStream(cfg, fault=cls(start=100, seed=1), num_steps=106)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mon = Monitor(MonitorConfig(tmp_path / "r", sinks=(), quarantine=QuarantineConfig(max_frac=0.9)))
+            try:
+                for i in range(106):
+                    mon.observe(i, stream.batch(i), trainer_version=stream.trainer_version(i))
+            except MismatchHalt:
+                pass
+            mon.close()
+        assert diagnose(tmp_path / "r").verdict.cause == cls.cause

@@ -144,16 +144,17 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     for i, t in enumerate(cfg.thresholds):
         sums[f"thr{i}"] = float(np.count_nonzero(ad > t))
     maxima = {"ad": ad_max, "d": d_max, "pdiff": float(pdiff.max()) if m_total else 0.0}
-    turn_seg = None if batch.turns is None else turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums, maxima)
-    sums["cat_tok"] = float(np.count_nonzero(ad >= cfg.catastrophic_tau))
-    sums["ad_clip"] = sum64(np.minimum(ad, cfg.clip, out=scratch))  # pdiff (in scratch) is done with
+    turn = None if batch.turns is None else turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums, maxima)
+    sums["cat_tok"] = float(np.count_nonzero(ad >= cfg.catastrophic_tau if turn is None else turn.cat))
+    # pdiff (in scratch) is done with; a multi-turn batch's turn pass computed min(|d|, clip) already
+    sums["ad_clip"] = sum64(np.minimum(ad, cfg.clip, out=scratch) if turn is None else turn.ad_clip)
     hist = H.abs_histogram(ad)
     hist[0] -= m_total - n
     hists = {"ad": hist}
     minima = {"d": d_min}
 
     offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
-    offenders = offenders if turn_seg is None else turn_positions(offenders, batch, turn_seg)
+    offenders = offenders if turn is None else turn_positions(offenders, batch, turn.seg)
     signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
     if cfg.distribution:
         distribution_stats(batch.topk, batch.mask, sums, maxima)

@@ -120,19 +120,30 @@ def slot_parts(seg: Segments, sums: np.ndarray, seg_max: np.ndarray, counts: np.
     return out_sums, out_max
 
 
-def turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums: dict[str, float], maxima: dict[str, float]) -> Segments:
+@dataclass(frozen=True)
+class TurnPass:
+    """What `turn_partial` leaves for the rest of compute_partial: the segments (for the offenders) and the
+    (M,) min(|d|, clip) and |d| >= catastrophic_tau it computed (the step's own sums reuse them)."""
+
+    seg: Segments
+    ad_clip: np.ndarray
+    cat: np.ndarray
+
+
+def turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums: dict[str, float], maxima: dict[str, float]) -> TurnPass:
     """Add the "turn/..." sums and maxima of a numpy batch with turns to `sums` and `maxima`, from
-    compute_partial's (M,) arrays (invalid tokens hold d = 0); return its segments."""
+    compute_partial's (M,) arrays (invalid tokens hold d = 0)."""
     turns, cu = batch.turns, batch.cu_seqlens
     seg = segments(turns, cu, cfg.turn_head_tokens)
-    values = {"n": None if valid is None else valid, "ad": ad, "ad_clip": np.minimum(ad, cfg.clip), "d": d, "e": e,
-              "pdiff": pdiff, "cat": ad >= cfg.catastrophic_tau}
+    ad_clip, cat = np.minimum(ad, cfg.clip), ad >= cfg.catastrophic_tau
+    values = {"n": None if valid is None else valid, "ad": ad, "ad_clip": ad_clip, "d": d, "e": e,
+              "pdiff": pdiff, "cat": cat}
     seg_sums, seg_max = segment_sums(values, ad, seg, batch.num_tokens)
     tool = turns.runs(cu)
     found, top = slot_parts(seg, seg_sums, seg_max, turns.turn_counts(cu), _tool_tokens(tool, batch.num_tokens))
     sums.update(found)
     maxima.update(top)
-    return seg
+    return TurnPass(seg, ad_clip, cat)
 
 
 def turn_positions(offenders: tuple[Offender, ...], batch, seg: Segments) -> tuple[Offender, ...]:

@@ -18,7 +18,9 @@ Direct evidence first: the cross-turn invariants' alarms (`rlcheck.core.turn_che
 Without invariant alarms (a framework that keeps no per-call prompts), the shape of the alarmed steps'
 per-turn statistics (`rlcheck/turn/*`): the turns' heads far above their bodies is a missing generation
 prompt; turns >= 1 far above turn 0 is history the engine saw otherwise than the trainer (re-tokenized or
-stripped: without the engine's prompts the two cannot be told apart, and the finding says so).
+stripped: without the engine's prompts the two cannot be told apart, and the finding says so). These
+outrank `position_dependent` (0.9): later turns sit at later positions, but a mismatch that grows with the
+position raises turn 0's own tail too, where these leave turn 0 clean (the ratios are against it).
 """
 
 from __future__ import annotations
@@ -127,18 +129,32 @@ def _median_at(ev: Evidence, key: str, steps: list[int]) -> float:
     return float(np.median(v[on])) if on.any() else float("nan")
 
 
+def _where(ev: Evidence, steps: list[int]) -> str:
+    """Where the alarmed steps' worst sequences first diverge (their offenders' turn and offset), in words."""
+    for rec in ev.records:
+        if rec["step"] in steps:
+            hit = next((o for o in rec.get("offenders") or () if o.get("turn") is not None), None)
+            if hit is not None:
+                return (f"step {rec['step']}: {hit['request_id']} first diverges at turn {hit['turn']}, offset "
+                        f"{hit['turn_offset']} (worst turn of the alarmed steps: "
+                        f"{_median_at(ev, K.TURN_WORST, steps):.0f}, median)")
+    return f"worst turn of the alarmed steps: {_median_at(ev, K.TURN_WORST, steps):.0f} (median)"
+
+
 def _from_shape(ev: Evidence, alarms: list[dict]) -> Finding | None:
     steps = alarm_steps(alarms)
     head, later = _median_at(ev, K.TURN_HEAD_BODY_RATIO, steps), _median_at(ev, K.TURN_LATER_RATIO, steps)
     if head >= HEAD_RATIO:
-        f = _finding("missing_generation_prompt", 0.85, alarms, LEADS["missing_generation_prompt"])
+        f = _finding("missing_generation_prompt", 0.93, alarms, LEADS["missing_generation_prompt"])
         f.evidence.insert(1, f"the first tokens of turns >= 1 are {head:.1f}x further off than the rest of those turns "
                              "(median over the alarmed steps); turn 0 is not")
+        f.evidence.insert(2, _where(ev, steps))
         return f
     if later >= LATER_RATIO:
-        f = _finding("retokenized_history", 0.8, alarms, LEADS["retokenized_history"])
+        f = _finding("retokenized_history", 0.92, alarms, LEADS["retokenized_history"])
         f.evidence.insert(1, f"turns >= 1 are {later:.1f}x further off than turn 0 (median over the alarmed steps), "
                              "their heads no more than the rest: the later turns were generated on another context")
+        f.evidence.insert(2, _where(ev, steps))
         f.evidence.append("without the engine's per-call prompt ids (TurnRecord.prompt_ids) re-tokenized history cannot "
                           "be told from history the template stripped (stripped_history): record them to tell")
         return f
