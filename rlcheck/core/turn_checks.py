@@ -276,8 +276,7 @@ def _zero_logprobs(batch, cfg: TurnCheckConfig, verdict: TurnVerdict) -> None:
     seqs = np.searchsorted(cu, start, side="right") - 1
     ended = np.concatenate([[0], np.cumsum(at_end & z)])  # (M+1,) zero tokens at a turn's end so far
     hit = (stop - start >= cfg.zero_run) | (ended[stop] > ended[start])
-    offsets = turns.offsets(cu)
-    share = _turn_zero_share(runs, compared, lr == 0.0, start[hit], cfg.zero_run)
+    offsets, share = turns.offsets(cu), _turn_zero_share(runs, compared, lr == 0.0, start[hit], cfg.zero_run)
     for a, b, seq, frac in zip(start[hit], stop[hit], seqs[hit], share, strict=True):
         _breach(verdict, "zero_logprobs", batch, int(seq), {
             "turn": int(turns.index[a]), "offset": int(offsets[a]), "length": int(b - a),
@@ -286,20 +285,14 @@ def _zero_logprobs(batch, cfg: TurnCheckConfig, verdict: TurnVerdict) -> None:
 
 
 def _turn_zero_share(runs, compared: np.ndarray, zero: np.ndarray, at: np.ndarray, least: int) -> list[float | None]:
-    """Per position in `at`: the share of its model turn's compared tokens whose engine logprob is exactly 0.0,
-    the sure ones too (a turn filled with 0.0 is all zeros; a healthy fp32 engine's near-certain tokens are
-    scattered), None outside a model turn or in a turn of fewer than `least` compared tokens."""
-    if not at.shape[0]:
-        return []
-    sums = np.concatenate([[0], np.cumsum(compared & zero)]), np.concatenate([[0], np.cumsum(compared)])
-    k = np.searchsorted(runs.start, at, side="right") - 1
-    out: list[float | None] = []
-    for pos, r in zip(at.tolist(), k.tolist(), strict=True):
-        a = int(runs.start[r]) if r >= 0 else -1
-        b = a + int(runs.length[r]) if r >= 0 else -1
-        n = int(sums[1][b] - sums[1][a]) if a <= pos < b else 0
-        out.append(float((sums[0][b] - sums[0][a]) / n) if n >= least else None)
-    return out
+    """Per position in `at`: its model turn's share of compared tokens at exactly 0.0, sure ones too, or None."""
+    if not at.shape[0] or not runs.start.shape[0]:
+        return [None] * at.shape[0]
+    zeros, counts = (np.concatenate([[0], np.cumsum(x)]) for x in (compared & zero, compared))
+    k = np.maximum(np.searchsorted(runs.start, at, side="right") - 1, 0)
+    a, b = runs.start[k], runs.start[k] + runs.length[k]
+    n, ok = counts[b] - counts[a], (a <= at) & (at < b)
+    return [float(z / c) if good and c >= least else None for z, c, good in zip(zeros[b] - zeros[a], n, ok, strict=True)]
 
 
 def _seq_edge(m: int, cu: np.ndarray, side: int) -> np.ndarray:

@@ -6,14 +6,13 @@
 Per step: the rollout actor samples G responses for each prompt of the toy task (vLLM, weights of
 version v); the trainer group recomputes their logprobs under the training weights (also version v,
 unless a sync was missed); `monitor.observe` compares the two, and each rollout's weight version
-with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise
-`MismatchHalt`); the
-rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
-gathered weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks
-whether the engine now computes with them; a failed check is a critical `weights` alarm at the next
-step, naming the stale decoder layers, and halts there. A halt stops the actors and returns with the evidence
-(the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
-step: rewards, loss, the time of each phase, and the step's engine restarts.
+with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise `MismatchHalt`);
+the rewards become group-normalised advantages and the group takes one clipped-surrogate step; the gathered
+weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks whether the engine
+now computes with them; a failed check is a critical `weights` alarm at the next step, naming the stale
+decoder layers, and halts there. A halt stops the actors and returns with the evidence (the Monitor wrote the
+dump before raising). `loop.jsonl` in the run directory gets one line per step: rewards, loss, the time of
+each phase, and the step's engine restarts.
 What the trainer scores, and the first alarmed step's dump when it does not halt: `rlcheck.loop.trainer_view`.
 
 Quarantine and correction: the update weights each response token by what the step's report says

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from rlcheck.errors import ConfigError
+from rlcheck.loop.agent.dialogue import MAX_OPERAND, NUM_OPERANDS, THINK_CLOSE, TOOL_NAME
 from rlcheck.loop.task import reward
-from rlcheck.modelzoo.calculator import MAX_OPERAND, NUM_OPERANDS, THINK_CLOSE, TOOL_NAME
 
 CALL = re.compile(rf"{TOOL_NAME}\(\s*a\s*=\s*(-?\d+)\s*,\s*b\s*=\s*(-?\d+)\s*\)")
 CALL_CREDIT = 0.1

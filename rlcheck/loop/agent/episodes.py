@@ -7,7 +7,7 @@ Turn 0 samples `group_size` responses per prompt (one engine call, as the single
 every later turn continues each trajectory that made a tool call with one sample from its own next
 prompt, with a seed of its own. The healthy next prompt is token-in/token-out, as TRL builds it
 (`GRPOTrainer._tool_call_loop`): the previous prompt + the turn's sampled ids + the tool's suffix
-ids (`rlcheck.modelzoo.calculator.tool_suffix_ids`), never the text tokenised again; a fault's
+ids (`rlcheck.loop.agent.dialogue.tool_suffix_ids`), never the text tokenised again; a fault's
 `TurnPlan` may have the next prompt re-rendered from the decoded messages instead
 (`rlcheck.faults.turns`). Each `Turn` keeps what the engine did: the ids it prefilled, the ids it
 sampled, their logprobs and the weight version it held.
@@ -28,7 +28,7 @@ import numpy as np
 
 from rlcheck.engines.vllm import Rollout
 from rlcheck.faults.turn_plan import TurnPlan
-from rlcheck.modelzoo.calculator import TOOL_NAME, tool_suffix_ids
+from rlcheck.loop.agent.dialogue import TOOL_NAME, tool_suffix_ids
 
 Generate = Callable[[list[list[int]], int, "list[int] | None"], list[Rollout]]
 """(prompts, n, per-prompt seeds or None) -> rollouts, prompt-major: one engine call."""
