@@ -92,13 +92,13 @@ def tool_run(tmp_path_factory):
                                  tools=[add], monitor=MonitorConfig(run_dir=out / "rlcheck", sinks=("jsonl",)),
                                  rlcheck_options=TRLOptions(inject=f"retokenized-history@{ONSET}"))
     run = ToolRun(trainer, None)
-    monitor_observe = trainer.rlcheck.monitor.observe
+    hook_observe = trainer.rlcheck._observe  # the hook's Monitor step (train() opens a fresh Monitor: spy above it)
 
-    def spy(step, batch, **kwargs):
+    def spy(step, batch, extra):
         run.batches[step] = batch
-        return monitor_observe(step, batch, **kwargs)
+        return hook_observe(step, batch, extra)
 
-    trainer.rlcheck.monitor.observe = spy
+    trainer.rlcheck._observe = spy
     try:
         trainer.train()
     except MismatchHalt as exc:
