@@ -66,7 +66,7 @@ def run_dir_of(out: Path, seed: int, spec: str, model: str) -> Path:
     return out / f"seed{seed}" / f"{Path(model).name}-{spec.replace('@', '_at').replace('+', '-')}"
 
 
-def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int) -> dict:
+def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int, task: str = "addition") -> dict:
     from rlcheck.core.detect import DetectorsConfig, RobustZConfig
     from rlcheck.core.monitor import Monitor, MonitorConfig
     from rlcheck.faults import parse_inject
@@ -77,7 +77,7 @@ def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int)
     run_dir = run_dir_of(out, seed, spec, model)
     fault_spec, guard = spec.removesuffix(GUARD), spec.endswith(GUARD)
     fault = parse_inject(None if fault_spec == "none" else fault_spec, seed=seed)
-    cfg = tiny_cpu(model, trainer="hf", steps=onset + after + 4, fault=fault, seed=seed, guard=guard)
+    cfg = tiny_cpu(model, trainer="hf", steps=onset + after + 4, fault=fault, seed=seed, guard=guard, task=task)
     first: list[int] = []
     shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short before: start it over
 
@@ -99,7 +99,8 @@ def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int)
             error = f"{type(exc).__name__}: {exc}"
         finally:
             loop.close()
-    done = {"spec": spec, "model": model, "seed": seed, "cause": fault.cause, "guard": guard, "seconds": round(time.perf_counter() - t0, 1),
+    done = {"spec": spec, "model": model, "seed": seed, "cause": fault.cause, "guard": guard, "task": task,
+            "seconds": round(time.perf_counter() - t0, 1),
             "halted": bool(result is not None and result.halted), "first_alarm": first[0] if first else None, "error": error}
     (run_dir / "done.json").write_text(json.dumps(done))
     return done

@@ -67,6 +67,7 @@ def demo(
     topk: int = typer.Option(0, "--topk", min=0, help="Top-k distribution metrics (rlcheck/dist/*: top-k overlap, KL estimate): the engine returns K logprobs per position and the trainer scores the same ids; 0: off (20 is the usual K)."),
     audit: bool = typer.Option(False, "--audit", help="The decode-prefill audit: 8 rollouts a step re-scored by a fresh prefill of the rollout engine; a rollout whose decode logprobs differ halts the step (engine-only evidence)."),
     weight_sync: str = typer.Option("object-store", help="How the weights reach vLLM after each update: object-store (Ray's) or collective (trainer rank 0 broadcasts them over a gloo group, in 512 MB buckets)."),
+    task: str = typer.Option("addition", help="addition (one engine call per rollout) or calculator: 3-turn tool-calling episodes, the tool's reply appended to the engine's own ids (model runs/models/llama-calculator unless --model names another); its faults: retokenized-history, stripped-history, missing-generation-prompt, join-token-mask, tool-tokens-in-loss, turn-logprobs-missing, stale-turn."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Monitor a synthetic stream instead of the real loop (no Ray, no vLLM)."),
     period: int = typer.Option(12, min=2, help="--synthetic: inject a spike every PERIOD steps."),
@@ -98,13 +99,17 @@ def demo(
         raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
     if correction not in (None, "token", "sequence", "geometric"):
         raise typer.BadParameter(f"{correction!r} is not token, sequence or geometric", param_hint="--correction")
+    from rlcheck.loop.presets import TASKS
     from rlcheck.loop.weight_sync import METHODS
+
+    if task not in TASKS:
+        raise typer.BadParameter(f"{task!r} is not one of {', '.join(TASKS)}", param_hint="--task")
 
     if weight_sync not in METHODS:
         raise typer.BadParameter(f"{weight_sync!r} is not one of {', '.join(METHODS)}", param_hint="--weight-sync")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
                        inject=inject, wandb=wandb, seed=seed, guard=guard, quarantine=quarantine,
-                       correction=correction, top_k=topk, audit=audit, weight_sync=weight_sync)
+                       correction=correction, top_k=topk, audit=audit, weight_sync=weight_sync, task=task)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, screen)
     render(summarize(run_dir), screen)

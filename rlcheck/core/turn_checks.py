@@ -276,12 +276,23 @@ def _zero_logprobs(batch, cfg: TurnCheckConfig, verdict: TurnVerdict) -> None:
     seqs = np.searchsorted(cu, start, side="right") - 1
     ended = np.concatenate([[0], np.cumsum(at_end & z)])  # (M+1,) zero tokens at a turn's end so far
     hit = (stop - start >= cfg.zero_run) | (ended[stop] > ended[start])
-    offsets = turns.offsets(cu)
-    for a, b, seq in zip(start[hit], stop[hit], seqs[hit], strict=True):
+    offsets, share = turns.offsets(cu), _turn_zero_share(runs, compared, lr == 0.0, start[hit], cfg.zero_run)
+    for a, b, seq, frac in zip(start[hit], stop[hit], seqs[hit], share, strict=True):
         _breach(verdict, "zero_logprobs", batch, int(seq), {
             "turn": int(turns.index[a]), "offset": int(offsets[a]), "length": int(b - a),
             "at_turn_end": bool(ended[b] > ended[a]), "position": int(a - cu[seq]),
-            "trainer_mean_logprob": float(np.mean(lt[a:b]))})
+            "trainer_mean_logprob": float(np.mean(lt[a:b])), "turn_zero_share": frac})
+
+
+def _turn_zero_share(runs, compared: np.ndarray, zero: np.ndarray, at: np.ndarray, least: int) -> list[float | None]:
+    """Per position in `at`: its model turn's share of compared tokens at exactly 0.0, sure ones too, or None."""
+    if not at.shape[0] or not runs.start.shape[0]:
+        return [None] * at.shape[0]
+    zeros, counts = (np.concatenate([[0], np.cumsum(x)]) for x in (compared & zero, compared))
+    k = np.maximum(np.searchsorted(runs.start, at, side="right") - 1, 0)
+    a, b = runs.start[k], runs.start[k] + runs.length[k]
+    n, ok = counts[b] - counts[a], (a <= at) & (at < b)
+    return [float(z / c) if good and c >= least else None for z, c, good in zip(zeros[b] - zeros[a], n, ok, strict=True)]
 
 
 def _seq_edge(m: int, cu: np.ndarray, side: int) -> np.ndarray:

@@ -38,6 +38,8 @@ INJECTED_MAX_STEPS = 100
 DEFAULT_MODEL = Path("runs/models/hybrid-trained")
 """The demo's model folder; a folder named `<arch>-trained` gets a trained model of that arch, any
 other name the random hybrid (`ensure_model`)."""
+CALCULATOR_MODEL = Path("runs/models/llama-calculator")
+"""The model of `--task calculator`: the tiny Llama trained on the calculator's tool-calling dialogues."""
 """With a fault injected the demo runs until the monitor halts, at most this many steps (the
 detectors' rolling baselines warm up over 32 steps before the periodic test may fire)."""
 
@@ -67,10 +69,18 @@ class DemoOptions:
     """The decode-prefill audit on 8 rollouts a step (`rlcheck.loop.audit.DecodePrefillAudit`)."""
     weight_sync: str = "object-store"
     """How the weights reach vLLM after each update (`rlcheck.loop.weight_sync`): "object-store" or "collective"."""
+    task: str = "addition"
+    """"addition" (one call per rollout) or "calculator": multi-turn episodes with a tool
+    (`rlcheck.loop.agent`), on `CALCULATOR_MODEL` unless `model` names another."""
 
     @property
     def fault(self) -> Fault:
         return parse_inject(self.inject, seed=self.seed)
+
+    @property
+    def model_dir(self) -> Path:
+        """The model folder: the calculator's own when the task is it and `model` is left at the default."""
+        return CALCULATOR_MODEL if self.task == "calculator" and self.model == DEFAULT_MODEL else self.model
 
     @property
     def max_steps(self) -> int:
@@ -98,9 +108,9 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
     fault = opts.fault
     os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
-    model = ensure_model(opts.model, console)
+    model = ensure_model(opts.model_dir, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
-                   fault=fault, seed=opts.seed, guard=opts.guard)
+                   fault=fault, seed=opts.seed, guard=opts.guard, task=opts.task)
     if opts.correction is not None:
         from rlcheck.core.correction import CorrectionConfig
 
@@ -175,7 +185,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                  rewards=list(result.rewards))
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
                  alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
-                 error=result.error, restarts=result.restarts)
+                 error=result.error, restarts=result.restarts, last=result.reports[-1].metrics if result.reports else {})
 
 
 def _print_found(found: dict[str, Any], console: Any) -> None:
@@ -197,6 +207,10 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
                       f"at step {a.step}; next expected at step {a.details['next_expected']}")
     elif not found["alarms"]:
         console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
+    turns = [(t, found["last"][K.turn_metric(t, "abs_diff_mean")]) for t in range(K.TURN_MAX_INDEX + 1)
+             if found.get("last", {}).get(K.turn_metric(t, "tokens"))]
+    if turns:  # a multi-turn task: the last step, turn by turn
+        console.print("last step's mean |d| by turn: " + ", ".join(f"turn {t} {v:.2g}" for t, v in turns))
     if found.get("quarantine"):
         q, t = set(found["quarantined"]), found["touched"]
         by_reason = Counter(found["quarantined"].values())

@@ -180,12 +180,13 @@ class VLLMEngine:
         *,
         step: int,
         n: int = 1,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[Rollout]:
         """n samples for each prompt (token ids), in prompt-major order. `seed` defaults to a value
-        derived from the config seed and the step, so a rerun draws the same tokens. `use_tqdm`: as
-        `LLM.generate`'s, a bool or a tqdm-like class (see `rlcheck.forensics.stress.progress_bar`)."""
+        derived from the config seed and the step, so a rerun draws the same tokens; a sequence gives
+        each prompt its own. `use_tqdm`: as `LLM.generate`'s, a bool or a tqdm-like class (see
+        `rlcheck.forensics.stress.progress_bar`)."""
         if not prompts:
             raise InputError("generate needs at least one prompt")
         if n < 1:
@@ -197,9 +198,12 @@ class VLLMEngine:
         found = 0 if self.guard is None else len(self.guard.violations)
         if self.guard is not None:
             self.guard.begin_call(step)
+        if isinstance(seed, Sequence) and len(seed) != len(prompts):
+            raise InputError(f"{len(seed)} seeds for {len(prompts)} prompts")
+        params = [self.sampling_params(n, int(s)) for s in seed] if isinstance(seed, Sequence) else self.sampling_params(n, seed)
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(map(int, p))} for p in prompts],
-            self.sampling_params(n, seed),
+            params,
             use_tqdm=use_tqdm,
         )
         if self.guard is not None and len(self.guard.violations) > found:

@@ -39,10 +39,17 @@ perturb-layer: any model):
 | perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
 | moe-route-flip=P        | P in (0, 1]  | near-tie tokens rerouted (MoE): they carry the mismatch | moe_routing         |
 
-Multi-turn (on any batch with `StepBatch.turns`, `rlcheck.faults.turns`: the table there):
-retokenized-history, stripped-history, missing-generation-prompt, join-token-mask, tool-tokens-in-loss,
-turn-logprobs-missing, stale-turn; diagnose names retokenized_history, stripped_history,
-missing_generation_prompt, join_token_mask, tool_tokens_in_loss, turn_logprobs_missing, stale_turn_weights.
+Of multi-turn episodes (`rlcheck.faults.turns`): in the own loop (a multi-turn task, `--task calculator`)
+the episodes themselves go wrong (`rlcheck.faults.turn_plan`, read by `rlcheck.loop.agent`); on any other
+batch with `StepBatch.turns` (synthetic streams, adapters) `apply` corrupts it the same way:
+
+| retokenized-history     | -            | turn k+1's prompt leaves turn k's ids inside turn k      | retokenized_history |
+| stripped-history        | -            | the prefix breaks at an earlier turn's <think>           | stripped_history    |
+| missing-generation-prompt | -          | a spike on the first tokens of turns >= 1; turn 0 clean  | missing_generation_prompt |
+| join-token-mask         | -            | a loss token with engine logprob 0.0 at each turn's end  | join_token_mask     |
+| tool-tokens-in-loss     | -            | whole loss runs with engine logprob 0.0, trainer far below | tool_tokens_in_loss |
+| turn-logprobs-missing   | -            | turn 1's engine logprobs all exactly 0.0                 | turn_logprobs_missing |
+| stale-turn              | -            | the sync lands before turn 1: turn 0 from stale weights  | stale_turn_weights  |
 """
 
 from __future__ import annotations
@@ -52,7 +59,18 @@ from rlcheck.faults.base import Fault, TrainerInputs
 from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
 from rlcheck.faults.engine_settings import RawLogprobs, RopeMismatch, StalePrefixCache
 from rlcheck.faults.inputs import DoubleBos, LeftPadPositions, Retokenize, StopToken
-from rlcheck.faults.turns import TURN_FAULTS
+from rlcheck.faults.turn_plan import apply_in_loop
+from rlcheck.faults.turns import (
+    TURN_FAULTS,
+    JoinTokenMask,
+    MissingGenerationPrompt,
+    RetokenizedHistory,
+    StaleTurn,
+    StrippedHistory,
+    ToolTokensInLoss,
+    TurnFault,
+    TurnLogprobsMissing,
+)
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -122,7 +140,9 @@ def _number(text: str, kind: type, message: str):
         raise ConfigError(message) from None
 
 
-__all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "LeftPadPositions",
-           "MoeRouteFlip", "OffByOne", "OffByOneEarly", "PerturbLayer", "RawLogprobs", "Retokenize", "RopeMismatch", "SkipSync",
-           "StaleBuffer", "StalePrefixCache", "StaleState", "StaleWeights", "StopToken", "TemperatureMismatch", "TopP",
-           "TrainerInputs", "parse_inject"]
+__all__ = ["FAULTS", "TURN_FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap",
+           "JoinTokenMask", "LeftPadPositions", "MissingGenerationPrompt", "MoeRouteFlip", "OffByOne",
+           "OffByOneEarly", "PerturbLayer", "RawLogprobs", "Retokenize", "RetokenizedHistory", "RopeMismatch",
+           "SkipSync", "StaleBuffer", "StalePrefixCache", "StaleState", "StaleTurn", "StaleWeights", "StopToken",
+           "StrippedHistory", "TemperatureMismatch", "ToolTokensInLoss", "TopP", "TrainerInputs", "TurnFault",
+           "TurnLogprobsMissing", "apply_in_loop", "parse_inject"]

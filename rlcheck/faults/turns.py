@@ -1,7 +1,8 @@
 """The multi-turn faults, at the batch level: each corrupts a multi-turn `StepBatch` (one with
 `StepBatch.turns`, as an agent loop's adapter builds it) the way the bug it is named after does, in the
 numbers and, where the batch records them (`TurnRecord`), in what the engine saw per call. They run on
-any multi-turn batch (`rlcheck.synthetic.turns` streams, a real loop's batches) through `Fault.apply`.
+any multi-turn batch (`rlcheck.synthetic.turns` streams, an adapter's batches) through `Fault.apply`. In
+the own loop (`--task calculator`) the episodes themselves go wrong instead (`rlcheck.faults.turn_plan`).
 
 | fault                     | what the bug does                                          | cause diagnose names       |
 |---------------------------|------------------------------------------------------------|----------------------------|
@@ -288,6 +289,10 @@ class StaleTurn(TurnFault):
     shape = "the turns before a version change off; their versions old"
     lag: int = 2
     scale: float = 0.05
+
+    def skip_sync(self, step: int) -> bool:
+        """The own loop: the sync after each update is left out and made inside the next step's episodes."""
+        return self.active(step)
 
     def corrupt(self, batch, picked, rng, step):
         lr = batch.logp_rollout.copy()

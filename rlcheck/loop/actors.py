@@ -37,8 +37,9 @@ class RolloutWorker:
             kind, options = engine_fault
             self.fault = inject(self.engine, kind, **options)
 
-    def generate(self, prompts: list[list[int]], step: int, n: int) -> list[Rollout]:
-        return self.engine.generate(prompts, step=step, n=n)
+    def generate(self, prompts: list[list[int]], step: int, n: int, seeds: list[int] | None = None) -> list[Rollout]:
+        """n samples per prompt; `seeds`: one per prompt (a multi-turn task's later turns), else the step's."""
+        return self.engine.generate(prompts, step=step, n=n, seed=seeds)
 
     def sync_weights(self, weights: list[tuple[str, Any]], version: int, spoil: str | None = None) -> int:
         """Load `weights` as `version`; `spoil`: a self-test (the `drop-sync`, `permute-sync` faults) that

@@ -19,6 +19,8 @@ from rlcheck.core.types import StepReport
 from rlcheck.engines.vllm import VLLMConfig
 from rlcheck.errors import ActorDiedError, ConfigError
 from rlcheck.faults import Fault
+from rlcheck.loop.agent.calculator import CalculatorTask
+from rlcheck.loop.agent.wiring import check_task
 from rlcheck.loop.audit import DecodePrefillAudit
 from rlcheck.loop.group import DEFAULT_CALL_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlcheck.loop.placement import Placement
@@ -39,7 +41,9 @@ class LoopConfig:
     steps: int = 20
     group_size: int = 4
     """G: samples per prompt."""
-    task: AdditionTask = field(default_factory=AdditionTask)
+    task: AdditionTask | CalculatorTask = field(default_factory=AdditionTask)
+    """The single-turn addition task, or the multi-turn calculator (`rlcheck.loop.agent`: a tool call per
+    turn, the tool's reply appended to the engine's own ids)."""
     placement: Placement = field(default_factory=Placement)
     fault: Fault = field(default_factory=Fault)
     max_engine_restarts: int = 2
@@ -88,6 +92,7 @@ class LoopConfig:
             "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
                         "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
             "fault": self.fault.describe(),
+            "task": {"name": type(self.task).__name__, "multi_turn": self.task.multi_turn},
             "correction": None if self.correction is None else dataclasses.asdict(self.correction),
             "preflight": loop_findings(self),  # the static preflight's findings (rlcheck.loop.preflight_wiring)
         }
@@ -117,6 +122,7 @@ class LoopConfig:
             )
         if os.path.abspath(self.rollout.model) != os.path.abspath(self.trainer.model):
             raise ConfigError(f"rollout model {self.rollout.model} and trainer model {self.trainer.model} differ")
+        check_task(self)  # a multi-turn task's refusals (rlcheck.loop.agent.wiring)
 
 
 @dataclass

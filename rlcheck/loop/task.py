@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,6 +28,8 @@ class AdditionTask:
     num_prompts: int = 8
     """Prompts per step (each sampled G times)."""
     seed: int = 0
+    multi_turn: ClassVar[bool] = False
+    """One engine call per rollout (`rlcheck.loop.agent.CalculatorTask` takes several)."""
 
     def prompts(self, step: int) -> list[tuple[str, int]]:
         """(text, answer) pairs of one step; the same step always draws the same ones."""
@@ -33,6 +37,10 @@ class AdditionTask:
         a = rng.integers(0, self.max_operand + 1, self.num_prompts)
         b = rng.integers(0, self.max_operand + 1, self.num_prompts)
         return [(f"{x}+{y}=", int(x + y)) for x, y in zip(a, b, strict=True)]
+
+    def rewards(self, rollouts: Sequence[Any], items: Sequence[tuple[str, int]]) -> np.ndarray:
+        """(len(rollouts),) each rollout's `reward` against its prompt's answer."""
+        return np.array([reward(r.text, items[r.prompt_index][1]) for r in rollouts])
 
 
 def reward(response_text: str, answer: int) -> float:

@@ -45,6 +45,11 @@ TEXT_LINES = 4000
 """Corpus sentences tokenised for the text share (a pool to draw from; the corpus has 20,000)."""
 EVAL_PROMPTS = 256
 TRAINED_SUFFIX = "-trained"
+TASKS = ("addition", "calculator")
+CALCULATOR_SUFFIX = "-calculator"
+CALCULATOR_ROW_TOKENS = 128
+CALCULATOR_STEPS = {"llama": 300, "hybrid": 200, "mamba2": 200, "moe": 400}
+"""Training steps of the calculator model (rows of 128 tokens, one dialogue each) when not told."""
 DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600}
 """Training steps `build_trained` takes when not told: the hybrid learns the task in fewer steps
 (loss 1.48 after 200, the llama's 1.61 after 400) but each of its steps costs ~2-3x more here (HF's
@@ -71,6 +76,9 @@ class TrainSpec:
     """Operands 0..max_operand, as `AdditionTask`'s."""
     max_positions: int = 2048
     """Context length of the saved model: room for 1k+ token responses in vLLM."""
+    task: str = "addition"
+    """"addition" (the loop's `AdditionTask` lines) or "calculator": whole tool-calling dialogues of the
+    loop's `CalculatorTask`, one per row (`rlcheck.modelzoo.calculator`; rows of >= 128 tokens)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_rows < 1 or self.row_tokens < 16:
@@ -79,6 +87,10 @@ class TrainSpec:
             raise ConfigError(f"need lr > 0 and 0 <= text_share < 1, got {self.lr}, {self.text_share}")
         if self.max_operand < 1:
             raise ConfigError(f"max_operand must be >= 1, got {self.max_operand}")
+        if self.task not in TASKS:
+            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.task == "calculator" and self.row_tokens < CALCULATOR_ROW_TOKENS:
+            raise ConfigError(f"a calculator dialogue needs rows of >= {CALCULATOR_ROW_TOKENS} tokens, got {self.row_tokens}")
         ModelSpec(arch=self.arch, seed=self.seed, max_positions=self.max_positions)  # its checks
 
     def model_spec(self) -> ModelSpec:
@@ -89,6 +101,9 @@ def build_trained(arch: str = "llama", out_dir: str | os.PathLike = "runs/models
                   force: bool = False, **options) -> Path:
     """`train(TrainSpec(arch, **options), out_dir, force=force)`, with `DEFAULT_STEPS[arch]` steps
     unless `steps` is given."""
+    if options.get("task") == "calculator":
+        options.setdefault("row_tokens", CALCULATOR_ROW_TOKENS)
+        options.setdefault("steps", CALCULATOR_STEPS.get(arch, TrainSpec.steps))
     options.setdefault("steps", DEFAULT_STEPS.get(arch, TrainSpec.steps))
     return train(TrainSpec(arch=arch, **options), out_dir, force=force)
 
@@ -105,15 +120,17 @@ def ensure_trained(out_dir: str | os.PathLike, arch: str = "llama", **options) -
 def ensure_model(out_dir: str | os.PathLike) -> Path:
     """The model at `out_dir`, built there first if the folder holds none, by its name: a folder
     named `<arch>-trained` (runs/models/hybrid-trained, the demo's) gets a model of that arch trained
-    on the task (`ensure_trained`, a few CPU minutes), any other the random hybrid (`build`, seconds)."""
+    on the task (`ensure_trained`, a few CPU minutes), `<arch>-calculator` one trained on the
+    multi-turn calculator (`task="calculator"`), any other the random hybrid (`build`, seconds)."""
     from rlcheck.modelzoo.models import ARCHS
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    if out.name.endswith(TRAINED_SUFFIX):
-        arch = out.name[: -len(TRAINED_SUFFIX)]
-        return ensure_trained(out, arch if arch in ARCHS else "hybrid")
+    for suffix, task in ((TRAINED_SUFFIX, "addition"), (CALCULATOR_SUFFIX, "calculator")):
+        if out.name.endswith(suffix):
+            arch = out.name[: -len(suffix)]
+            return ensure_trained(out, arch if arch in ARCHS else "hybrid", task=task)
     return build(ModelSpec(arch="hybrid"), out)
 
 
@@ -152,16 +169,36 @@ def _train_folder(spec: TrainSpec, folder: Path) -> dict:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            loss = _fit(model, spec, _Lines(tok, spec))
+            loss = _fit(model, spec, _rows(tok, spec))
             model.eval()
-            accuracy, reward = evaluate(model, tok, spec.max_operand)
+            accuracy, reward = _evaluate(model, tok, spec)
         model.save_pretrained(folder)
+        if spec.task == "calculator":
+            from rlcheck.modelzoo.calculator import install_templates
+
+            install_templates(folder)
     finally:
         torch.set_num_threads(threads)
     return {"final_loss": round(loss, 4), "eval_accuracy": round(accuracy, 4), "eval_reward": round(reward, 4)}
 
 
-def _fit(model, spec: TrainSpec, lines: _Lines) -> float:
+def _rows(tok, spec: TrainSpec):
+    if spec.task == "calculator":
+        from rlcheck.modelzoo.calculator_train import CalculatorRows
+
+        return CalculatorRows(tok, spec)
+    return _Lines(tok, spec)
+
+
+def _evaluate(model, tok, spec: TrainSpec) -> tuple[float, float]:
+    if spec.task == "calculator":
+        from rlcheck.modelzoo.calculator_train import evaluate as evaluate_calculator
+
+        return evaluate_calculator(model, tok, spec.max_operand)
+    return evaluate(model, tok, spec.max_operand)
+
+
+def _fit(model, spec: TrainSpec, lines) -> float:
     """`spec.steps` AdamW steps, warmup then cosine; returns the mean loss of the last 20 steps."""
     import math
 

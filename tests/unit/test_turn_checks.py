@@ -205,3 +205,55 @@ class TestEpisodeCorrection:
         assert r.metrics["rlcheck/corr/rollout_is_seq_min"] > 0.98
         flat = StepReport(0, {}, [], (), batch=dataclasses.replace(b, turns=None))
         assert flat.sequence_weights().max() < 1e-3  # the same tokens summed: collapsed
+
+
+class TestWholeTurnZeros:
+    """A turn whose engine logprobs were all filled with 0.0, the count right (OpenRLHF's fill; the own loop's
+    `turn-logprobs-missing`): where the trainer is sure the zeros break nothing, so the flagged runs are pieces,
+    short ones at the turn's end (a short turn's whole unsure part). Their evidence carries the share of
+    the whole turn at exactly 0.0, and diagnose names the missing logprobs from it."""
+
+    def _zero_turn_one(self):
+        b, v = stream_batch(step=3)
+        runs = b.turns.runs(b.cu_seqlens)
+        lr, lt = b.logp_rollout.copy(), b.logp_train.copy()
+        ones = np.flatnonzero(runs.turn == 1)
+        for r in ones:
+            a, n = int(runs.start[r]), int(runs.length[r])
+            lr[a:a + n] = 0.0
+            lt[a:a + n] = -1e-7  # sure tokens ...
+            lt[a + 2:a + 4] = -6.0  # ... a rare pair in the middle (alone: no breach, under zero_run)
+            lt[a + n - 2:a + n] = -0.5  # ... and the turn's last two
+        return dataclasses.replace(b, logp_rollout=lr, logp_train=lt), v, ones.shape[0]
+
+    def test_evidence_has_the_turns_zero_share(self):
+        b, v, turns = self._zero_turn_one()
+        verdict = check(b, trainer_version=v)
+        shown = verdict.evidence["zero_logprobs"]
+        assert verdict.broken["zero_logprobs"].sum() == turns and shown
+        assert all(e["turn"] == 1 and e["length"] in (2, 4) and e["turn_zero_share"] == 1.0 for e in shown)
+
+    def test_diagnose_names_missing_logprobs_not_tool_or_join(self):
+        from rlcheck.forensics.diagnose.rules.turns import zero_cause
+
+        b, v, _ = self._zero_turn_one()
+        shown = check(b, trainer_version=v).evidence["zero_logprobs"]
+        assert {zero_cause(e) for e in shown} == {"turn_logprobs_missing"}
+        rare, end = dict(shown[0], turn_zero_share=0.2), dict(shown[0], at_turn_end=True, turn_zero_share=0.2)
+        assert zero_cause(dict(rare, trainer_mean_logprob=-6.0)) == "tool_tokens_in_loss"  # without the share
+        assert zero_cause(end) == "join_token_mask"
+
+    def test_healthy_scattered_zeros_have_a_small_share(self):
+        """An fp32 engine's exact 0.0 on every 4th token (sure ones) and one unsure at the turn's end: join."""
+        from rlcheck.forensics.diagnose.rules.turns import WHOLE_TURN_ZEROS, zero_cause
+
+        b, v = stream_batch(step=3)
+        runs = b.turns.runs(b.cu_seqlens)
+        lr, lt = b.logp_rollout.copy(), b.logp_train.copy()
+        for r in np.flatnonzero(runs.turn == 1):
+            a, n = int(runs.start[r]), int(runs.length[r])
+            lr[a:a + n:4], lt[a:a + n:4] = 0.0, -1e-7
+            lr[a + n - 1], lt[a + n - 1] = 0.0, -0.5
+        shown = check(dataclasses.replace(b, logp_rollout=lr, logp_train=lt), trainer_version=v).evidence["zero_logprobs"]
+        assert shown and all(e["turn_zero_share"] < WHOLE_TURN_ZEROS for e in shown)
+        assert {zero_cause(e) for e in shown} == {"join_token_mask"}

@@ -13,7 +13,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
 from rlcheck.errors import MismatchHalt
-from rlcheck.faults import Fault
+from rlcheck.faults import Fault, apply_in_loop
 from rlcheck.integrations.trl.batch import MASK_KEY, mask_rows, new_scalars, quarantined_rows, request_ids
 from rlcheck.integrations.trl.config import (
     DROPPED_SEQUENCES,
@@ -30,6 +30,7 @@ from rlcheck.integrations.trl.loss import mark_kept
 from rlcheck.integrations.trl.preflight_checks import check_attach
 from rlcheck.integrations.trl.sync import WeightSync
 from rlcheck.integrations.trl.topk import attach_topk
+from rlcheck.integrations.trl.turns import recorder_for, with_turns
 
 
 class RLCheckHook:
@@ -45,6 +46,7 @@ class RLCheckHook:
         self.options = options or TRLOptions()
         check_attach(trainer, self.options)  # sampling refusals, then the preflight (unless run before vLLM started)
         self.fault = check_fault(self.options.inject)
+        self.turns = recorder_for(trainer, self.fault)  # with tools: vLLM's calls, turn by turn
         if monitor is None:
             monitor = MonitorConfig(run_dir=Path(trainer.args.output_dir) / "rlcheck")
         self._owned = isinstance(monitor, MonitorConfig)
@@ -99,9 +101,9 @@ class RLCheckHook:
         quarantined sequences' rows of `output["completion_mask"]` are zeroed. With top-k on,
         `topk_rows` are vLLM's top-k of the generation's completions (`EngineTopK.take()`)."""
         step = self.trainer.state.global_step
-        batch = generation_batch(self.trainer, output, step, self.rank, self.sync.synced_step, self.engine_topk,
-                                 topk_rows)
-        batch, _ = self.fault.apply(step, batch)
+        batch = with_turns(self, output, generation_batch(self.trainer, output, step, self.rank, self.sync.synced_step,
+                                                          self.engine_topk, topk_rows))
+        batch, _ = apply_in_loop(self.fault, step, batch)  # a turn fault acts for real (in the tool loop)
         try:
             report = self._observe(step, batch, extra)
         except MismatchHalt as halt:

@@ -12,8 +12,8 @@ Direct evidence first: the cross-turn invariants' alarms (`rlcheck.core.turn_che
 | a later call's prompt lacks a run of an earlier output's ids (deleted)    | stripped_history           |
 | a later call's prompt holds other ids inside an earlier output            | retokenized_history        |
 | a zero-logprob token at a turn's end; a trained turn one token longer     | join_token_mask            |
-| a zero-logprob run inside a turn, the trainer's logprobs ordinary; fewer  | turn_logprobs_missing      |
-| logprobs than sampled ids                                                 |                            |
+| a zero-logprob run inside a turn, the trainer's logprobs ordinary, or in a | turn_logprobs_missing      |
+| turn >= 80% exactly 0.0 (sure tokens too); fewer logprobs than sampled ids |                            |
 
 Without invariant alarms (a framework that keeps no per-call prompts), the shape of the alarmed steps'
 per-turn statistics (`rlcheck/turn/*`): the turns' heads far above their bodies is a missing generation
@@ -36,6 +36,10 @@ from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, 
 
 TOOL_LOGPROB = -2.0
 """A zero-logprob run whose trainer logprobs average below this is text the model did not write."""
+WHOLE_TURN_ZEROS = 0.8
+"""A zero-logprob run in a model turn whose compared tokens are at least this share exactly 0.0 (the sure ones
+counted too) is a turn's logprobs filled in, whatever the trainer thinks of the tokens: a healthy fp32 engine
+gives 0.0 to ~11% of the calculator model's tokens, scattered; a tool reply merged into a turn adds its share."""
 HEAD_RATIO, LATER_RATIO = 4.0, 2.0
 """The alarmed steps' median head/body and later/turn-0 ratios that name a cause from the shape alone."""
 
@@ -81,6 +85,8 @@ def prefix_cause(e: dict) -> str:
 def zero_cause(e: dict) -> str:
     """The cause one zero-logprob or count breach points at."""
     if "trainer_mean_logprob" in e:
+        if (e.get("turn_zero_share") or 0.0) >= WHOLE_TURN_ZEROS:  # a whole turn filled with 0.0, sure tokens too
+            return "turn_logprobs_missing"
         if e["trainer_mean_logprob"] < TOOL_LOGPROB and e.get("length", 0) >= 2:
             return "tool_tokens_in_loss"
         return "join_token_mask" if e.get("at_turn_end") and e.get("length", 0) <= 2 else "turn_logprobs_missing"
