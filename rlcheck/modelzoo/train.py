@@ -45,7 +45,7 @@ TEXT_LINES = 4000
 """Corpus sentences tokenised for the text share (a pool to draw from; the corpus has 20,000)."""
 EVAL_PROMPTS = 256
 TRAINED_SUFFIX = "-trained"
-DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600}
+DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600, "qwen2": 100}
 """Training steps `build_trained` takes when not told: the hybrid learns the task in fewer steps
 (loss 1.48 after 200, the llama's 1.61 after 400) but each of its steps costs ~2-3x more here (HF's
 reference Mamba2 kernels on CPU), so both builds take a few CPU minutes."""
