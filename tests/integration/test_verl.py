@@ -207,7 +207,8 @@ class TestVerlDataProto:
             V.to_step_batch(batch)
 
     @pytest.mark.supports("verl", "trainer", "bypass mode",
-                          status="refused: InputError, the two sides are the same values (bypass mode)")
+                          status="refused: ConfigError before verl starts its workers (the plugin); a value-equal "
+                                 "copy reaching observe: InputError, the two sides are the same values")
     def test_bypass_mode_value_equal_copy(self, tmp_path):
         """v1 bypass mode through the transfer queue: old_log_probs a value-equal copy (another buffer) of
         rollout_log_probs is an InputError saying the sides are identical, never "abs_diff_max 0, healthy"."""
