@@ -93,12 +93,12 @@ def resumed_run(legacy_run, data, user_dir, tmp_path_factory):
 
 def agrees_with_verl(result: verl_run.Result, steps: list[int], tolerance: float) -> None:
     """rlcheck's figures equal verl's own functions on the same batch: calculate_debug_metrics in float64
-    (recorded by the test support) to 1e-9, and as verl logged it to `tolerance`; verl's k1 KL (its
+    (recorded by the test support) to 1e-6, and as verl logged it to `tolerance`; verl's k1 KL (its
     rollout correction's metrics) to 1e-5."""
     logged, exact = result.verl_metrics(), {r["step"]: r for r in result.records("verl_debug")}
     for step in steps:
         ours = logged[step][K.PROB_ABS_DIFF_MEAN]
-        assert ours == pytest.approx(exact[step]["training/rollout_probs_diff_mean"], rel=1e-9, abs=0), step
+        assert ours == pytest.approx(exact[step]["training/rollout_probs_diff_mean"], rel=1e-6, abs=0), step
         assert abs(ours - logged[step]["training/rollout_probs_diff_mean"]) <= tolerance, step
         assert logged[step][K.KL_K1] == pytest.approx(logged[step]["rollout_corr/kl"], rel=1e-5, abs=1e-9), step
 
@@ -156,7 +156,7 @@ class TestV1Trainer:
     def test_diagnose_names_the_missed_sync(self, v1_run):
         """`rlcheck diagnose` on the run directory: weights out of sync, at step 4."""
         verdict = diagnose(v1_run.out / "rlcheck").verdict
-        assert verdict.cause == "weights_out_of_sync" and verdict.steps == [4]
+        assert verdict.cause == "weights_out_of_sync" and verdict.affected_steps == [4]
         cli = subprocess.run([str(Path(sys.executable).with_name("rlcheck")), "diagnose", str(v1_run.out / "rlcheck")],
                              capture_output=True, text=True)
         assert cli.returncode == 0 and "weights not synced" in cli.stdout
@@ -200,7 +200,7 @@ class TestLegacyTrainer:
         meta = json.loads((legacy_run.out / "rlcheck" / "dumps" / "step_000003" / "meta.json").read_text())
         assert meta["reason"] == "first alarm"
         verdict = diagnose(legacy_run.out / "rlcheck").verdict
-        assert verdict.cause == "stop_token" and 3 in verdict.steps
+        assert verdict.cause == "stop_token" and verdict.affected_steps == [3]
 
     def test_versions_as_verl_puts_them(self, legacy_run):
         """The legacy trainer's batch (`min_global_steps` / `max_global_steps` from its agent loop): step G
@@ -227,12 +227,16 @@ class TestResumedTrainer:
 
     def test_perturbed_engine_layer_caught(self, resumed_run):
         """Decoder layer 1 computes 1.5 x its attention output inside vLLM from the sync after step 5:
-        step 6 alarms, step 5 does not."""
+        step 6 alarms, step 5 does not, the level 10x step 5's and staying there. (`rlcheck diagnose`
+        has no weight evidence in verl to name it: the sync check of rlcheck's own loop is not wired into
+        verl's weight sync.)"""
         (fault,) = [f for f in resumed_run.records("faults") if f["fault"] == "perturb-layer"]
-        assert "decoder layer 1" in fault["target"]
+        assert fault["target"] == "decoder layer 1 (attention) self_attn.o_proj"
         records = journal(resumed_run.out / "rlcheck")
         assert alarms(records[6]) and not alarms(records[5])
-        assert records[6]["metrics"][K.ABS_DIFF_MEAN] > 5 * records[5]["metrics"][K.ABS_DIFF_MEAN]
+        level = [records[s]["metrics"][K.ABS_DIFF_MEAN] for s in (5, 6, 7)]
+        assert level[1] > 10 * level[0] and level[2] > 10 * level[0]
+        assert resumed_run.returncode == 0  # warn level: the run goes on, as configured
 
 
 @pytest.mark.supports("verl", "trainer", "bypass mode",
@@ -245,10 +249,11 @@ class TestResumedTrainer:
 def test_refused_before_verl_starts(data, tmp_path_factory):
     """Settings rlcheck cannot watch are refused together, before verl starts its workers or vLLM, and
     nothing is written: bypass mode, no engine logprobs, the v1 trainer's off-policy modes."""
-    result = start(data, tmp_path_factory.mktemp("refused-user"), tmp_path_factory, "refused", "", 2,
+    user = tmp_path_factory.mktemp("refused-user")
+    result = start(data, user, tmp_path_factory, "refused", "", 2,
                    "algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false",
                    "trainer.v1.trainer_mode=colocate_async")
     assert result.returncode != 0 and "rlcheck cannot watch this verl run" in result.log
     for setting in ("bypass_mode=true", "calculate_log_probs=false", "trainer_mode=colocate_async"):
         assert setting in result.log
-    assert "vLLMHttpServer" not in result.log
+    assert "vLLMHttpServer" not in result.log and not (user / "rlcheck").exists()

@@ -195,7 +195,9 @@ def _perturb_method(module: ModuleType) -> None:
     def rlcheck_perturb_layer(self, layer: int, factor: float) -> str:
         from rlcheck.engines.vllm_perturb import _scale_output
 
-        return _scale_output(self.model_runner.model, layer, factor)
+        target = _scale_output(self.model_runner.model, layer, factor)
+        record("faults", fault="perturb-layer", target=target)
+        return target
 
     module.vLLMColocateWorkerExtension.rlcheck_perturb_layer = rlcheck_perturb_layer
 
@@ -210,8 +212,8 @@ def _perturb_after_sync(module: ModuleType) -> None:
         out = await original(self, weights, global_steps, *args, **kwargs)
         layer = None if global_steps is None else active("perturb-layer", int(global_steps))
         if layer is not None:
-            targets = await self._execute_method("rlcheck_perturb_layer", kwargs={"layer": layer, "factor": PERTURB_FACTOR})
-            record("faults", fault="perturb-layer", step=int(global_steps), target=str(targets))
+            await self._execute_method("rlcheck_perturb_layer", kwargs={"layer": layer, "factor": PERTURB_FACTOR})
+            record("faults", fault="perturb-sync", step=int(global_steps))
         return out
 
     adapter.update_weights = update_weights
