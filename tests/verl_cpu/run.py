@@ -84,6 +84,7 @@ def cpu_env(out: Path, faults: str = "") -> dict[str, str]:
         "VERL_FILE_LOGGER_PATH": str(out / "verl_metrics.jsonl"),
         "RLCHECK_VERL_RECORD": str(out / "records"),
         "RLCHECK_VERL_FAULTS": faults,
+        "RLCHECK_VERL_CKPT_DIR": str(out / "weights"),  # the fully async trainer's weights (checkpoint_engine.py)
     }
 
 
