@@ -4,6 +4,7 @@ it picks, the v1 rows' ids and versions. verl's real trainer: tests/integration/
 
 from __future__ import annotations
 
+import inspect
 import json
 import pickle
 import sys
@@ -149,6 +150,34 @@ class TestWrapping:
         with pytest.raises(ConfigError, match="bypass_mode"):
             trainer.init_workers()
         assert not getattr(trainer, "started", False)
+
+    def test_a_subclass_of_a_wrapped_trainer_is_wrapped_too(self):
+        """The fully async trainer subclasses the legacy one, wrapped first: it gets its own wrappers (the
+        parent's flag does not stand for it)."""
+        module = self.trainer_module()
+        plugin._attach("RayPPOTrainer", "init_workers", module)
+        child = types.ModuleType("verl.experimental.fully_async_policy.fully_async_trainer")
+
+        class FullyAsyncTrainer(module.RayPPOTrainer):
+            async def init_workers(self):
+                self.started = True
+
+            def _compute_old_log_prob(self, batch):
+                return super()._compute_old_log_prob(batch)
+
+        child.FullyAsyncTrainer = FullyAsyncTrainer
+        plugin._attach("FullyAsyncTrainer", "init_workers", child)
+        assert FullyAsyncTrainer.__dict__["_compute_old_log_prob"].__wrapped__.__qualname__.startswith("TestWrapping")
+        assert inspect.iscoroutinefunction(FullyAsyncTrainer.init_workers)
+
+    def test_a_ray_actor_class_is_wrapped_in_rays_subclass(self):
+        """`@ray.remote` trainers (the fully async one): Ray runs its own subclass holding copies of the
+        methods, so that is the class wrapped."""
+        module = self.trainer_module()
+        modified = type("Class", (module.RayPPOTrainer,), dict(module.RayPPOTrainer.__dict__))
+        module.RayPPOTrainer = types.SimpleNamespace(__ray_metadata__=types.SimpleNamespace(modified_class=modified))
+        plugin._attach("RayPPOTrainer", "init_workers", module)
+        assert modified.__dict__["_rlcheck_wrapped"] and hasattr(modified.__dict__["_compute_old_log_prob"], "__wrapped__")
 
     def test_kinds(self):
         assert plugin.kind_of(types.SimpleNamespace(current_param_version=0)) == "fully_async"

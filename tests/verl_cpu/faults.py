@@ -62,15 +62,20 @@ def active(name: str, step: int) -> int | None:
 
 
 def _skip_sync(module: ModuleType) -> None:
-    manager = module.CheckpointEngineManager
-    original = manager.update_weights
+    """CheckpointEngineManager.update_weights is verl's `auto_await` coroutine (awaited by the fully async
+    trainer, called plainly by the others): the wrapper is one too, around the coroutine it wraps."""
+    from verl.utils.ray_utils import auto_await
 
-    @functools.wraps(original)
-    def update_weights(self, global_steps=None, *args, **kwargs):
+    manager = module.CheckpointEngineManager
+    inner = manager.update_weights.__wrapped__
+
+    @auto_await
+    @functools.wraps(inner)
+    async def update_weights(self, global_steps=None, *args, **kwargs):
         if global_steps is not None and active("skip-sync", int(global_steps)) is not None:
             record("faults", fault="skip-sync", step=int(global_steps))
             return {}
-        return original(self, global_steps, *args, **kwargs)
+        return await inner(self, global_steps, *args, **kwargs)
 
     manager.update_weights = update_weights
 
@@ -110,8 +115,10 @@ def _legacy_step(module: ModuleType) -> None:
     def _compute_old_log_prob(self, batch, *args, **kwargs):
         step = int(self.global_steps)
         nt = batch.non_tensor_batch
-        record("batch", trainer="legacy", step=step, min_global_steps=sorted({int(v) for v in nt["min_global_steps"]}),
-               max_global_steps=sorted({int(v) for v in nt["max_global_steps"]}),
+        version = getattr(self, "current_param_version", None)  # the fully async trainer's (a subclass)
+        record("batch", trainer="legacy" if version is None else "fully_async", step=step, param_version=version,
+               min_global_steps=[int(v) for v in nt["min_global_steps"]],
+               max_global_steps=[int(v) for v in nt["max_global_steps"]],
                num_rows=len(batch), ends_with_eos=int(_ends_with(batch, self.tokenizer.eos_token_id)))
         n = active("corrupt-rows", step)
         if n is not None:

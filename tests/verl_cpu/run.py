@@ -96,6 +96,29 @@ def command(model: Path, train: Path, val: Path, ckpt: Path, name: str, steps: i
             f"trainer.experiment_name={name}", *extra]
 
 
+FULLY_ASYNC_OVERRIDES = (
+    "+ray_kwargs.ray_init.num_gpus=2",  # one fake GPU for the trainer, one for the rollouter
+    "ray_kwargs.ray_init.num_cpus=64",  # its rollouter actor asks Ray for 10 CPUs
+    "rollout.nnodes=1",
+    "rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.hybrid_engine=false",
+    "data.train_batch_size=0",
+    "data.gen_batch_size=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_file",  # tests/verl_cpu/checkpoint_engine.py
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=tests.verl_cpu.checkpoint_engine",
+)
+"""verl's fully async trainer here: a trainer and a rollouter on separate (fake) GPUs, the weights between
+them through a file."""
+
+
+def fully_async_command(model: Path, train: Path, val: Path, ckpt: Path, name: str, steps: int, *extra: str) -> list[str]:
+    """`command` for `python -m verl.experimental.fully_async_policy.fully_async_main`."""
+    replaced = {"+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=16", "data.train_batch_size=4"}
+    argv = [a for a in command(model, train, val, ckpt, name, steps) if a not in replaced]
+    argv[argv.index("verl.trainer.main_ppo")] = "verl.experimental.fully_async_policy.fully_async_main"
+    return [*argv, *FULLY_ASYNC_OVERRIDES, *extra]
+
+
 @dataclass
 class Result:
     """What a run left behind."""

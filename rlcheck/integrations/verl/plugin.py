@@ -125,9 +125,17 @@ def _wrap_v1_step(original):
     return _compute_old_log_prob
 
 
+def _trainer_class(obj: Any) -> type:
+    """The class whose methods verl's trainer runs: a Ray actor class (`@ray.remote`, the fully async
+    trainer) runs Ray's own subclass of it, which holds a copy of every method and is what Ray sends to
+    the actor's process (pickled by value, our wrappers with it)."""
+    meta = getattr(obj, "__ray_metadata__", None)
+    return obj if meta is None else meta.modified_class
+
+
 def _attach(cls_name: str, start_method: str, module: ModuleType) -> None:
-    trainer = getattr(module, cls_name)
-    if getattr(trainer, "_rlcheck_wrapped", False):
+    trainer = _trainer_class(getattr(module, cls_name))
+    if trainer.__dict__.get("_rlcheck_wrapped", False):
         return
     step = trainer.__dict__["_compute_old_log_prob"]
     if module.__name__.startswith("verl.trainer.ppo.v1"):
