@@ -106,6 +106,9 @@ FULLY_ASYNC_OVERRIDES = (
     "data.gen_batch_size=1",
     "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_file",  # tests/verl_cpu/checkpoint_engine.py
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=tests.verl_cpu.checkpoint_engine",
+    # its config's default is bypass mode (the engine's logprobs as old_log_probs), which rlcheck refuses:
+    "algorithm.rollout_correction.bypass_mode=false",
+    "actor_rollout_ref.actor.use_rollout_log_probs=false",
 )
 """verl's fully async trainer here: a trainer and a rollouter on separate (fake) GPUs, the weights between
 them through a file."""
