@@ -147,6 +147,23 @@ def _reloadable_linears(layer_utils: types.ModuleType) -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm  # looked up at each call
 
 
+def _copying_saves(fsdp_utils: types.ModuleType) -> None:
+    """verl's `fsdp2_sharded_save_to_cpu` (the fully async trainer's saved weights) copies with `.cpu()`,
+    which on a CPU is the live tensor itself: the copy is made a copy (docs/integrations/verl.md, the
+    upstream draft's item 12)."""
+    original = fsdp_utils.fsdp2_sharded_save_to_cpu
+    if getattr(original, "_verl_cpu", False):
+        return
+
+    def fsdp2_sharded_save_to_cpu(model):
+        state, spec = original(model)
+        return {name: (tensor.clone(), meta) for name, (tensor, meta) in state.items()}, spec
+
+    fsdp2_sharded_save_to_cpu._verl_cpu = True
+    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu  # imported at each call by verl's workers
+
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 _one_backend_per_device()
 after_import("vllm.model_executor.layers.utils", _reloadable_linears)
+after_import("verl.utils.fsdp_utils", _copying_saves)
