@@ -166,8 +166,9 @@ class TestVerlDataProto:
         assert sorted(r["weight_version"] for r in dumped) == [5] * 3 + [7] * (rows - 3)
 
     @pytest.mark.supports("verl", "trainer", "fully async, partial rollouts", status=(
-        "tested here on real DataProtos shaped as the fully async trainer assembles them (its trainer needs "
-        "GPUs): rows on the trainer's version compared, lagged rows left out, a lag past verl's settings halts"))
+        "tested here on real DataProtos shaped as the fully async trainer assembles them, and in verl's real "
+        "fully async trainer on CPU (test_verl_trainer.py, quiet with its lagged rows): rows on the trainer's "
+        "version compared, lagged rows left out, a lag past verl's settings halts"))
     def test_fully_async_compares_the_current_version_and_bounds_the_lag(self, tmp_path):
         """The fully async trainer at current_param_version 5, staleness_threshold 0.5 with partial
         rollouts (rows may lag ceil(0.5) + 1 = 2 versions): half the rows generated on version 5, a
