@@ -244,8 +244,8 @@ class TestResumedTrainer:
 
 
 @pytest.mark.supports("verl", "trainer", "bypass mode",
-                      status="refused: ConfigError before verl starts its workers (the plugin); a value-equal "
-                             "copy reaching observe: InputError, the two sides are the same values")
+                      status="refused: ConfigError before verl starts its workers (the plugin), at attach "
+                             "(preflight) and in observe(config=), bypass_mode")
 @pytest.mark.supports("verl", "trainer", "v1 colocate_async, separate_async",
                       status="refused: ConfigError before verl starts its workers (their rows lag by design; not supported yet)")
 @pytest.mark.supports("verl", "rollout", "calculate_log_probs=false",
