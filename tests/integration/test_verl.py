@@ -146,7 +146,7 @@ class TestVerlDataProto:
         assert meta["step"] == 5 and {r["uid"] for r in rows} == {s["uid"] for s in samples}
         by_id = {r["request_id"]: r for r in rows}
         for rid, s in zip(V.to_step_batch(batch).request_ids, samples, strict=True):
-            assert by_id[rid]["prompt_tokens"] == s["prompt"] and by_id[rid]["response_tokens"] == s["response"]
+            assert list(by_id[rid]["prompt_tokens"]) == list(s["prompt"]) and list(by_id[rid]["response_tokens"]) == list(s["response"])
 
     def test_async_weight_versions_halt_past_the_allowed_lag(self, tmp_path):
         """A real DataProto carrying verl's per-trajectory `min_global_steps` (as its fully async
