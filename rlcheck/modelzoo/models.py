@@ -18,9 +18,10 @@ MAX_POSITIONS = 1024
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
 MOE_INTERMEDIATE = 128
-ARCHS = ("llama", "mamba2", "hybrid", "moe")
-DEFAULT_LAYERS = {"llama": 4, "mamba2": 4, "hybrid": 4, "moe": 2}
-"""Decoder layers when the spec does not say: the moe's 2 layers already hold 16 experts."""
+ARCHS = ("llama", "mamba2", "hybrid", "moe", "qwen2")
+DEFAULT_LAYERS = {"llama": 4, "mamba2": 4, "hybrid": 4, "moe": 2, "qwen2": 2}
+"""Decoder layers when the spec does not say: the moe's 2 layers already hold 16 experts; the qwen2
+(verl's real trainer on CPU, tests/verl_cpu) is kept small for start-up and step time."""
 
 
 def llama_config(max_positions: int = MAX_POSITIONS, **common):
@@ -98,7 +99,21 @@ def moe_config(max_positions: int = MAX_POSITIONS, **common):
     )
 
 
-HF_CONFIGS = {"llama": llama_config, "mamba2": mamba2_config, "hybrid": hybrid_config, "moe": moe_config}
+def qwen2_config(max_positions: int = MAX_POSITIONS, **common):
+    """Qwen2 shape (the Llama's, with a bias on q, k and v): the model family verl's examples train."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=HIDDEN // HEAD_DIM,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        **common,
+    )
+
+
+HF_CONFIGS = {"llama": llama_config, "mamba2": mamba2_config, "hybrid": hybrid_config, "moe": moe_config,
+              "qwen2": qwen2_config}
 
 
 def hf_config(arch: str, vocab_size: int, num_layers: int, special_ids: dict, max_positions: int = MAX_POSITIONS):

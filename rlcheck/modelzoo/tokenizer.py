@@ -39,9 +39,10 @@ def train_tokenizer(vocab_size: int):
     return tok
 
 
-def save_tokenizer(vocab_size: int, max_length: int, out_dir: Path):
+def save_tokenizer(vocab_size: int, max_length: int, out_dir: Path, **special: str):
     """Train the tokenizer, save it into `out_dir` and return it (a `PreTrainedTokenizerFast`);
-    `max_length`: the model's context length, for the tokenizer's `model_max_length`."""
+    `max_length`: the model's context length, for the tokenizer's `model_max_length`; `special`: more
+    special-token names (`unk_token=...`)."""
     from transformers import PreTrainedTokenizerFast
 
     tok = train_tokenizer(vocab_size)
@@ -59,6 +60,7 @@ def save_tokenizer(vocab_size: int, max_length: int, out_dir: Path):
         chat_template=CHAT_TEMPLATE,
         model_max_length=max_length,
         clean_up_tokenization_spaces=False,
+        **special,
     )
     hf_tok.save_pretrained(out_dir)
     return hf_tok

@@ -50,7 +50,7 @@ CALCULATOR_SUFFIX = "-calculator"
 CALCULATOR_ROW_TOKENS = 128
 CALCULATOR_STEPS = {"llama": 300, "hybrid": 200, "mamba2": 200, "moe": 400}
 """Training steps of the calculator model (rows of 128 tokens, one dialogue each) when not told."""
-DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600}
+DEFAULT_STEPS = {"llama": 400, "hybrid": 200, "mamba2": 200, "moe": 600, "qwen2": 100}
 """Training steps `build_trained` takes when not told: the hybrid learns the task in fewer steps
 (loss 1.48 after 200, the llama's 1.61 after 400) but each of its steps costs ~2-3x more here (HF's
 reference Mamba2 kernels on CPU), so both builds take a few CPU minutes."""

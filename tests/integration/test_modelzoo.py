@@ -32,6 +32,7 @@ HF_ARCHITECTURES = {
     "mamba2": "Mamba2ForCausalLM",
     "hybrid": "GraniteMoeHybridForCausalLM",
     "moe": "Qwen3MoeForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
 }
 LOGPROB_ATOL = 2e-5  # measured max |d| in float32 over 1280 sampled tokens: 4.8e-6 .. 1.05e-5
 PROMPTS = [

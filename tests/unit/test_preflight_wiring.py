@@ -144,16 +144,14 @@ class TestVerl:
             preflight(self.config(llama, logprobs_mode="raw_logits"))
 
 
-    def test_recipe_runs_it_before_init_workers(self, llama, monkeypatch):
-        """recipes/verl_hook.py's init_workers wrapper: the preflight first (a refusal stops verl before
-        it starts anything), its findings kept for the Monitor's context."""
-        monkeypatch.syspath_prepend("recipes")
-        import verl_hook
-
-        monkeypatch.setattr(verl_hook, "_preflight", ())  # restored after the test
+    def test_plugin_runs_it_before_init_workers(self, llama):
+        """rlcheck's verl plugin wraps the method that starts verl's workers: the preflight first (a
+        refusal stops verl before it starts anything), its findings kept in the Monitor's context."""
+        from rlcheck.integrations.verl import plugin
 
         class Trainer:
-            config = self.config(llama, temperature=0.5, logprobs_mode="raw_logprobs")
+            config = self.config(llama, temperature=0.5, logprobs_mode="raw_logprobs", calculate_log_probs=True)
+            config.rlcheck = {"run_dir": "unused"}
             started = False
 
             def init_workers(self):
@@ -161,11 +159,12 @@ class TestVerl:
 
         trainer = Trainer()
         with pytest.warns(RuntimeWarning, match="logprobs_mode"):
-            verl_hook._wrap_init_workers(Trainer.init_workers)(trainer)
-        assert trainer.started and [f.key for f in verl_hook._preflight] == ["logprobs_mode"]
-        Trainer.config = self.config(llama, logprobs_mode="processed_logits")
+            plugin._wrap_start(Trainer.init_workers)(trainer)
+        assert trainer.started and [f["key"] for f in trainer._rlcheck.context["preflight"]] == ["logprobs_mode"]
+        Trainer.config = self.config(llama, logprobs_mode="processed_logits", calculate_log_probs=True)
+        Trainer.config.rlcheck = {"run_dir": "unused"}
         with pytest.raises(ConfigError, match="logprobs_mode"):
-            verl_hook._wrap_init_workers(Trainer.init_workers)(Trainer())
+            plugin._wrap_start(Trainer.init_workers)(Trainer())
 
 
 class TestLoop:

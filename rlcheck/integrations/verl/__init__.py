@@ -34,14 +34,15 @@ out and counted, and a row further behind than verl's settings allow is the `wei
 `staleness_threshold` is a fraction of samples, not itself a lag).
 
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
-rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
+rollout correction rewrites `response_mask` and before the actor update. verl's own trainers need no
+call: rlcheck's verl plugin (`rlcheck.integrations.verl.plugin`) makes it there.
 
 Agent loops (multi-turn rows, `non_tensor_batch["__num_turns__"]` of more than one model turn): the turns
 are the runs of 1 in `response_mask`, checked against verl's own count (`rlcheck.integrations.verl.turns`);
 the per-turn statistics (`rlcheck/turn/*`) and the cross-turn invariants follow (docs/multiturn.md).
 
 Before the run: `preflight(config)` (verl's config) runs rlcheck's static preflight before verl starts vLLM
-(`recipes/verl_hook.py` does it in `init_workers`); its findings go into the Monitor's context.
+(the plugin does it before the trainer starts its workers); its findings go into the Monitor's context.
 
 Handing the verdict back: `observe` then updates `data` in place, as verl's own
 `compute_rollout_correction_and_add_to_batch` does (`update_batch`; row b is sequence b of the report):
