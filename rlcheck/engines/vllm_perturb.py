@@ -1,4 +1,4 @@
-"""The `perturb-layer=K` engine fault, and where decoder layers and their output projections live in
+"""The `perturb-layer=K` engine fault, and where the output projections of decoder layers live in
 vLLM's and HF's models (both name them alike: Llama, Mamba2, GraniteMoeHybrid).
 
     handle = inject(engine, "perturb-layer", layer=2)   # rlcheck.engines.vllm_faults.inject
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlcheck.engines.layers import decoder_layers
 from rlcheck.errors import ConfigError
 
 PERTURB_FACTOR = 1.01
@@ -25,17 +26,6 @@ relative per layer, and under bfloat16's, ~1e-2)."""
 MIXERS = (("self_attn", "o_proj", "attention"), ("mamba", "out_proj", "mamba"), ("mixer", "out_proj", "mamba"))
 """(attribute of the decoder layer, its output projection, layer type): the token mixers of vLLM's and
 HF's Llama, Mamba2 and GraniteMoeHybrid layers, which name them alike."""
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers of a vLLM or HF causal LM, in order: its ModuleList named `layers`
-    (`model.layers`, Mamba2's `backbone.layers`)."""
-    import torch
-
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList):
-            return list(module)
-    raise ConfigError(f"{type(model).__name__} has no decoder layer list (a ModuleList named 'layers')")
 
 
 def output_projection(layer: Any) -> tuple[str, str | None, Any]:
