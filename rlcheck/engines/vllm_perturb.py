@@ -77,8 +77,8 @@ class PerturbHandle:
     same as scaling its weight (the projections of these models have no bias; with one, only the
     weight's part is scaled): vLLM's CPU linear layers run on a prepacked copy of the weight (oneDNN)
     and drop `weight` itself after loading, so an in-place scale of it would never reach the kernel.
-    On a `VLLMEngine` the handle wraps that instance's `sync_weights` (an instance attribute, no class
-    patched) and applies the perturbation again after every sync, so a reload cannot undo it."""
+    On a `VLLMEngine` the handle wraps that instance's `sync_weights` (`rlcheck.engines.sync_wraps`, no
+    class patched) and applies the perturbation again after every sync, so a reload cannot undo it."""
 
     def __init__(self, engine: Any, layer: int, factor: float):
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
@@ -88,29 +88,27 @@ class PerturbHandle:
         if self.llm is None:
             raise ConfigError("the engine is closed")
         self.target = self.apply()
-        self._own_sync = getattr(engine, "__dict__", {}).get("sync_weights")  # another fault's wrap, kept
-        self._real_sync = getattr(engine, "sync_weights", None)  # None: a bare vllm.LLM, never synced
-        if self._real_sync is not None:
-            engine.sync_weights = self._sync_weights
+        self.wrap = None  # a bare vllm.LLM is never synced
+        if getattr(engine, "sync_weights", None) is not None:
+            from rlcheck.engines.sync_wraps import wrap_sync
+
+            self.wrap = wrap_sync(engine, self._around)
 
     def apply(self) -> str:
         """(Re)install the scaling (idempotent); what it scales, as words."""
         layer, factor = self.layer, self.factor
         return self.llm.apply_model(lambda model: _scale_output(model, layer, factor))[0]
 
-    def _sync_weights(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._real_sync(*args, **kwargs)
+    def _around(self, sync: Any, named_tensors: Any, version: int) -> Any:
+        out = sync(named_tensors, version)
         self.apply()
         self.syncs += 1
         return out
 
     def remove(self) -> None:
         """Undo the scaling and the wrap (idempotent)."""
-        if self._real_sync is not None and self.engine.__dict__.get("sync_weights") == self._sync_weights:
-            if self._own_sync is None:
-                del self.engine.__dict__["sync_weights"]
-            else:
-                self.engine.sync_weights = self._own_sync
+        if self.wrap is not None:
+            self.wrap.remove()
         if getattr(self.engine, "llm", self.engine) is not None:  # a closed engine has nothing to undo
             layer = self.layer
             self.llm.apply_model(lambda model: _unscale_output(model, layer))
