@@ -39,11 +39,13 @@ import os
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.integrations import verl as rlcheck_verl
+from rlcheck.integrations.verl.context import verl_context
 from rlcheck.preflight import as_context
 
 FIELDS = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
 _monitor: Monitor | None = None
 _preflight: tuple = ()  # the static preflight's findings, recorded in the Monitor's context
+_context: dict = {"framework": "verl"}  # the rollout engine's sampling and settings (rlcheck.integrations.verl.context)
 
 
 def monitor() -> Monitor:
@@ -54,7 +56,7 @@ def monitor() -> Monitor:
         run_dir = os.environ.get("RLCHECK_RUN_DIR", "runs/verl")
         quarantine = QuarantineConfig() if os.environ.get("RLCHECK_QUARANTINE") == "1" else None
         _monitor = Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console"), quarantine=quarantine,
-                                         context={"framework": "verl", "preflight": as_context(_preflight)}))
+                                         context={**_context, "preflight": as_context(_preflight)}))
     return _monitor
 
 
@@ -100,8 +102,9 @@ def _wrap_v1(original):
 def _wrap_init_workers(original):
     @functools.wraps(original)
     def init_workers(self, *args, **kwargs):
-        global _preflight
+        global _preflight, _context
         _preflight = rlcheck_verl.preflight(self.config)  # before verl starts vLLM: a warning block, critical refused
+        _context = verl_context(self.config)
         return original(self, *args, **kwargs)
     return init_workers
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.engines.guard import GuardConfig
-from rlcheck.engines.vllm_env import build_llm
+from rlcheck.engines.vllm_env import LOGIT_PROCESSING, build_llm
 from rlcheck.errors import ConfigError, InputError
 
 LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")
@@ -93,9 +93,7 @@ class VLLMConfig:
             )
         if self.max_tokens < 1 or self.top_logprobs < 0:
             raise ConfigError("max_tokens must be >= 1 and top_logprobs >= 0")
-        processing = {"top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids"}
-        used = sorted(processing & set(self.sampling))
+        used = sorted(LOGIT_PROCESSING & set(self.sampling))
         if used and not self.allow_logit_processing:
             raise ConfigError(
                 f"sampling sets {used}: the engine's logprobs then differ from what a trainer "

@@ -94,6 +94,12 @@ class RolloutWorker:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def effective_settings(self) -> dict[str, Any]:
+        """How the engine runs, as vLLM resolved it (`rlcheck.engines.vllm_env.effective_settings`)."""
+        from rlcheck.engines.vllm_env import effective_settings
+
+        return effective_settings(self.engine.llm)
+
     def guard_violations(self) -> list[dict[str, Any]]:
         """The engine guard's violations since the last call (none when the guard is off)."""
         return self.engine.take_guard_violations()

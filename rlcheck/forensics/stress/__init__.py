@@ -50,6 +50,7 @@ from rlcheck.forensics.stress.config import (
     Progress,
     StressConfig,
     check_kv_budget,
+    engine_config,
     parse_inject,
 )
 from rlcheck.forensics.stress.results import StressResult
@@ -69,7 +70,7 @@ def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress
 
     t0 = time.perf_counter()
     if cfg.reference:
-        scorer = scorer or load_scorer(resolve_model({}, cfg.model))
+        scorer = scorer or load_scorer(resolve_model({}, cfg.model), cfg.reference_config())
     prompts = make_prompts(cfg, _allowed_ids(cfg.model, scorer if cfg.reference else None))
     rollouts, fields, audited = _generate(cfg, prompts, progress, t0)
     if audited.shuffled is not None:
@@ -126,19 +127,6 @@ def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
     size = vocab_size(scorer.model) if scorer is not None else int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
     ids = np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
     return ids
-
-
-def engine_config(cfg: StressConfig):
-    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`,
-    hookable (the slot trace, the faults and the guard hook vLLM's V1 runner: `VLLMConfig.hookable`)."""
-    from rlcheck.engines.guard import GuardConfig
-    from rlcheck.engines.vllm import VLLMConfig
-
-    return VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
-                      max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
-                      max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      kv_cache_bytes=cfg.kv_cache_bytes, hookable=True,
-                      guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
 
 
 def start_engine(cfg: StressConfig):
