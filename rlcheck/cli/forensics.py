@@ -97,7 +97,8 @@ def stress(
     reference; lists the failing requests with their scheduler context (arrival, step, state block),
     with --guard the engine guard's violations (invariant, request, engine step, slot), and with
     --audit the engine checked against itself (decode vs prefill, batch invariance).
-    Exit code 0 when none fails, 1 when one does (or the guard or an audit found one), 2 on bad input.
+    Exit code 0 when none fails, 1 when one does (or the guard or an audit found one, or the guard
+    stopped on an error of its own), 2 on bad input.
     `rlcheck diagnose OUT` names the cause."""
     from rlcheck.forensics.stress import run_stress
     from rlcheck.forensics.stress.report import render_stress
@@ -112,7 +113,8 @@ def stress(
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
         render_stress(result, console(), top=top)
-    if result.failing or result.audit_failed or (result.guard is not None and result.guard.violations):
+    guard = result.guard
+    if result.failing or result.audit_failed or (guard is not None and (guard.violations or guard.summary["error"])):
         raise typer.Exit(1)
 
 

@@ -212,6 +212,14 @@ class VLLMEngine:
         (`rollout_request_id`: "{engine_id}/s{step}/{vLLM id}"); [] without a guard."""
         return [] if self.guard is None else [v.to_dict() for v in self.guard.take_violations()]
 
+    def take_guard_report(self) -> dict[str, Any] | None:
+        """The guard's `take_report` (new violations as dicts, whether it is alive, the error that stopped
+        it, steps traced and skipped); None without a guard."""
+        if self.guard is None:
+            return None
+        report = self.guard.take_report()
+        return {**report, "violations": [v.to_dict() for v in report["violations"]]}
+
     def write_guard(self, directory: str | os.PathLike) -> str | None:
         """Write the guard's record (summary, violations, trace) into DIR/guard, e.g. a dump; None without a guard."""
         return None if self.guard is None else str(self.guard.write(directory))

@@ -146,9 +146,13 @@ def _render_guard(r: StressResult, console: Any, top: int) -> None:
     from rlcheck.core.run.guard_record import INVARIANT
 
     s, violations = r.guard.summary, r.guard.violations
+    skipped = f", {s['skipped_steps']} engine steps it could not trace" if s.get("skipped_steps") else ""
+    if s["error"]:  # a guard that died checked nothing from there on: never an OK
+        console.print(f"[bold yellow]engine guard: STOPPED[/] after {s['num_steps']} engine steps{skipped}: "
+                      f"{escape(s['error'])}; the invariants were not checked from there on")
+    elif not violations:
+        console.print(f"[green]engine guard: OK[/]: no invariant broken over {s['num_steps']} engine steps{skipped}")
     if not violations:
-        console.print(f"[green]engine guard: OK[/]: no invariant broken over {s['num_steps']} engine steps"
-                      + (f" (guard error: {escape(s['error'])})" if s["error"] else ""))
         return
     t = Table(title=f"engine guard: {len(violations)} violations (first {min(top, len(violations))}, step order)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
