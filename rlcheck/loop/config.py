@@ -107,6 +107,10 @@ class LoopConfig:
             check_sampling(self.rollout)
         if not isinstance(self.weight_sync, WeightSyncConfig):
             raise ConfigError(f"weight_sync must be a rlcheck.loop.weight_sync.WeightSyncConfig, got {self.weight_sync!r}")
+        if self.weight_sync.method == "collective":
+            from rlcheck.engines.vllm_worker_sync import check_backend
+
+            check_backend(self.weight_sync.group_backend(self.trainer.device), self.rollout.tensor_parallel_size)
         if self.keep_reports < 1:
             raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:
