@@ -28,6 +28,7 @@ from rlcheck.errors import InputError
 from rlcheck.trainers.chunked_logprobs import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_KEEP_BYTES,
+    DEFAULT_KEEP_LIMIT,
     MIN_CHUNK_ROWS,
     TokenLogprobs,
     TopKScores,
@@ -36,8 +37,8 @@ from rlcheck.trainers.chunked_logprobs import (
     default_chunk_size,
 )
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_KEEP_BYTES", "MIN_CHUNK_ROWS", "TokenLogprobs", "TopKScores", "chunked_token_logprobs",
-           "default_chunk_size", "logit_transform", "token_logprobs"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_KEEP_BYTES", "DEFAULT_KEEP_LIMIT", "MIN_CHUNK_ROWS", "TokenLogprobs",
+           "TopKScores", "chunked_token_logprobs", "default_chunk_size", "logit_transform", "token_logprobs"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,6 +115,7 @@ def token_logprobs(
     top_k: int = 0,
     topk_ids: torch.Tensor | None = None,
     keep_bytes: float = DEFAULT_KEEP_BYTES,
+    keep_limit: float = DEFAULT_KEEP_LIMIT,
 ) -> TokenLogprobs:
     """Token logprobs of a causal LM (plain, FSDP2 `fully_shard`-ed or a DeepSpeed engine), equal to
     `log_softmax(model(input_ids).logits.float() / temperature)` gathered at the targets, without the
@@ -133,7 +135,7 @@ def token_logprobs(
     `topk_ids`, shaped as the returned logprobs + (K,) (e.g. (B, T-1, K), or (T - num_seqs, K)
     packed; -1 = padding), gives each position's logprobs at those ids (the engine's top-K), -inf at
     padding; `top_k` > 0 gives each position's own top-`top_k` ids; both shaped as the output + (K,).
-    `chunk_size` and `keep_bytes` (memory for time in the backward) are `chunked_token_logprobs`'.
+    `chunk_size`, `keep_bytes` and `keep_limit` (memory for time in the backward) are `chunked_token_logprobs`'.
     """
     check_temperature(temperature)
     hf = unwrap(model)
@@ -169,6 +171,7 @@ def token_logprobs(
             top_k=top_k,
             topk_ids=flat_ids,
             keep_bytes=keep_bytes,
+            keep_limit=keep_limit,
         )
         return (out.logp, *(x for x in (out.entropy, *(out.topk or ())) if x is not None))  # tensors only
 

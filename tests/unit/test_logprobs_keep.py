@@ -8,7 +8,7 @@ import torch
 
 from rlcheck.errors import ConfigError
 from rlcheck.synthetic.streams import tiny_causal_lm
-from rlcheck.trainers.chunked_logprobs import _num_kept
+from rlcheck.trainers.chunk_math import num_kept as _num_kept
 from rlcheck.trainers.logprobs import chunked_token_logprobs, token_logprobs
 
 N, H, V = 203, 32, 256
