@@ -80,6 +80,8 @@ class HFScorer:
         self.cfg = cfg
         self.torch = torch
         extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+        if str(cfg.device) != "cpu":
+            extra["device_map"] = str(cfg.device)  # weights read straight onto the GPU, not staged in host memory
         self.model = model or AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype), **extra)
         self.model.to(cfg.device).eval()
         self.split = split_head(self.model)  # (decoder, head): logits only where compared; None: the model's own

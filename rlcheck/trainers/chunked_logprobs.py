@@ -4,7 +4,8 @@ weight, `chunk_size` rows of logits at a time, forward and backward.
 `chunked_token_logprobs(hidden, weight, targets)` equals the naive float32 log-softmax + gather (its
 docstring states the formula) but never holds the float32 [tokens, vocab] logits: a
 `torch.autograd.Function` loops over chunks of rows; the backward recomputes the logits of the chunks
-that the forward did not keep (`keep_bytes` per logit: by default all bf16 chunks, half of float32).
+that the forward did not keep (`keep_bytes` per logit, by default all bf16 chunks and half of float32
+ones, and at most `keep_limit` bytes in all, 1 GiB by default).
 The model's logit transform (scale, Gemma-style softcap, temperature) is applied per chunk. The same
 pass can also give, without gradient, each row's logprobs at given ids (the engine's top-K) and its
 own top-K ids (`top_k`, `topk_ids`: `TokenLogprobs.topk`), so that no [tokens, vocab] tensor is kept
@@ -30,15 +31,23 @@ from rlcheck.trainers.chunk_math import (
     num_kept,
 )
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Default budget for one chunk's float32 logits; `chunk_size = budget // (4 * vocab)` rows."""
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+"""Default budget for one chunk's float32 logits; `chunk_size = budget // (4 * vocab)` rows: 441 at a
+151,936 vocabulary, 2,048 at 32,768. Each chunk's backward also writes a whole (V, H) weight-gradient
+product, so small chunks pay it many times: at Qwen2.5-7B's head (151,936 x 3,584, bfloat16) forward +
+backward took 53 CPU s per 2,048 tokens at 110 rows (the 64 MiB budget before), 25 at 441 rows, 19 at
+one chunk of 2,048, for +0.5 and +2.9 GiB of peak (BENCHMARKS.md, "Chunked logprobs at a real
+vocabulary"): 256 MiB is the knee."""
 MIN_CHUNK_ROWS = 16
 DEFAULT_KEEP_BYTES = 2.0
 """Default `keep_bytes`: bytes per logit that the forward may spend keeping chunks' logits for the
 backward. 2 keeps every chunk of bfloat16 logits and half of float32 ones: at most 1/6 of the naive
 forward + backward's >= 12 bytes per logit (float32 logits, log-softmax and gradient)."""
 DEFAULT_KEEP_LIMIT = 1 << 30
-"""Default `keep_limit`: bytes the kept logits may take in all, whatever `keep_bytes` allows."""
+"""Default `keep_limit`: bytes the kept logits may take in all, whatever `keep_bytes` allows. Keeping
+saves at most the backward's recompute, one matmul of four: at Qwen2.5-7B's head, 4,096 tokens, all 5
+chunks kept (0.9 GiB) gave 34-40 CPU s against 39 for none (within this machine's noise); at 32k
+tokens keeping them all would hold 9.3 GiB of bfloat16 logits (BENCHMARKS.md)."""
 
 
 class TopKScores(NamedTuple):
@@ -128,6 +137,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        part = None  # the weight dtype's (V, H) product of one chunk
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for i, a in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             s = slice(a, a + ctx.chunk_size)
@@ -144,7 +154,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_w and gx.dtype == torch.float32:
                 grad_w.addmm_(gx.T, h)
             elif need_w:  # matmul in the weight dtype, as the naive backward; summed over chunks in float32
-                grad_w.add_(gx.T @ h)
+                part = torch.mm(gx.T, h, out=part)  # (V, H), one buffer for every chunk: no V x H allocation each
+                grad_w.add_(part)
             if need_b:
                 grad_b.add_(gz.sum(dim=0))
         grad_w = grad_w.to(weight.dtype) if need_w else None
@@ -195,7 +206,7 @@ def chunked_token_logprobs(
         temperature: sampling temperature (> 0, finite); the logits are divided by it.
         logit_scale: multiplies the logits first (Cohere `logit_scale`; Granite: 1 / `logits_scaling`).
         logit_softcap: Gemma-style `final_logit_softcapping`, applied after the scale; None for none.
-        chunk_size: rows per chunk; default `default_chunk_size(V)` (64 MiB of float32 logits).
+        chunk_size: rows per chunk; default `default_chunk_size(V)` (256 MiB of float32 logits).
         with_entropy: also return each row's entropy.
         top_k: also return each row's own `top_k` most probable ids (0: no).
         topk_ids: (N, K) int64 ids (the engine's top-K, -1 = padding) to return the logprobs of.
