@@ -69,6 +69,11 @@ def _collective_sync(engine, weights: list, version: int, bucket_bytes: int = 1 
 PROMPTS = [[5, 17, 33, 9], [2, 8, 101, 77, 12, 4]]
 
 
+def conv_buffers(model):
+    """A worker's Mamba conv buffers, copied (runs inside each worker)."""
+    return {name: mixer.conv_weights.detach().clone() for name, mixer in conv_mixers(model)}
+
+
 class TestTensorParallelSync:
     def test_each_worker_receives_and_loads_its_shard(self, engine, tiny_model):
         """Over a gloo group of trainer rank 0 and the two workers, each worker receives every bucket
@@ -91,9 +96,7 @@ class TestTensorParallelSync:
     def test_stale_buffer_keeps_each_workers_own_buffers(self, engine, tiny_model):
         """stale-buffer on two workers: after a sync, each worker's conv buffers are its own from before
         the sync (its own channels' shard), not worker 0's copied into both."""
-        from rlcheck.engines.vllm_sync import _conv_buffers
-
-        old = engine.llm.apply_model(_conv_buffers)  # one dict per worker
+        old = engine.llm.apply_model(conv_buffers)  # one dict per worker
         assert len(old) == 2 and any(not torch.equal(old[0][k], old[1][k]) for k in old[0])
         handle = keep_conv_buffers_stale(engine)
         try:
@@ -101,7 +104,7 @@ class TestTensorParallelSync:
             engine.sync_weights(list(model.state_dict().items()), engine.weight_version + 1)
         finally:
             handle.remove()
-        now = engine.llm.apply_model(_conv_buffers)
+        now = engine.llm.apply_model(conv_buffers)
         assert handle.syncs == 1 and len(now) == 2
         for worker in range(2):
             assert all(torch.equal(now[worker][k], old[worker][k]) for k in old[worker])
