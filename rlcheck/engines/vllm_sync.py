@@ -58,6 +58,11 @@ def is_stale(name: str, mixer: Any) -> bool:
     return buf.data_ptr() != src.data_ptr() and not torch.equal(buf, src.to(buf.dtype))
 
 
+def count_conv_mixers(model: Any) -> int:
+    """How many Mamba mixers with a conv buffer `model` has (runs inside each worker)."""
+    return len(conv_mixers(model))
+
+
 def stale_conv_mixers(model: Any) -> list[str]:
     """Names of the mixers whose conv runs on other weights than the loaded ones. Runs inside the
     engine: `llm.apply_model(stale_conv_mixers)` (one list per worker)."""
@@ -141,7 +146,7 @@ class StaleConvBuffers:
         from rlcheck.engines.sync_wraps import wrap_sync
 
         self.engine = engine
-        if not sum(engine.llm.apply_model(lambda model: len(conv_mixers(model)))):
+        if not sum(engine.llm.apply_model(count_conv_mixers)):  # a module function: TP workers unpickle it
             from rlcheck.errors import ConfigError
 
             raise ConfigError("stale-buffer needs a model with Mamba2 mixers (mamba2, hybrid)")

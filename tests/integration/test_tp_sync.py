@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from rlcheck.engines.vllm import VLLMConfig, VLLMEngine  # noqa: E402
 from rlcheck.engines.vllm_collective import SyncGroup, send_weights  # noqa: E402
-from rlcheck.engines.vllm_sync import conv_mixers, keep_conv_buffers_stale  # noqa: E402
+from rlcheck.engines.vllm_sync import conv_mixers, count_conv_mixers, keep_conv_buffers_stale  # noqa: E402
 from rlcheck.engines.vllm_worker_sync import join_workers, receive_into  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -108,4 +108,4 @@ class TestTensorParallelSync:
         assert handle.syncs == 1 and len(now) == 2
         for worker in range(2):
             assert all(torch.equal(now[worker][k], old[worker][k]) for k in old[worker])
-        assert sum(engine.llm.apply_model(lambda m: len(conv_mixers(m)))) > 0
+        assert sum(engine.llm.apply_model(count_conv_mixers)) > 0
