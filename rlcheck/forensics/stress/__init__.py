@@ -50,6 +50,7 @@ from rlcheck.forensics.stress.config import (
     Progress,
     StressConfig,
     check_kv_budget,
+    check_prefill_limit,
     engine_config,
     parse_inject,
 )
@@ -135,6 +136,7 @@ def start_engine(cfg: StressConfig):
     from rlcheck.engines.vllm import VLLMEngine
 
     check_kv_budget(cfg)
+    check_prefill_limit(cfg, engine_config(cfg))
 
     try:
         return VLLMEngine(engine_config(cfg))
