@@ -84,7 +84,6 @@ class PerturbHandle:
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise ConfigError(f"perturb-layer needs a decoder layer index >= 0, got {layer!r}")
         self.engine, self.layer, self.factor, self.syncs = engine, layer, factor, 0
-        self.llm = getattr(engine, "llm", engine)
         if self.llm is None:
             raise ConfigError("the engine is closed")
         self.target = self.apply()
@@ -93,6 +92,13 @@ class PerturbHandle:
             from rlcheck.engines.sync_wraps import wrap_sync
 
             self.wrap = wrap_sync(engine, self._around)
+
+    @property
+    def llm(self) -> Any:
+        """The engine's `vllm.LLM` (None once closed), never held here: a handle left on a closed engine
+        must not keep its LLM alive past `close()` (freed later by the garbage collector, it tore vLLM's
+        model-parallel state down under the next in-process engine's start)."""
+        return getattr(self.engine, "llm", self.engine)
 
     def apply(self) -> str:
         """(Re)install the scaling (idempotent); what it scales, as words."""
