@@ -14,6 +14,7 @@ from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
+from rlcheck.core.turn_checks import TurnCheckConfig
 from rlcheck.errors import ConfigError
 
 DEFAULT_HARD_LIMITS = {
@@ -85,6 +86,15 @@ class MonitorConfig:
     """Take the sequences the evidence condemns out of the step instead of halting
     (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
+    true_on_policy: bool = False
+    """Declare that the two sides compute bitwise the same numbers (batch-invariant kernels, deterministic
+    inference, the same weights: SGLang's deterministic mode, slime's true on-policy, verl's exact path):
+    any difference at all on a compared token is then a critical alarm that halts at once. Off, bitwise
+    equal sides read as the best possible health, with one note (`rlcheck.core.inputs.identical_sides`)."""
+    turn_checks: TurnCheckConfig | None = field(default_factory=TurnCheckConfig)
+    """The cross-turn invariants of multi-turn batches (`StepBatch.turns`; `rlcheck.core.turn_checks`):
+    each breach an alarm with its evidence, its sequences quarantined (reason `turn_invariant`) or, with
+    quarantine off, a critical alarm; stale turns' tokens masked. None: off. Batches without turns: no cost."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -99,5 +109,23 @@ class MonitorConfig:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
         if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if not isinstance(self.true_on_policy, bool):
+            raise ConfigError(f"true_on_policy must be True or False, got {self.true_on_policy!r}")
+        if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):
+            raise ConfigError(f"turn_checks must be a TurnCheckConfig or None, got {type(self.turn_checks).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
+        try:
+            K.check_names(watched_metrics(self.detectors, self.halt))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def watched_metrics(detectors: DetectorsConfig, halt: HaltConfig) -> list[tuple[str, str]]:
+    """(where, metric name) of every rlcheck metric a hard limit, and of every metric a threshold rule or
+    a detector, watches (a hard limit may watch the caller's own scalars, observe's `extra`, too)."""
+    out = [("HaltConfig.hard_limits", key) for key in halt.hard_limits if key.startswith(K.PREFIX)]  # others: your own
+    for name, cfg in vars(detectors).items():
+        out += [(f"DetectorsConfig.{name} rule {i}", rule.metric) for i, rule in enumerate(getattr(cfg, "rules", ()))]
+        out += [(f"DetectorsConfig.{name}.metrics", m) for m in getattr(cfg, "metrics", ())]
+    return out

@@ -2,10 +2,16 @@
 
 Groups: `token/` (per-token d = logp_train - logp_rollout), `ratio/` (importance ratio r = exp(d),
 raw, before any clipping), `seq/` (per-sequence reductions), `sig/` (statistics the signature
-detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`).
+detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`),
+`turn/` (multi-turn rollouts: per turn, head vs body, the cross-turn invariants), `moe/`, `quarantine/`, `weights/` and `corr/` (the correction, verl's names). The end of the module
+says which names a rule may watch (`check_names`): a new key is a constant here, a new family of
+keys one entry of `FAMILIES`.
 """
 
 from __future__ import annotations
+
+import difflib
+import re
 
 PREFIX = "rlcheck/"
 
@@ -95,6 +101,48 @@ def moe_first_diff(layer: int) -> str:
     return f"rlcheck/moe/layer{layer}_first_diff_count"
 
 
+# multi-turn rollouts (batches that carry `StepBatch.turns`; rlcheck.core.stats.turns, rlcheck.core.turn_checks):
+# per turn slot the token statistics, `rlcheck/turn/<slot>/<stat>`; nothing without turns
+TURN_PREFIX = "rlcheck/turn/"
+TURN_MAX_INDEX = 7  # turns 0..7 get their own slot; every turn is in "last" (its sequence's last) or "later" (>= 1)
+TURN_SLOTS = (*(str(t) for t in range(TURN_MAX_INDEX + 1)), "last", "later", "head", "body")
+"""Slots: turn t (0..7), the last turn of each sequence, every turn from the second on ("later"), and the
+first `TurnConfig.head_tokens` tokens of each turn from the second on ("head": right after an observation)
+against the rest of those turns ("body")."""
+TURN_STATS = ("tokens", "turns", "abs_diff_mean", "abs_diff_clipped_mean", "abs_diff_max", "diff_mean", "kl_k1",
+              "kl_k3", "prob_abs_diff_mean", "catastrophic_frac")
+TURN_COUNT = "rlcheck/turn/count"  # model turns in the step
+TURN_PER_SEQ_MEAN = "rlcheck/turn/per_seq_mean"
+TURN_PER_SEQ_MAX = "rlcheck/turn/per_seq_max"
+TURN_TOOL_TOKENS = "rlcheck/turn/tool_tokens"  # tool / observation tokens (not the model's)
+TURN_ZERO_LP_COUNT = "rlcheck/turn/zero_lp_count"  # compared tokens, engine logprob exactly 0.0, trainer's <= -1e-3
+TURN_WORST = "rlcheck/turn/worst"  # the turn (0..7) of the largest clipped mean |d|
+TURN_WORST_LEVEL = "rlcheck/turn/worst_abs_diff_clipped_mean"
+TURN_SLOPE = "rlcheck/turn/slope"  # least squares of the turns' clipped mean |d| on the turn (0..7), per turn
+TURN_LATER_RATIO = "rlcheck/turn/later_ratio"  # clipped mean |d| of turns >= 1 over turn 0's
+TURN_HEAD_BODY_RATIO = "rlcheck/turn/head_body_ratio"  # clipped mean |d| of the turns' heads over their bodies
+TURN_INVARIANTS = ("prefix_break", "zero_logprobs", "logprob_count", "turn_count", "stale_turn", "tool_in_loss")
+"""The cross-turn invariants (`rlcheck.core.turn_checks`): `rlcheck/turn/inv/<name>_count` sequences break each."""
+TURN_MASKED_TOKENS = "rlcheck/turn/inv/masked_tokens"  # tokens of stale turns masked out of the step
+
+
+def turn_metric(slot: str | int, stat: str) -> str:
+    """Key of statistic `stat` (`TURN_STATS`) of turn slot `slot` (`TURN_SLOTS`)."""
+    return f"{TURN_PREFIX}{slot}/{stat}"
+
+
+def turn_invariant(name: str) -> str:
+    """Key of the count of sequences that break invariant `name` (`TURN_INVARIANTS`)."""
+    return f"{TURN_PREFIX}inv/{name}_count"
+
+
+TURN_KEYS = (*(turn_metric(slot, stat) for slot in TURN_SLOTS for stat in TURN_STATS),
+             TURN_COUNT, TURN_PER_SEQ_MEAN, TURN_PER_SEQ_MAX, TURN_TOOL_TOKENS, TURN_ZERO_LP_COUNT, TURN_WORST,
+             TURN_WORST_LEVEL, TURN_SLOPE, TURN_LATER_RATIO, TURN_HEAD_BODY_RATIO,
+             *(turn_invariant(name) for name in TURN_INVARIANTS), TURN_MASKED_TOKENS)
+"""Every `rlcheck/turn/*` key a multi-turn step may log (a step without turns logs none)."""
+
+
 # monitor bookkeeping
 WEIGHTS_MAX_LAG = "rlcheck/weights/max_lag"  # trainer version - oldest sequence's weight version
 WEIGHTS_STALE_COUNT = "rlcheck/weights/stale_count"  # sequences past MonitorConfig.max_weight_lag
@@ -133,3 +181,66 @@ ALWAYS = (
     SIG_SLOPE, SIG_SLOPE_CORR, SIG_SHIFT_BASE, SIG_SHIFT_GAIN, SIG_SHIFT_DIRECTION, SIG_EARLY_DIV_COUNT,
     SIG_EARLY_ANY_COUNT, SIG_EARLY_ANY_EXPECTED,
 )
+
+
+# ---- the names a rule may watch -------------------------------------------------------------------
+# Every constant above that starts with PREFIX is a known name; a key built by a function (a family:
+# its prefix, the pattern of the rest, an example) registers here, in FAMILIES. A threshold rule, a
+# hard limit or a detector watching a name that is neither is refused when the MonitorConfig is built
+# (`check_names`), with the closest known name: a typo would otherwise never fire, silently.
+
+CORR_PREFIX = "rlcheck/corr/"  # the correction's metrics, verl's names (`rlcheck.core.correction`)
+CORR_IS_STATS = ("mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",
+                 "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+                 "seq_fraction_low", "oob_ratio", "batch_norm_factor")
+CORR_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                   "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+CORR_RS_STATS = ("mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean", "seq_std", "seq_max",
+                 "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low", "masked_fraction",
+                 "seq_masked_fraction")
+
+
+def corr_names() -> tuple[str, ...]:
+    """Every `rlcheck/corr/*` key the correction can log (`MonitorConfig.correction`)."""
+    names = [f"{CORR_PREFIX}rollout_is_{s}" for s in CORR_IS_STATS]
+    names += [f"{CORR_PREFIX}rollout_rs_{s}" for s in ("masked_fraction", "seq_masked_fraction")]
+    return (*names, *(f"{CORR_PREFIX}rollout_rs_{o}_{s}" for o in CORR_RS_OPTIONS for s in CORR_RS_STATS))
+
+
+FAMILIES = (
+    ("rlcheck/token/frac_abs_diff_gt_", r"[0-9.e+-]+", frac_abs_diff_above(0.5)),
+    ("rlcheck/moe/layer", r"[0-9]+_(agree_frac|first_diff_count)", moe_layer_agree(0)),
+    ("rlcheck/quarantine/", r"[a-z_]+_count", quarantine_reason("early")),
+)
+"""(prefix, regular expression of the rest, an example) of each family of keys made by a function."""
+
+
+def known_names() -> tuple[str, ...]:
+    """Every fixed key: the constants of this module under PREFIX, the multi-turn ones and the correction's."""
+    fixed = [v for k, v in globals().items() if k.isupper() and isinstance(v, str) and v.startswith(PREFIX)
+             and not v.endswith("/")]
+    return (*dict.fromkeys([*fixed, *TURN_KEYS]), *corr_names())
+
+
+def is_known(name: str) -> bool:
+    """True for a fixed key or one of a family's."""
+    return name in known_names() or any(name.startswith(p) and re.fullmatch(rest, name[len(p):])
+                                        for p, rest, _ in FAMILIES)
+
+
+def closest(name: str) -> str | None:
+    """The known key (a family's example included) nearest to `name`, None when none is near."""
+    found = difflib.get_close_matches(name, [*known_names(), *(ex for _, _, ex in FAMILIES)], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def check_names(watched: list[tuple[str, str]]) -> None:
+    """Raise ValueError naming the first (where, name) of `watched` that no metric has, with the
+    closest known one (the caller turns it into its ConfigError)."""
+    for where, name in watched:
+        if not isinstance(name, str) or not is_known(name):
+            near = closest(name) if isinstance(name, str) else None
+            hint = f"; did you mean {near!r}?" if near else f"; metric names start with {PREFIX!r}"
+            outside = ("" if not isinstance(name, str) or name.startswith(PREFIX) else
+                       " (your own scalars, observe's `extra`, reach the hard limits only, not the detectors)")
+            raise ValueError(f"{where} watches {name!r}, which no rlcheck metric is{outside}{hint}")

@@ -13,6 +13,7 @@ import math
 from rlcheck.core import histogram as H
 from rlcheck.core import metrics as K
 from rlcheck.core.stats.distribution import distribution_metrics
+from rlcheck.core.stats.turns import turn_metrics
 from rlcheck.core.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
 
 
@@ -55,6 +56,7 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
         out[K.SIG_TOKEN_MISMATCH_COUNT] = s["tok_mismatch"]
         out[K.SIG_TOKEN_MISMATCH_FRAC] = s["tok_mismatch"] / s["tok_n"]
     out.update(distribution_metrics(s, mx))
+    out.update(turn_metrics(s, mx))  # rlcheck/turn/*: multi-turn batches only
     return out, p.offenders
 
 

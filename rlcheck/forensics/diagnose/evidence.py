@@ -2,7 +2,8 @@
 
 A record is `{"step", "metrics", "alarms", "offenders"}` as the Monitor logs it. A dump holds every
 sequence of its step, so its record is recomputed from the sequences (statistics and signatures) and
-keeps the per-sequence rows for the affected request ids.
+keeps the per-sequence rows for the affected request ids; a dump of selected sequences (meta.json's
+`selected`: the worst of each rank) keeps the step's logged record instead.
 """
 
 from __future__ import annotations
@@ -84,13 +85,19 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
         mask=column("mask"),
         tokens=column("response_tokens"),
         tokens_train=column("tokens_train"),
+        turns=column("turn_index"),  # a multi-turn dump: its per-turn statistics recomputed too
     )
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))
+    if meta.get("selected"):  # the worst sequences of a step (a halt over several ranks): its own numbers
+        return {"step": step, "metrics": meta.get("metrics") or metrics, "alarms": list(meta.get("alarms", [])),
+                "offenders": list(meta.get("offenders") or [o.to_dict() for o in offenders])}
     alarms = [a.to_dict() for a in SignatureDetector().update(step, metrics)]
     prompts, theirs = column("prompt_tokens"), column(PROMPT_TOKENS_TRAIN)
     if prompts is not None and theirs is not None:  # the two sides' prompt ids (`rlcheck.core.prompt_ids`)
         alarms += [a.to_dict() for a in prompt_alarms_of(step, prompts, theirs, batch.request_ids)]
-    # the run's other alarms of this step (periodic, drift, ...) need its history: take them as logged
-    alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"]
+    # the run's other alarms of this step (periodic, drift, ...) need its history, the cross-turn invariants the
+    # engine's per-call prompts (not dumped): take them as logged
+    alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"
+               or str((a.get("details") or {}).get("signature", "")).startswith("turn_")]
     return {"step": step, "metrics": metrics, "alarms": alarms, "offenders": [o.to_dict() for o in offenders]}

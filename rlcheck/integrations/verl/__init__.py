@@ -36,6 +36,10 @@ out and counted, and a row further behind than verl's settings allow is the `wei
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
 
+Agent loops (multi-turn rows, `non_tensor_batch["__num_turns__"]` of more than one model turn): the turns
+are the runs of 1 in `response_mask`, checked against verl's own count (`rlcheck.integrations.verl.turns`);
+the per-turn statistics (`rlcheck/turn/*`) and the cross-turn invariants follow (docs/multiturn.md).
+
 Before the run: `preflight(config)` (verl's config) runs rlcheck's static preflight before verl starts vLLM
 (`recipes/verl_hook.py` does it in `init_workers`); its findings go into the Monitor's context.
 
@@ -82,6 +86,8 @@ from rlcheck.integrations.verl.fields import (  # noqa: F401 - the keys are this
 )
 from rlcheck.integrations.verl.fully_async import fully_async_max_lag, on_version
 from rlcheck.integrations.verl.handback import update_batch
+from rlcheck.integrations.verl.settings import refuse_bypass
+from rlcheck.integrations.verl.turns import with_agent_turns
 from rlcheck.versions import check_tested
 
 META_KEYS = ("uid", "priority", "data_source")
@@ -181,7 +187,7 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
     }
     num_rows, num_cols = _check_shapes(arrays)
     ids = default_request_ids(non_tensors, num_rows) if request_ids is None else request_ids
-    return StepBatch.from_padded(
+    batch = StepBatch.from_padded(
         arrays[ROLLOUT_KEY],
         arrays[TRAIN_KEY],
         arrays[MASK_KEY],
@@ -191,6 +197,7 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
         weight_version=_versions(non_tensors, num_rows),
         meta=_meta(non_tensors, num_rows),
     )
+    return with_agent_turns(batch, non_tensors)  # an agent loop's multi-turn rows (`verl.turns`)
 
 
 def _versions(non_tensors: Mapping[str, Any], num_rows: int) -> list[int] | None:
@@ -254,7 +261,7 @@ def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | Non
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
             forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,
             global_steps: int | None = None, correction: CorrectionConfig | None = None,
-            param_version: int | None = None, async_training: Any = None) -> StepReport:
+            param_version: int | None = None, async_training: Any = None, config: Any = None) -> StepReport:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
     logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
     rows' `min_global_steps` where verl recorded them; `global_steps` (legacy, v1): verl's own step
@@ -263,8 +270,12 @@ def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | Non
     settings, the rows on other versions left out of the comparison and their lag bounded
     (`rlcheck.integrations.verl.fully_async`). Then `update_batch(data, report, correction)`:
     quarantined rows and rejected tokens leave `response_mask`, `rollout_is_weights` is set with
-    `correction.rollout_is` (module docstring). Returns the `StepReport`, raises `MismatchHalt` when the
-    policy halts (`data` untouched)."""
+    `correction.rollout_is` (module docstring). `config`: verl's trainer config, whose bypass mode is
+    refused (`ConfigError`: its old_log_probs are the rollout's own, a copy in another buffer through v1's
+    transfer queue, which bitwise-equal sides alone cannot tell from a true on-policy engine). Returns the
+    `StepReport`, raises `MismatchHalt` when the policy halts (`data` untouched)."""
+    if config is not None:
+        refuse_bypass(config)
     if correction is not None and not isinstance(correction, CorrectionConfig):
         raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(correction).__name__}")
     check_tested("verl", what="the verl adapter (it reads DataProto's fields)")

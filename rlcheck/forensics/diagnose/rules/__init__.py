@@ -1,7 +1,8 @@
 """The diagnose rules that read a dump's sequences token by token (the two sides' ids, the position of
 the mismatch, the rows it sits in), in the order `diagnose.RULES` runs them: `tokens` (prompt ids,
 re-tokenization, the stop token), `position` (padding, position, a shared prompt prefix, a few far-off rows) and
-`logits` (a temperature's sign on the likely tokens)."""
+`logits` (a temperature's sign on the likely tokens), and `turns` (the causes only multi-turn agent loops have,
+from the cross-turn invariants and the per-turn statistics)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rlcheck.forensics.diagnose.rules.position import (
     stale_prefix_cache,
 )
 from rlcheck.forensics.diagnose.rules.tokens import prompt_mismatch, retokenization, stop_token
+from rlcheck.forensics.diagnose.rules.turns import multiturn
 
 EVIDENCE_RULES = (prompt_mismatch, retokenization, stop_token, position_ids, position_dependent, stale_prefix_cache,
-                  sparse_rows, logit_processing_tokens)
+                  sparse_rows, logit_processing_tokens, multiturn)
