@@ -29,7 +29,7 @@ def dump(tmp_path, model, n=3, length=12):
     prompts = [rng.integers(3, 200, 5).tolist() for _ in range(n)]
     responses = [rng.integers(3, 200, length).tolist() for _ in range(n)]
     lp = HFScorer(HFScorerConfig(model=str(model))).score(prompts, responses)
-    batch = StepBatch.from_ragged(logp_rollout=lp, logp_train=lp, request_ids=[f"r{i}" for i in range(n)],
+    batch = StepBatch.from_ragged(logp_rollout=lp, logp_train=[a.copy() for a in lp], request_ids=[f"r{i}" for i in range(n)],
                                   tokens=[np.array(r) for r in responses], prompt_tokens=[np.array(p) for p in prompts])
     return write_dump(tmp_path / "dump", batch, step=1, context={"model": str(model)})
 
