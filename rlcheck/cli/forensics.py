@@ -43,7 +43,8 @@ def _phases():
 
 
 def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, max_num_seqs: int, kv_cache: str,
-                   batched_tokens: int | None, dtype: str, seed: int, inject: str | None, threshold: float | None):
+                   batched_tokens: int | None, dtype: str, seed: int, inject: str | None, threshold: float | None,
+                   reference_dtype: str = "float32", device: str = "cpu"):
     fault, value = parse_inject(inject)
     # vLLM logs to stdout at INFO by default: keep stdout for the table or the JSON
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -52,7 +53,8 @@ def _stress_config(model: Path, requests: int, samples: int, max_tokens: int, ma
                         max_tokens=max_tokens, max_num_seqs=max_num_seqs, kv_cache_bytes=parse_size(kv_cache),
                         max_num_batched_tokens=batched_tokens, dtype=dtype, seed=seed, fault=fault,
                         boundary=value if fault == "index-wrap" else None,
-                        layer=value if fault == "perturb-layer" else None, threshold=threshold)
+                        layer=value if fault == "perturb-layer" else None, threshold=threshold,
+                        reference_dtype=reference_dtype, reference_device=device)
 
 
 _MODEL = typer.Option(..., "--model", help="The model to stress (HF folder; Mamba2 or hybrid for the slot trace).")
@@ -72,8 +74,11 @@ _AUDIT = typer.Option(None, "--audit", help="Engine self-audit (repeatable): dec
                                             "shuffled order).")
 _NO_REFERENCE = typer.Option(False, "--no-reference", help="Skip the HF reference (engine only, fast); with --audit "
                                                            "decode-prefill the fresh prefill judges each request.")
-_THRESHOLD = typer.Option(None, help=f"Max |d| (nats) over which a request fails (default: {FP32_THRESHOLD:g} for float32, "
-                                     f"{DEFAULT_THRESHOLD:g} otherwise).")
+_THRESHOLD = typer.Option(None, help=f"Max |d| (nats) over which a request fails (default: {FP32_THRESHOLD:g} when engine "
+                                     f"and reference run float32, {DEFAULT_THRESHOLD:g} otherwise).")
+_REF_DTYPE = typer.Option("float32", "--reference-dtype", help="The HF reference's dtype: float32 (default), bfloat16 or "
+                                                               "float16 (half the memory; its tolerance is bfloat16's).")
+_DEVICE = typer.Option("cpu", "--device", help="Where the HF reference runs: cpu (default), cuda or cuda:N.")
 
 
 @app.command()
@@ -86,19 +91,21 @@ def stress(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (failing_request_ids, num_requests, ...)."),
     guard: bool = typer.Option(False, "--guard", help="Run the engine guard: lifecycle invariants checked at every "
                                                       "engine step, violations named before the replay."),
-    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE,
+    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE, reference_dtype: str = _REF_DTYPE,
+    device: str = _DEVICE,
 ) -> None:
     """vLLM at temperature 0 under memory pressure and load, every output replayed through the HF
     reference; lists the failing requests with their scheduler context (arrival, step, state block),
     with --guard the engine guard's violations (invariant, request, engine step, slot), and with
     --audit the engine checked against itself (decode vs prefill, batch invariance).
-    Exit code 0 when none fails, 1 when one does (or the guard or an audit found one), 2 on bad input.
+    Exit code 0 when none fails, 1 when one does (or the guard or an audit found one, or the guard
+    stopped on an error of its own), 2 on bad input.
     `rlcheck diagnose OUT` names the cause."""
     from rlcheck.forensics.stress import run_stress
     from rlcheck.forensics.stress.report import render_stress
 
     cfg = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
-                         inject, threshold)
+                         inject, threshold, reference_dtype, device)
     cfg = replace(cfg, guard=guard, audits=parse_audits(audit), reference=not no_reference)
     out = output_dir(out or Path("runs") / time.strftime("stress-%Y%m%d-%H%M%S"), "--out", own_marker=STRESS_FILE)
     with _phases() as advance:
@@ -107,7 +114,8 @@ def stress(
         typer.echo(json.dumps(result.to_dict(), indent=1))
     else:
         render_stress(result, console(), top=top)
-    if result.failing or result.audit_failed or (result.guard is not None and result.guard.violations):
+    guard = result.guard
+    if result.failing or result.audit_failed or (guard is not None and (guard.violations or guard.summary["error"])):
         raise typer.Exit(1)
 
 
@@ -120,7 +128,8 @@ def sweep(
     inject: str = _INJECT, threshold: float = _THRESHOLD,
     out: Path = typer.Option(None, help="Where sweep.json and sweep.png go (default: runs/sweep-<time>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
-    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE,
+    audit: list[str] = _AUDIT, no_reference: bool = _NO_REFERENCE, reference_dtype: str = _REF_DTYPE,
+    device: str = _DEVICE,
 ) -> None:
     """Change one knob at a time (cache budget, max sequences, samples per prompt, batched tokens) and
     record, per value, the failures, the first failing request and the failing fraction (and with
@@ -130,7 +139,7 @@ def sweep(
 
     knobs = [parse_knob(k) for k in knob]
     base = _stress_config(model, requests, samples, max_tokens, max_num_seqs, kv_cache, batched_tokens, dtype, seed,
-                          inject, threshold)
+                          inject, threshold, reference_dtype, device)
     base = replace(base, audits=parse_audits(audit), reference=not no_reference)
     out = output_dir(out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S"), "--out", own_marker=SWEEP_FILE)
     with _phases() as advance:
@@ -149,8 +158,12 @@ def localize(
     model: Path = typer.Option(None, "--model", help="The model (HF folder); default: the dump's context.model."),
     request: list[str] = typer.Option(None, "--request", help="A request id to localize (repeatable); default: the worst --top."),
     top: int = typer.Option(LOCALIZE_TOP, min=1, help="Worst requests to localize (by max |logp_train - logp_rollout|)."),
-    tolerance: float = typer.Option(None, help="Relative error over which a layer diverges (default: per engine dtype, "
-                                               + ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items()) + ")."),
+    tolerance: float = typer.Option(None, help="Relative error over which a layer diverges (default: the looser of the "
+                                               "engine's dtype (as the dump records it; the loosest when it does not) and "
+                                               "the reference's: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items()) + ")."),
+    fault: str = typer.Option(None, "--fault", help="The engine fault to re-inject in a teacher-forced re-run instead of the "
+                                                    "dump's (context.fault), e.g. perturb-layer=2; 'none' for none."),
+    reference_dtype: str = _REF_DTYPE, device: str = _DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Print the per-request list as JSON (request_id, "
                                                        "first_divergent_layer, layer_type, position, layers, ...)."),
 ) -> None:
@@ -161,6 +174,7 @@ def localize(
     diverges, 1 when one does, 2 on bad input."""
     from transformers.utils import logging as hf_logging
 
+    from rlcheck.engines.reference import ReferenceConfig
     from rlcheck.forensics.localize import localize as run_localize
     from rlcheck.forensics.localize.report import render_localization
 
@@ -171,7 +185,8 @@ def localize(
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     hf_logging.disable_progress_bar()
     with _phases() as advance:
-        result = run_localize(path, model, request_ids=request or None, top=top, tolerance=tolerance, progress=advance)
+        result = run_localize(path, model, request_ids=request or None, top=top, tolerance=tolerance, fault=fault,
+                              reference=ReferenceConfig(reference_dtype, device), progress=advance)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:

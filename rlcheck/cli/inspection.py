@@ -49,9 +49,13 @@ def replay(
     top: int = typer.Option(None, min=1, help="Requests to show: default 20 in the table, all with --json."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-request records, worst first, as JSON."),
     one_at_a_time: bool = typer.Option(False, "--one-at-a-time", help="Score one sequence per forward pass (slower; the batched path's yardstick)."),
+    reference_dtype: str = typer.Option("float32", "--reference-dtype", help="The HF reference's dtype: float32 (default), "
+                                                                             "bfloat16 or float16 (half the memory)."),
+    device: str = typer.Option("cpu", "--device", help="Where the HF reference runs: cpu (default), cuda or cuda:N."),
 ) -> None:
     """Re-score every sequence of a dump with the HF reference and rank the requests by max |d| vs the
     engine. Exit code 0 when all are within --threshold, 1 when one is over, 2 on bad input."""
+    from rlcheck.engines.reference import ReferenceConfig
     from rlcheck.forensics.render import render_replay
     from rlcheck.forensics.replay import replay as run_replay
 
@@ -62,7 +66,7 @@ def replay(
     hf_logging.disable_progress_bar()  # the replay's own bar is enough
     with _progress("replaying") as advance:
         report = run_replay(dump, model, temperature=temperature, threshold=threshold, tau=tau,
-                            batch=not one_at_a_time, progress=advance)
+                            batch=not one_at_a_time, progress=advance, reference=ReferenceConfig(reference_dtype, device))
     if as_json:
         typer.echo(json.dumps(report.to_json(top), indent=1))
     else:

@@ -7,6 +7,15 @@ It is deliberately plain: the model's logits, log_softmax(logits / T), gathered 
 token (prompt + previous response tokens as context). Nothing of vLLM and nothing of rlcheck's own
 `logprobs` module is involved, so it can judge both.
 
+Only the positions compared get logits, `LOGIT_CHUNK_BYTES` of them at a time: the model's decoder
+(`get_decoder()`) gives the final hidden states, and its LM head (`get_output_embeddings()`, then the
+config's `logits_scaling`, `logit_scale` or `final_logit_softcapping`) turns each chunk of the response
+positions into logits. (B, T, V) logits of every position, prompt included, are never built: one
+32k-token sequence would be 19.9 GB of them in float32 at a 151,936 vocabulary (BENCHMARKS.md, "HF
+reference memory"). The split is checked against the model's own forward on a short probe when the
+scorer is built; a model whose head it does not reproduce is scored through its own forward (all
+positions' logits), with a warning.
+
 Batching with little padding waste:
 - length buckets (the default on CPU, and always for models with recurrent layers: Mamba2, the
   GraniteMoeHybrid hybrid, whose HF path cannot reset state inside a row): sequences sorted by length
@@ -32,6 +41,9 @@ from rlcheck.errors import ConfigError, InputError
 
 MIN_FILL = 0.85
 """A padded batch takes no sequence shorter than this fraction of its longest (which comes first)."""
+LOGIT_CHUNK_BYTES = 256 * 2**20
+"""Float32 logits of one chunk of scored positions: 441 rows at a 151,936 vocabulary (BENCHMARKS.md,
+"HF reference memory": the time per token is flat from ~64 rows up)."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,11 @@ class HFScorer:
         self.cfg = cfg
         self.torch = torch
         extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+        if str(cfg.device) != "cpu":
+            extra["device_map"] = str(cfg.device)  # weights read straight onto the GPU, not staged in host memory
         self.model = model or AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype), **extra)
         self.model.to(cfg.device).eval()
+        self.split = split_head(self.model)  # (decoder, head): logits only where compared; None: the model's own
         pack = cfg.pack if cfg.pack is not None else str(cfg.device).startswith("cuda")
         self.packed = pack and not is_recurrent(self.model.config)
         self.last_padding_fraction = 0.0
@@ -118,28 +133,75 @@ class HFScorer:
         torch = self.torch
         ids = torch.tensor([t for s, _ in seqs for t in s], dtype=torch.long, device=self.cfg.device)[None]  # (1, T)
         pos = torch.cat([torch.arange(len(s)) for s, _ in seqs])[None].to(self.cfg.device)  # (1, T)
-        with torch.no_grad():  # no cache: only then does transformers read position_ids as packing
-            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]  # (T, V)
+        states = self._states(ids, pos)[0]  # (T, H), or (T, V) logits without a split head
         out, start = [], 0
         for s, prompt_len in seqs:
-            out.append(self._gather(logits[start : start + len(s)], s, prompt_len, temperature))
+            out.append(self._gather(states[start : start + len(s)], s, prompt_len, temperature))
             start += len(s)
         return out
 
     def _score_padded(self, seqs: list[tuple[list[int], int]], temperature: float) -> list[np.ndarray]:
-        torch = self.torch
         ids = right_padded([s for s, _ in seqs], self.model.config.pad_token_id or 0)  # (B, T)
-        with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.cfg.device), use_cache=False).logits  # (B, T, V)
-        return [self._gather(logits[b, : len(s)], s, p, temperature) for b, (s, p) in enumerate(seqs)]
+        states = self._states(ids.to(self.cfg.device))  # (B, T, H), or (B, T, V) logits
+        return [self._gather(states[b, : len(s)], s, p, temperature) for b, (s, p) in enumerate(seqs)]
 
-    def _gather(self, logits, seq: list[int], prompt_len: int, temperature: float) -> np.ndarray:
-        """log_softmax(logits / T) at positions prompt_len-1 .. L-2, gathered at the next token."""
+    def _states(self, ids, positions=None):
+        """The final hidden states of `ids` (B, T, H), or the model's own logits (B, T, V) when its head
+        is not split off; no cache (only then does transformers read position_ids as packing)."""
+        kwargs = {"input_ids": ids, "use_cache": False, **({} if positions is None else {"position_ids": positions})}
+        with self.torch.no_grad():
+            if self.split is None:
+                return self.model(**kwargs).logits
+            return self.split[0](**kwargs).last_hidden_state
+
+    def _gather(self, states, seq: list[int], prompt_len: int, temperature: float) -> np.ndarray:
+        """log_softmax(logits / T) at positions prompt_len-1 .. L-2, gathered at the next token, the
+        logits made chunk by chunk from those positions' hidden states (`LOGIT_CHUNK_BYTES`)."""
         torch = self.torch
-        rows = logits[prompt_len - 1 : len(seq) - 1].float() / temperature  # (R, V)
+        rows = states[prompt_len - 1 : len(seq) - 1]  # (R, H) or (R, V)
         targets = torch.tensor(seq[prompt_len:], dtype=torch.long, device=rows.device)  # (R,)
-        logp = torch.log_softmax(rows, dim=-1).gather(-1, targets[:, None])[:, 0]
-        return logp.cpu().numpy().astype(np.float32)
+        vocab = self.model.config.get_text_config().vocab_size
+        chunk = max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+        out = torch.empty(rows.shape[0], dtype=torch.float32)
+        with torch.no_grad():
+            for a in range(0, rows.shape[0], chunk):
+                x = rows[a : a + chunk]
+                logits = (x if self.split is None else self.split[1](x)).float() / temperature  # (c, V)
+                out[a : a + chunk] = torch.log_softmax(logits, dim=-1).gather(-1, targets[a : a + chunk, None])[:, 0].cpu()
+        return out.numpy()
+
+
+def split_head(model: Any) -> tuple[Any, Any] | None:
+    """(decoder, head) of a causal LM: the decoder's final hidden states, and head(h) = its LM head with
+    the config's logit transform, in float32; None when the model has no such parts or the two do not
+    give its own logits on a probe (then it is scored through its own forward)."""
+    import warnings
+
+    import torch
+
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is None or decoder is model or lm_head is None:
+        return None
+    cfg = model.config.get_text_config()
+    scale = (1.0 / cfg.logits_scaling if getattr(cfg, "logits_scaling", None) else 1.0) * (getattr(cfg, "logit_scale", None) or 1.0)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def head(hidden):
+        x = lm_head(hidden).float() * scale
+        return x if not cap else torch.tanh(x / cap) * cap
+
+    device = next(model.parameters()).device
+    probe = (torch.arange(1, 9, device=device) % cfg.vocab_size)[None]  # (1, 8)
+    with torch.no_grad():
+        want = model(input_ids=probe, use_cache=False).logits.float()
+        got = head(decoder(input_ids=probe, use_cache=False).last_hidden_state)
+    tol = (1e-4 if lm_head.weight.dtype == torch.float32 else 2e-2) * max(1.0, float(want.abs().max()))
+    if got.shape != want.shape or not bool((got - want).abs().max() <= tol):
+        warnings.warn(f"rlcheck: the HF reference cannot split {type(model).__name__}'s LM head off its decoder (the "
+                      "two do not give its logits): it scores through the model's own forward, which holds every "
+                      "position's logits", RuntimeWarning, stacklevel=2)
+        return None
+    return decoder, head
 
 
 def right_padded(rows: Sequence[Sequence[int]], pad_id: int):

@@ -52,8 +52,8 @@ class LayerCapture:
     """Hooks on one engine that keep the per-layer hidden states of `request_ids`; see the module docstring."""
 
     def __init__(self, engine: Any, request_ids: Iterable[str], model_type: str):
+        from rlcheck.engines.layers import decoder_layers
         from rlcheck.engines.vllm_faults import model_runner
-        from rlcheck.engines.vllm_perturb import decoder_layers
 
         self.mode = stream_mode(model_type)
         self.runner = runner = model_runner(engine)

@@ -33,7 +33,7 @@ NEAR_TIE = 0.05
 
 def moe_gates(model: Any) -> list[Any]:
     """The router of every MoE decoder layer (`layer.mlp.gate`) of a vLLM or HF model, in layer order."""
-    from rlcheck.engines.vllm_perturb import decoder_layers
+    from rlcheck.engines.layers import decoder_layers
 
     gates = [layer.mlp.gate for layer in decoder_layers(model) if hasattr(getattr(layer, "mlp", None), "gate")]
     if not gates:

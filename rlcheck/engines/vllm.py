@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.engines.guard import GuardConfig
-from rlcheck.engines.vllm_env import build_llm
+from rlcheck.engines.vllm_env import LOGIT_PROCESSING, build_llm
 from rlcheck.errors import ConfigError, InputError
 
 LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")
@@ -93,9 +93,7 @@ class VLLMConfig:
             )
         if self.max_tokens < 1 or self.top_logprobs < 0:
             raise ConfigError("max_tokens must be >= 1 and top_logprobs >= 0")
-        processing = {"top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids"}
-        used = sorted(processing & set(self.sampling))
+        used = sorted(LOGIT_PROCESSING & set(self.sampling))
         if used and not self.allow_logit_processing:
             raise ConfigError(
                 f"sampling sets {used}: the engine's logprobs then differ from what a trainer "
@@ -217,6 +215,14 @@ class VLLMEngine:
         """The guard's violations since the previous call, as dicts with the rollout's id
         (`rollout_request_id`: "{engine_id}/s{step}/{vLLM id}"); [] without a guard."""
         return [] if self.guard is None else [v.to_dict() for v in self.guard.take_violations()]
+
+    def take_guard_report(self) -> dict[str, Any] | None:
+        """The guard's `take_report` (new violations as dicts, whether it is alive, the error that stopped
+        it, steps traced and skipped); None without a guard."""
+        if self.guard is None:
+            return None
+        report = self.guard.take_report()
+        return {**report, "violations": [v.to_dict() for v in report["violations"]]}
 
     def write_guard(self, directory: str | os.PathLike) -> str | None:
         """Write the guard's record (summary, violations, trace) into DIR/guard, e.g. a dump; None without a guard."""

@@ -3,7 +3,7 @@
     layout = plan_buckets(specs_of(weights), bucket_bytes=512 * 2**20)  # names, shapes, dtypes, offsets
     group = SyncGroup(host, port, rank, world_size, timeout_s, "gloo")  # 0: trainer rank 0, 1..: engines
     send_weights(group, weights, bucket_bytes)                         # on rank 0
-    receive_into(engine, group, version)                               # on each engine, at the same time
+    receive_buckets(group, stats)                                      # on each receiver, at the same time
 
 The group is its own: a `torch.distributed.TCPStore` (served by rank 0) and a process group built on it
 directly, never `init_process_group`, so the trainer ranks' default group is not touched and the
@@ -14,9 +14,10 @@ process group and the buckets' device differ (`BACKENDS`). The same idea as vLLM
 `StatelessProcessGroup` + `PyNcclCommunicator` (vLLM's rlhf example, TRL's vllm_client) and OpenRLHF's
 `init_process_group` helper (a named group besides the default one). Rank 0 first broadcasts the layout (JSON: a length, then the bytes), then each
 bucket as one uint8 tensor, as verl's and vLLM's packed weight transfer do (vLLM: 1 GB buckets); OpenRLHF
-broadcasts tensor by tensor, a round trip per tensor. Each engine turns a bucket into views and loads
-it with one `reload_weights` before the next arrives (`load_buckets`): memory on the engine side is one
-bucket, not a copy of the model.
+broadcasts tensor by tensor, a round trip per tensor. Each of the engine's workers (every tensor-parallel
+one: `rlcheck.engines.vllm_worker_sync`) receives the buckets itself, turns a bucket into views and
+loads its shard of it with one `reload_weights` before the next arrives: memory on the engine side is
+one bucket per worker, not a copy of the model.
 
 A bucket never splits a decoder layer (`layer_key`): vLLM's layerwise reload processes a layer once per
 call, and a layer that got only part of its weights in a call (q_proj without k_proj of a fused
@@ -229,29 +230,14 @@ def receive_buckets(group: SyncGroup, stats: dict[str, float]) -> Iterator[list[
 class Buckets:
     """The buckets of one collective sync, as `VLLMEngine.sync_weights` takes them: through the same
     method as an object-store sync, so an engine fault that wraps it (stale-buffer, perturb-layer)
-    acts after a collective sync too."""
+    acts after a collective sync too. The engine's workers receive them themselves:
+    `rlcheck.engines.vllm_worker_sync` (`WorkerBuckets`, `receive_into`)."""
 
     def __init__(self, buckets: Iterable[list[tuple[str, Any]]]):
         self.buckets = buckets
 
     def __iter__(self) -> Iterator[list[tuple[str, Any]]]:
         return iter(self.buckets)
-
-
-def receive_into(engine: Any, group: SyncGroup, version: int, spoil: str | None = None) -> dict[str, float]:
-    """An engine (`VLLMEngine`) takes rank 0's weights as `version` (its `sync_weights`, `load_buckets`);
-    `spoil`: the drop-sync and permute-sync self-tests, each bucket received whole and loaded as
-    `rlcheck.faults.base.spoil_sync` leaves it."""
-    from rlcheck.faults.base import spoil_sync
-
-    stats: dict[str, float] = {}
-    buckets = receive_buckets(group, stats)
-    if spoil:
-        buckets = (list(spoil_sync(bucket, spoil)) for bucket in buckets)
-    t0 = time.perf_counter()
-    engine.sync_weights(Buckets(buckets), version)
-    stats["load_s"] = time.perf_counter() - t0 - stats["receive_s"]
-    return stats
 
 
 def load_buckets(engine: Any, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
@@ -266,7 +252,9 @@ def load_buckets(engine: Any, buckets: Iterable[list[tuple[str, Any]]], version:
         raise InputError(f"weight version must increase: {version} after {engine.weight_version}")
     engine.llm.apply_model(prepack_moe_on_reload)  # vLLM 0.32 CPU MoE: prepack the experts on updates too
     num_tensors = 0
-    for bucket in buckets:
+    if hasattr(buckets, "receive"):  # each worker receives its buckets itself (`vllm_worker_sync.WorkerBuckets`)
+        num_tensors = buckets.receive(engine.llm)
+    for bucket in () if hasattr(buckets, "receive") else buckets:
         if bucket:
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
             num_tensors += len(bucket)

@@ -22,6 +22,9 @@ from rlcheck.errors import InputError
 from rlcheck.versions import check_tested
 
 FP32 = ("float32", "fp32", "float")
+LOGIT_PROCESSING = frozenset({"top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids"})
+"""`vllm.SamplingParams` fields that change the distribution a token is drawn from (and its processed logprob)."""
 
 
 def engine_env(dtype: str, tensor_parallel_size: int, cuda: bool | None = None,
@@ -64,6 +67,22 @@ def effective_settings(llm: Any) -> dict[str, Any]:
         groups = [g for gs in (getattr(runner, "attn_groups", None) or []) for g in gs]
         out["attention_backends"] = sorted({getattr(g.backend, "__name__", str(g.backend)) for g in groups})
     return out
+
+
+def vllm_record(cfg: Any, n: int | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a dump records of an engine of `VLLMConfig` `cfg` (`rlcheck.core.run.context`: "sampling" and
+    "engine", with "schema"); `settings`: `effective_settings` of the started engine (the dtype it ran)."""
+    from rlcheck.core.run.context import Engine, Sampling, record
+
+    settings = settings or {}
+    sampling = Sampling(temperature=0.0 if cfg.greedy else float(cfg.temperature), greedy=bool(cfg.greedy),
+                        logprobs_mode=cfg.logprobs_mode, max_tokens=cfg.max_tokens, n=n,
+                        processing={k: v for k, v in cfg.sampling.items() if k in LOGIT_PROCESSING})
+    engine = Engine(name="vllm", dtype=settings.get("dtype"), configured_dtype=str(cfg.dtype),
+                    enforce_eager=settings.get("enforce_eager", cfg.enforce_eager),
+                    tensor_parallel_size=cfg.tensor_parallel_size, kv_cache_bytes=cfg.kv_cache_bytes,
+                    max_num_seqs=cfg.max_num_seqs, engine_id=cfg.engine_id)
+    return record(sampling, engine)
 
 
 def build_llm(cfg: Any):

@@ -1,4 +1,4 @@
-"""The `perturb-layer=K` engine fault, and where decoder layers and their output projections live in
+"""The `perturb-layer=K` engine fault, and where the output projections of decoder layers live in
 vLLM's and HF's models (both name them alike: Llama, Mamba2, GraniteMoeHybrid).
 
     handle = inject(engine, "perturb-layer", layer=2)   # rlcheck.engines.vllm_faults.inject
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlcheck.engines.layers import decoder_layers
 from rlcheck.errors import ConfigError
 
 PERTURB_FACTOR = 1.01
@@ -25,17 +26,6 @@ relative per layer, and under bfloat16's, ~1e-2)."""
 MIXERS = (("self_attn", "o_proj", "attention"), ("mamba", "out_proj", "mamba"), ("mixer", "out_proj", "mamba"))
 """(attribute of the decoder layer, its output projection, layer type): the token mixers of vLLM's and
 HF's Llama, Mamba2 and GraniteMoeHybrid layers, which name them alike."""
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers of a vLLM or HF causal LM, in order: its ModuleList named `layers`
-    (`model.layers`, Mamba2's `backbone.layers`)."""
-    import torch
-
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList):
-            return list(module)
-    raise ConfigError(f"{type(model).__name__} has no decoder layer list (a ModuleList named 'layers')")
 
 
 def output_projection(layer: Any) -> tuple[str, str | None, Any]:
@@ -92,40 +82,44 @@ class PerturbHandle:
     same as scaling its weight (the projections of these models have no bias; with one, only the
     weight's part is scaled): vLLM's CPU linear layers run on a prepacked copy of the weight (oneDNN)
     and drop `weight` itself after loading, so an in-place scale of it would never reach the kernel.
-    On a `VLLMEngine` the handle wraps that instance's `sync_weights` (an instance attribute, no class
-    patched) and applies the perturbation again after every sync, so a reload cannot undo it."""
+    On a `VLLMEngine` the handle wraps that instance's `sync_weights` (`rlcheck.engines.sync_wraps`, no
+    class patched) and applies the perturbation again after every sync, so a reload cannot undo it."""
 
     def __init__(self, engine: Any, layer: int, factor: float):
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise ConfigError(f"perturb-layer needs a decoder layer index >= 0, got {layer!r}")
         self.engine, self.layer, self.factor, self.syncs = engine, layer, factor, 0
-        self.llm = getattr(engine, "llm", engine)
         if self.llm is None:
             raise ConfigError("the engine is closed")
         self.target = self.apply()
-        self._own_sync = getattr(engine, "__dict__", {}).get("sync_weights")  # another fault's wrap, kept
-        self._real_sync = getattr(engine, "sync_weights", None)  # None: a bare vllm.LLM, never synced
-        if self._real_sync is not None:
-            engine.sync_weights = self._sync_weights
+        self.wrap = None  # a bare vllm.LLM is never synced
+        if getattr(engine, "sync_weights", None) is not None:
+            from rlcheck.engines.sync_wraps import wrap_sync
+
+            self.wrap = wrap_sync(engine, self._around)
+
+    @property
+    def llm(self) -> Any:
+        """The engine's `vllm.LLM` (None once closed), never held here: a handle left on a closed engine
+        must not keep its LLM alive past `close()` (freed later by the garbage collector, it tore vLLM's
+        model-parallel state down under the next in-process engine's start)."""
+        return getattr(self.engine, "llm", self.engine)
 
     def apply(self) -> str:
         """(Re)install the scaling (idempotent); what it scales, as words."""
         layer, factor = self.layer, self.factor
         return self.llm.apply_model(lambda model: _scale_output(model, layer, factor))[0]
 
-    def _sync_weights(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._real_sync(*args, **kwargs)
+    def _around(self, sync: Any, named_tensors: Any, version: int) -> Any:
+        out = sync(named_tensors, version)
         self.apply()
         self.syncs += 1
         return out
 
     def remove(self) -> None:
         """Undo the scaling and the wrap (idempotent)."""
-        if self._real_sync is not None and self.engine.__dict__.get("sync_weights") == self._sync_weights:
-            if self._own_sync is None:
-                del self.engine.__dict__["sync_weights"]
-            else:
-                self.engine.sync_weights = self._own_sync
+        if self.wrap is not None:
+            self.wrap.remove()
         if getattr(self.engine, "llm", self.engine) is not None:  # a closed engine has nothing to undo
             layer = self.layer
             self.llm.apply_model(lambda model: _unscale_output(model, layer))

@@ -8,8 +8,8 @@ sync, drops it).
     handle.kept                                   # syncs that kept it so far
     handle.remove()
 
-Wraps that engine instance's `sync_weights` (the object-store and the collective syncs both go
-through it); during a wrapped sync the `LLM` instance's `reset_prefix_cache` answers True and does
+Wraps that engine instance's `sync_weights` (`rlcheck.engines.sync_wraps`: the object-store and the
+collective syncs both go through it); during a wrapped sync the `LLM` instance's `reset_prefix_cache` answers True and does
 nothing. No class is patched.
 """
 
@@ -22,24 +22,25 @@ class KeptPrefixCache:
     """See the module docstring."""
 
     def __init__(self, engine: Any, start: int = 1):
-        self.engine, self.start = engine, start
-        self.real_sync = engine.sync_weights
-        engine.sync_weights = self.sync_weights
-        self.kept = 0
+        from rlcheck.engines.sync_wraps import wrap_sync
 
-    def sync_weights(self, named_tensors: Any, version: int) -> None:
+        self.engine, self.start = engine, start
+        self.kept = 0
+        self.wrap = wrap_sync(engine, self._around)
+
+    def _around(self, sync: Any, named_tensors: Any, version: int) -> None:
         if version < self.start:
-            return self.real_sync(named_tensors, version)
+            return sync(named_tensors, version)
         llm = self.engine.llm
         llm.reset_prefix_cache = _no_reset
         try:
-            self.real_sync(named_tensors, version)
+            sync(named_tensors, version)
         finally:
             del llm.reset_prefix_cache
         self.kept += 1
 
     def remove(self) -> None:
-        self.engine.__dict__.pop("sync_weights", None)
+        self.wrap.remove()
 
 
 def _no_reset(*args: Any, **kwargs: Any) -> bool:

@@ -58,6 +58,11 @@ def is_stale(name: str, mixer: Any) -> bool:
     return buf.data_ptr() != src.data_ptr() and not torch.equal(buf, src.to(buf.dtype))
 
 
+def count_conv_mixers(model: Any) -> int:
+    """How many Mamba mixers with a conv buffer `model` has (runs inside each worker)."""
+    return len(conv_mixers(model))
+
+
 def stale_conv_mixers(model: Any) -> list[str]:
     """Names of the mixers whose conv runs on other weights than the loaded ones. Runs inside the
     engine: `llm.apply_model(stale_conv_mixers)` (one list per worker)."""
@@ -133,25 +138,47 @@ class StaleConvBuffers:
     """The `stale-buffer` fault (a self-test of the sync check): after every `sync_weights` of one
     engine, each Mamba mixer's `conv_weights` buffer holds the values it had before the sync, in
     storage of its own, as on an AVX512-BF16 CPU without the refresh, in any dtype and on any CPU.
-    Wraps that engine instance's `sync_weights` (no class is patched); `remove()` undoes it."""
+    Each worker keeps its own buffers (under tensor parallelism, its own shard of them) inside its own
+    process until the sync is done. A wrap of that engine instance's `sync_weights`
+    (`rlcheck.engines.sync_wraps`; no class is patched); `remove()` undoes it."""
 
     def __init__(self, engine: Any):
-        self.engine, self.real_sync = engine, engine.sync_weights
-        if not sum(engine.llm.apply_model(lambda model: len(conv_mixers(model)))):
+        from rlcheck.engines.sync_wraps import wrap_sync
+
+        self.engine = engine
+        if not sum(engine.llm.apply_model(count_conv_mixers)):  # a module function: TP workers unpickle it
             from rlcheck.errors import ConfigError
 
             raise ConfigError("stale-buffer needs a model with Mamba2 mixers (mamba2, hybrid)")
-        engine.sync_weights = self.sync_weights
+        self.wrap = wrap_sync(engine, self._around)
         self.syncs = 0
 
-    def sync_weights(self, named_tensors, version: int) -> None:
-        old = self.engine.llm.apply_model(conv_buffers)
-        self.real_sync(named_tensors, version)
-        self.engine.llm.apply_model(lambda model: restore_conv_buffers(model, old[0]))
+    def _around(self, sync: Any, named_tensors: Any, version: int) -> None:
+        self.engine.llm.apply_model(_stash_conv_buffers)
+        sync(named_tensors, version)
+        self.engine.llm.apply_model(_restore_conv_buffers)
         self.syncs += 1
 
     def remove(self) -> None:
-        self.engine.__dict__.pop("sync_weights", None)
+        self.wrap.remove()
+
+
+STASH_ATTR = "_rlcheck_stale_conv_buffers"
+
+
+def _stash_conv_buffers(model: Any) -> int:
+    """Keep a copy of this worker's conv buffers on its model (runs inside each worker)."""
+    setattr(model, STASH_ATTR, {name: mixer.conv_weights.detach().clone() for name, mixer in conv_mixers(model)})
+    return len(getattr(model, STASH_ATTR))
+
+
+def _restore_conv_buffers(model: Any) -> int:
+    """Put this worker's stashed conv buffers back, in storage of their own: the conv reads them, the
+    reload does not reach them (runs inside each worker)."""
+    old = model.__dict__.pop(STASH_ATTR)
+    for name, mixer in conv_mixers(model):
+        mixer.conv_weights = old[name]
+    return len(old)
 
 
 def conv_buffers(model: Any) -> dict[str, Any]:
@@ -162,7 +189,7 @@ def conv_buffers(model: Any) -> dict[str, Any]:
 def restore_conv_buffers(model: Any, old: dict[str, Any]) -> int:
     """Put `conv_buffers`' copies back, each in storage of its own (the stale-buffer fault); how many."""
     for name, mixer in conv_mixers(model):
-        mixer.conv_weights = old[name].clone()  # storage of its own: the conv reads it, the reload does not reach it
+        mixer.conv_weights = old[name]
     return len(old)
 
 

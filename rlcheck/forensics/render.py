@@ -37,7 +37,8 @@ def render_replay(report, console: Any, top: int = 20) -> None:
     mode = "batched" if r.batched else "one at a time"
     console.print(
         f"{escape(r.dump_dir)}: step {r.step}, {len(r.records)} requests, {r.num_tokens:,} response tokens; "
-        f"reference {escape(r.model)} at T={r.temperature:g} ({r.temperature_from}); "
+        f"reference {escape(r.model)} ({r.reference_dtype} on {r.reference_device}) at T={r.temperature:g} "
+        f"({r.temperature_from}); "
         f"scored in {r.score_seconds:.2f} s ({mode})"
     )
     t = Table(title=f"worst {min(top, len(r.records))} by max |d| vs the engine (d = reference - rollout)",

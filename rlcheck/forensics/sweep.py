@@ -80,7 +80,7 @@ def run_sweep(base: StressConfig, knobs: list[Knob], *, progress: Progress | Non
         raise ConfigError("sweep needs at least one --knob NAME=V1,V2,...")
     base = replace(base, boundary=base.fault_boundary)  # the wrap boundary stays put while max_num_seqs moves
     if base.reference:
-        scorer = scorer or load_scorer(resolve_model({}, base.model))
+        scorer = scorer or load_scorer(resolve_model({}, base.model), base.reference_config())
     serial: dict = {}  # batch-invariance's max_num_seqs 1 runs, one per distinct setting
     total = sum(len(k.values) for k in knobs)
     points: list[SweepPoint] = []

@@ -51,18 +51,20 @@ class RolloutWorker:
 
     def open_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                         backend: str = "gloo") -> None:
-        """Join a weight-sync group with trainer rank 0 (`rlcheck.loop.weight_sync`), replacing any before."""
-        from rlcheck.engines.vllm_collective import SyncGroup
+        """The engine's workers join a weight-sync group with trainer rank 0 (`rlcheck.loop.weight_sync`),
+        replacing any before: each as `rank` + its tensor-parallel rank (`rlcheck.engines.vllm_worker_sync`)."""
+        from rlcheck.engines.vllm_worker_sync import join_workers
 
-        self.sync_group = None
-        self.sync_group = SyncGroup(host, port, rank, world_size, timeout_s, backend)
+        if rank != 1:
+            raise ValueError(f"the engine's workers take ranks 1.., not {rank}")
+        join_workers(self.engine, host, port, world_size, timeout_s, backend)
 
     def receive_weights(self, version: int, spoil: str | None = None) -> dict[str, float]:
-        """Take rank 0's broadcast weights as `version`, bucket by bucket (`spoil`: as `sync_weights`);
-        the bytes, the seconds waiting for buckets and loading them."""
-        from rlcheck.engines.vllm_collective import receive_into
+        """Take rank 0's broadcast weights as `version`, each worker bucket by bucket (`spoil`: as
+        `sync_weights`); the bytes, the workers, the seconds waiting for buckets and loading them."""
+        from rlcheck.engines.vllm_worker_sync import receive_into
 
-        return receive_into(self.engine, self.sync_group, version, spoil)
+        return receive_into(self.engine, version, spoil)
 
     def fingerprint(self) -> dict[str, tuple[float, float, float]]:
         """The engine's side of the sync check (`rlcheck.engines.fingerprint`)."""
@@ -95,9 +97,19 @@ class RolloutWorker:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def effective_settings(self) -> dict[str, Any]:
+        """How the engine runs, as vLLM resolved it (`rlcheck.engines.vllm_env.effective_settings`)."""
+        from rlcheck.engines.vllm_env import effective_settings
+
+        return effective_settings(self.engine.llm)
+
     def guard_violations(self) -> list[dict[str, Any]]:
         """The engine guard's violations since the last call (none when the guard is off)."""
         return self.engine.take_guard_violations()
+
+    def guard_report(self) -> dict[str, Any] | None:
+        """The engine guard's report since the last call (`VLLMEngine.take_guard_report`; None: no guard)."""
+        return self.engine.take_guard_report()
 
     def write_guard(self, directory: str) -> str | None:
         return self.engine.write_guard(directory)

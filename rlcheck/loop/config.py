@@ -78,17 +78,16 @@ class LoopConfig:
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
 
     def context(self) -> dict[str, Any]:
-        """What a dump should record of this run (`MonitorConfig.context`): model, engine, sampling, and
-        the static preflight's findings."""
+        """What a dump should record of this run (`MonitorConfig.context`): model, the engine's sampling
+        and settings as the fault leaves them (`rlcheck.core.run.context`; the loop adds the dtype the
+        engine runs once it started: `record_context`), the trainer, and the static preflight's findings."""
+        from rlcheck.engines.vllm_env import vllm_record
         from rlcheck.loop.preflight_wiring import loop_findings
 
-        r, t = self.rollout, self.trainer
+        t = self.trainer
         return {
-            "model": r.model,
-            "engine": {"name": "vllm", "engine_id": r.engine_id, "dtype": r.dtype, "logprobs_mode": r.logprobs_mode,
-                       "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs},
-            "sampling": {"temperature": r.temperature, "max_tokens": r.max_tokens, "n": self.group_size,
-                         **r.sampling},
+            "model": self.rollout.model, "framework": "loop",
+            **vllm_record(self.fault.rollout_config(self.rollout), n=self.group_size),
             "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
                         "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
             "fault": self.fault.describe(),
@@ -113,6 +112,10 @@ class LoopConfig:
             check_sampling(self.rollout)
         if not isinstance(self.weight_sync, WeightSyncConfig):
             raise ConfigError(f"weight_sync must be a rlcheck.loop.weight_sync.WeightSyncConfig, got {self.weight_sync!r}")
+        if self.weight_sync.method == "collective":
+            from rlcheck.engines.vllm_worker_sync import check_backend
+
+            check_backend(self.weight_sync.group_backend(self.trainer.device), self.rollout.tensor_parallel_size)
         if self.keep_reports < 1:
             raise ConfigError(f"keep_reports must be >= 1, got {self.keep_reports}")
         if self.rollout.temperature != self.trainer.temperature:
@@ -153,3 +156,15 @@ class LoopResult:
 
 
 StepCallback = Callable[[int, StepReport, dict[str, Any]], None]
+
+
+def record_context(monitor: Any, cfg: LoopConfig, engine: Any) -> None:
+    """Make every dump of the run record how its rollout engine samples and runs, over whatever the
+    caller's `MonitorConfig.context` said of it: the sampling and settings as the fault leaves them,
+    and the dtype the engine runs, asked of the rollout actor (`engine`: its `RolloutSupervisor`)."""
+    from rlcheck.engines.vllm_env import vllm_record
+
+    settings = engine.call(lambda actor: actor.effective_settings.remote())
+    own = vllm_record(cfg.fault.rollout_config(cfg.rollout), n=cfg.group_size, settings=settings)
+    context = {"model": cfg.rollout.model, "framework": "loop", **monitor.cfg.context, **own}
+    monitor.cfg = dataclasses.replace(monitor.cfg, context=context)

@@ -44,7 +44,7 @@ from rlcheck.core.types import StepReport
 from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.agent.wiring import apply_in_loop, rollouts_of, view_of
 from rlcheck.loop.audit import audit_step
-from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
+from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback, record_context
 from rlcheck.loop.prefill_limits import check_prefills, check_prompts
 from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
@@ -110,6 +110,7 @@ class GRPOLoop:
 
     def run(self, on_step: StepCallback | None = None, start: int = 0) -> LoopResult:
         result = LoopResult()
+        record_context(self.monitor, self.cfg, self.engine)  # the dtype it runs, in every dump (core.run.context)
         self._check_sync(start, at_start=True)  # the engine's own load of the weights, before any rollout
         for step in range(start, start + self.cfg.steps):
             try:

@@ -6,7 +6,8 @@
 The engine side is `cfg.rollout` (rlcheck's `VLLMEngine`: its dtype, logprobs mode, temperature, and any
 logit processing in `sampling`; greedy decoding reports logprobs at T = 1; `sync_weights` resets the
 prefix cache after every sync), the trainer side `cfg.trainer` (its model folder, dtype and temperature:
-it scores log_softmax(logits / T) over the whole vocabulary).
+it scores log_softmax(logits / T) over the whole vocabulary). An engine on a GPU that runs eager
+(`VLLMConfig.enforce_eager`, True by default) is said, as an info finding: it runs no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def loop_preflight_config(cfg: Any) -> PreflightConfig:
         top_p=_number(s, "top_p", 1.0), top_k=int(_number(s, "top_k", 0)), min_p=_number(s, "min_p", 0.0),
         repetition_penalty=_number(s, "repetition_penalty", 1.0), logprobs_mode=r.logprobs_mode, dtype=r.dtype,
         trainer_dtype=t.dtype, trainer_temperature=t.temperature,
-        prefix_caching=bool(r.engine_kwargs.get("enable_prefix_caching", True)), resets_prefix_cache=True)
+        prefix_caching=bool(r.engine_kwargs.get("enable_prefix_caching", True)), resets_prefix_cache=True,
+        enforce_eager=r.enforce_eager if cfg.placement.rollout_gpus > 0 else None)  # CUDA graphs: a GPU's
 
 
 def check_loop(cfg: Any) -> tuple[Finding, ...]:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.limits import dtype_name
 from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult, SyncCheck, compare
 from rlcheck.core.types import Alarm
 from rlcheck.errors import ConfigError
@@ -41,7 +42,7 @@ class SyncChecker:
 
     def __init__(self, cfg: Any, tokenizer: Any):
         self.cfg, self.syncs = cfg.sync_check, 0
-        self.dtype = cfg.rollout.dtype
+        self.dtype = dtype_name(cfg.rollout.dtype)  # "auto" until the engine says (`engine_dtype`)
         self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
         self.pending: SyncCheck | None = None
         self.probe_prompts = encode_prompts(tokenizer, [text for text, _ in cfg.task.prompts(0)[: self.cfg.probe_prompts]])
@@ -64,7 +65,8 @@ class SyncChecker:
         engine: dict = {}
         trainer: dict = {}
         if fingerprints:  # both sides at once
-            trainer, engine = loop.group.fingerprint(self.dtype, lambda: loop.engine.call(lambda a: a.fingerprint.remote()))
+            trainer, engine = loop.group.fingerprint(self.engine_dtype(loop),
+                                                     lambda: loop.engine.call(lambda a: a.fingerprint.remote()))
         t1 = time.perf_counter()
         scored = self._probe(loop) if probe else None
         t2 = time.perf_counter()
@@ -74,6 +76,15 @@ class SyncChecker:
         found = compare(version, engine, trainer, probe=scored, rtol=self.cfg.rtol, seconds=t2 - t0, details=details)
         self.pending = found
         return found
+
+    def engine_dtype(self, loop: Any) -> str:
+        """The dtype the engine runs, which the trainer's fingerprint is rounded to: the configured one,
+        or where that is "auto" the one vLLM chose, asked of the rollout actor once (torch has no
+        dtype "auto"); the probe's tolerance follows it."""
+        if dtype_name(self.dtype) == "auto":
+            self.dtype = loop.engine.call(lambda actor: actor.effective_settings.remote())["dtype"]
+            self.tolerance = PROBE_TOLERANCE.get(self.dtype, PROBE_TOLERANCE["bfloat16"])
+        return self.dtype
 
     def _probe(self, loop: Any) -> ProbeResult:
         if self.probe_batch is None:

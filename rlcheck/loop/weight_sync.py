@@ -5,9 +5,10 @@
   and fine for small models; each sync costs a copy into the store and one out of it.
 - "collective": the same gather, then rank 0 broadcasts the weights to the engine over a group of
   their own (`backend`: gloo through host memory, or NCCL from GPU to GPU; "auto": NCCL when the
-  trainer runs on CUDA) (rank 0 = trainer rank 0, 1 = the rollout actor's process, where vLLM runs in-process) in
-  flattened buckets of `bucket_mb`, which the engine loads bucket by bucket
-  (`rlcheck.engines.vllm_collective`). The driver starts rank 0's send and the engine's receive together
+  trainer runs on CUDA) (rank 0 = trainer rank 0, 1.. = the engine's workers: the rollout actor's own
+  process with one, each tensor-parallel worker with more) in flattened buckets of `bucket_mb`, which
+  each worker loads bucket by bucket, its own shard (`rlcheck.engines.vllm_collective`,
+  `rlcheck.engines.vllm_worker_sync`; NCCL with tensor_parallel_size > 1 is refused). The driver starts rank 0's send and the engine's receive together
   and joins both. The group is opened at the first sync, and again after an engine restart: the
   restart's own sync goes through the object store (`RolloutSupervisor.restart`), the next one opens a
   fresh group with the fresh engine. A peer that never joins or stops mid-sync raises
@@ -93,8 +94,9 @@ class CollectiveSync:
         trainer, actor = self.group.workers[0], self.engine.actor
         self.peer = None
         host, port = join([trainer.address.remote()], self.group.names[:1], self.engine.timeout_s)[0]
-        self._both(trainer.open_sync_group.remote(host, port, 0, 2, self.timeout_s, self.backend),
-                   actor.open_sync_group.remote(host, port, 1, 2, self.timeout_s, self.backend))
+        world = 1 + self.engine.cfg.tensor_parallel_size  # rank 0 and each of the engine's workers
+        self._both(trainer.open_sync_group.remote(host, port, 0, world, self.timeout_s, self.backend),
+                   actor.open_sync_group.remote(host, port, 1, world, self.timeout_s, self.backend))
         self.peer = actor
 
     def _both(self, trainer_ref: Any, engine_ref: Any) -> list:

@@ -70,6 +70,8 @@ class PreflightConfig:
     """The engine caches prompt prefixes (vLLM's default)."""
     resets_prefix_cache: bool | None = None
     """Whatever syncs the weights calls `reset_prefix_cache()` after each sync; None: not known."""
+    enforce_eager: bool | None = None
+    """The engine runs eager on a GPU (no CUDA graphs); None: not known, or no GPU (nothing to say)."""
     probe_tokens: int = 16
     """The dynamic probe: greedy tokens appended to each probe prompt, then scored by both sides."""
     kv_cache_bytes: int | None = None

@@ -86,6 +86,18 @@ def check_prefix_cache(cfg: PreflightConfig) -> list[Finding]:
                     "Call llm.reset_prefix_cache() after each weight sync, or disable enable_prefix_caching.")]
 
 
+def check_eager(cfg: PreflightConfig) -> list[Finding]:
+    """An engine on a GPU that runs eager: what is monitored is not the engine production runs."""
+    if not cfg.enforce_eager:
+        return []
+    return [Finding("enforce_eager", "info", None, "eager",
+                    "the engine runs eager (enforce_eager=True, rlcheck's VLLMConfig default): no CUDA graphs, so it "
+                    "is slower than a production engine, and the graph-captured kernels production runs are not "
+                    "what is monitored.",
+                    "Set VLLMConfig(enforce_eager=False) to monitor the engine as production runs it (the engine "
+                    "guard, engine faults and MoE routing capture keep eager: they hook the forward pass).")]
+
+
 def resolve_engine_dtype(asked: str | None, config: str | None) -> str:
     """The dtype the engine computes in: `asked`, else the config's; vLLM's "auto" runs a float32
     checkpoint in bfloat16 (the first dtype a GPU platform supports)."""
@@ -136,5 +148,5 @@ def run_static(cfg: PreflightConfig, trainer: Side | None = None, engine: Side |
         engine = Side("engine", trainer.path, trainer.config, trainer.generation, trainer.tokenizer)
     engine = engine or load_side("engine", cfg.engine_path)
     findings = check_sides(trainer, engine) + check_dtype(cfg, trainer, engine)
-    findings += check_sampling(cfg) + check_prefix_cache(cfg)
+    findings += check_sampling(cfg) + check_prefix_cache(cfg) + check_eager(cfg)
     return Preflight(str(trainer.path or cfg.model), str(engine.path or cfg.engine_path), worst_first(findings))

@@ -14,17 +14,9 @@ import os
 
 import torch
 
-from rlcheck.errors import ConfigError
+from rlcheck.engines.layers import decoder_layers
 from rlcheck.trainers.config import TrainerConfig
 from rlcheck.trainers.staging import Weights, host_weights
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers causal LM (Llama, Mamba2, GraniteMoeHybrid, ...)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ConfigError(f"{type(model).__name__}: no decoder .layers to shard")
-    return list(layers)
 
 
 class PlainBackend:

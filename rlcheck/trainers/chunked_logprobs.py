@@ -4,7 +4,8 @@ weight, `chunk_size` rows of logits at a time, forward and backward.
 `chunked_token_logprobs(hidden, weight, targets)` equals the naive float32 log-softmax + gather (its
 docstring states the formula) but never holds the float32 [tokens, vocab] logits: a
 `torch.autograd.Function` loops over chunks of rows; the backward recomputes the logits of the chunks
-that the forward did not keep (`keep_bytes` per logit: by default all bf16 chunks, half of float32).
+that the forward did not keep (`keep_bytes` per logit, by default all bf16 chunks and half of float32
+ones, and at most `keep_limit` bytes in all, 1 GiB by default).
 The model's logit transform (scale, Gemma-style softcap, temperature) is applied per chunk. The same
 pass can also give, without gradient, each row's logprobs at given ids (the engine's top-K) and its
 own top-K ids (`top_k`, `topk_ids`: `TokenLogprobs.topk`), so that no [tokens, vocab] tensor is kept
@@ -18,17 +19,35 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from rlcheck.errors import ConfigError, InputError
+from rlcheck.trainers.chunk_math import (
+    Transform,
+    chunk_forward,
+    chunk_grad,
+    chunk_logits,
+    exact_fp32,
+    kept_logits,
+    num_kept,
+)
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Default budget for one chunk's float32 logits; `chunk_size = budget // (4 * vocab)` rows."""
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+"""Default budget for one chunk's float32 logits; `chunk_size = budget // (4 * vocab)` rows: 441 at a
+151,936 vocabulary, 2,048 at 32,768. Each chunk's backward also writes a whole (V, H) weight-gradient
+product, so small chunks pay it many times: at Qwen2.5-7B's head (151,936 x 3,584, bfloat16) forward +
+backward took 53 CPU s per 2,048 tokens at 110 rows (the 64 MiB budget before), 25 at 441 rows, 19 at
+one chunk of 2,048, for +0.5 and +2.9 GiB of peak (BENCHMARKS.md, "Chunked logprobs at a real
+vocabulary"): 256 MiB is the knee."""
 MIN_CHUNK_ROWS = 16
 DEFAULT_KEEP_BYTES = 2.0
 """Default `keep_bytes`: bytes per logit that the forward may spend keeping chunks' logits for the
 backward. 2 keeps every chunk of bfloat16 logits and half of float32 ones: at most 1/6 of the naive
 forward + backward's >= 12 bytes per logit (float32 logits, log-softmax and gradient)."""
+DEFAULT_KEEP_LIMIT = 1 << 30
+"""Default `keep_limit`: bytes the kept logits may take in all, whatever `keep_bytes` allows. Keeping
+saves at most the backward's recompute, one matmul of four: at Qwen2.5-7B's head, 4,096 tokens, all 5
+chunks kept (0.9 GiB) gave 34-40 CPU s against 39 for none (within this machine's noise); at 32k
+tokens keeping them all would hold 9.3 GiB of bfloat16 logits (BENCHMARKS.md)."""
 
 
 class TopKScores(NamedTuple):
@@ -61,86 +80,18 @@ def check_temperature(temperature: float) -> None:
         raise ConfigError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-class _Transform(NamedTuple):
-    """z = softcap(x * scale) / temperature, applied to the float32 logits x of one chunk."""
-
-    scale: float
-    softcap: float | None
-    temperature: float
-
-    def apply_(self, z: torch.Tensor) -> torch.Tensor:
-        if self.scale != 1.0:
-            z.mul_(self.scale)
-        if self.softcap is not None:
-            z.div_(self.softcap).tanh_().mul_(self.softcap)
-        if self.temperature != 1.0:
-            z.div_(self.temperature)
-        return z
-
-    @property
-    def is_identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None and self.temperature == 1.0
-
-    def grad_(self, grad_z: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """dL/dx from dL/dz (in place), z the transformed logits."""
-        if self.softcap is not None:  # d tanh(u)/du = 1 - tanh(u)^2, tanh(u) = z * T / c
-            grad_z.mul_(z.mul(self.temperature / self.softcap).square_().neg_().add_(1.0))
-        return grad_z if self.scale == self.temperature else grad_z.mul_(self.scale / self.temperature)
-
-
-def _chunk_logits(h: torch.Tensor, weight, bias, tf: _Transform, keep: bool = False, overwritten: bool = True):
-    """(transformed float32 logits of one chunk (c, V), the raw matmul output (c, V) if `keep` else
-    None): matmul in the weight dtype, like the model. A kept float32 output is copied first unless
-    nothing writes into the logits (no transform, `overwritten` False: the caller only reads them)."""
-    x = F.linear(h.to(weight.dtype), weight, bias)  # (c, V)
-    if x.dtype != torch.float32:
-        return tf.apply_(x.float()), (x if keep else None)
-    copy = keep and (overwritten or not tf.is_identity)
-    return tf.apply_(x.clone() if copy else x), (x if keep else None)
-
-
-def _kept_logits(x: torch.Tensor, tf: _Transform) -> torch.Tensor:
-    """`_chunk_logits`' transformed logits from its kept raw output `x` (overwritten if float32)."""
-    return tf.apply_(x if x.dtype == torch.float32 else x.float())
-
-
-def _num_kept(keep_bytes: float, itemsize: int, num_chunks: int) -> int:
-    """How many chunks (the first ones) keep their logits for the backward within `keep_bytes` per
-    logit of `itemsize` bytes (rounded down: never above the budget)."""
-    return min(num_chunks, math.floor(keep_bytes / itemsize * num_chunks + 1e-9))
-
-
-def _chunk_topk(lp: torch.Tensor, ids: torch.Tensor | None, top_k: int):
-    """(logp at `ids` (c, K) with -inf at padding ids (-1), own top-`top_k` ids (c, k)) of one
-    chunk's log-softmax `lp` (c, V); either is None when not asked for."""
-    at = None
-    if ids is not None:
-        pad = ids < 0
-        at = lp.gather(1, ids.clamp(min=0)).masked_fill_(pad, -math.inf)  # (c, K)
-    own = lp.topk(top_k, dim=1, sorted=True).indices if top_k else None  # (c, k)
-    return at, own
-
-
-def _chunk_forward(z: torch.Tensor, t: torch.Tensor, with_entropy: bool, topk=None):
-    """(logp, lse, entropy | None, top-k scores) of one chunk; overwrites z. `log_softmax` works row
-    by row in cache, faster than whole-chunk passes (max, subtract, exp, sum) over a chunk that is not.
-    `topk`: (ids (c, K) or None, top_k) for `_chunk_topk`, or None."""
-    target = z.gather(1, t[:, None]).squeeze(1)  # (c,)
-    lp = z.log_softmax(dim=1)  # (c, V)
-    logp = lp.gather(1, t[:, None]).squeeze(1)
-    scores = (None, None) if topk is None else _chunk_topk(lp, *topk)
-    if not with_entropy:
-        return logp, target - logp, None, scores
-    p = torch.exp(lp, out=z)
-    neg_ent = torch.bmm(p[:, None, :], lp[:, :, None]).view(-1)  # (c,) sum p log p, no (c, V) temporary
-    return logp, target - logp, neg_ent.neg_(), scores
-
-
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k, keep_bytes):
+    def forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k, keep):
         """Outputs: logp (N,), then entropy (N,) if asked, logp at `topk_ids` (N, K) if given, own
-        top-`top_k` ids (N, k) if top_k > 0; the last two are non-differentiable."""
+        top-`top_k` ids (N, k) if top_k > 0; the last two are non-differentiable. `keep`: (keep_bytes,
+        keep_limit). Float32 matmuls at full precision (`exact_fp32`)."""
+        with exact_fp32():
+            return _ChunkedLogprobs._forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy,
+                                             topk_ids, top_k, keep)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, targets, tf, chunk_size, with_entropy, topk_ids, top_k, keep):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(logp)
@@ -149,15 +100,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         own = None if not top_k else torch.empty(n, top_k, dtype=torch.int64, device=hidden.device)  # (N, k)
         want_topk = at is not None or own is not None
         num_chunks = -(-n // chunk_size)
-        num_kept = _num_kept(keep_bytes, weight.element_size(), num_chunks) if any(ctx.needs_input_grad[:3]) else 0
-        kept = []  # raw logits of the first `num_kept` chunks, in the weight dtype
+        chunk_bytes = min(chunk_size, n) * weight.shape[0] * weight.element_size()
+        keeping = num_kept(keep[0], weight.element_size(), num_chunks, chunk_bytes, keep[1]) \
+            if any(ctx.needs_input_grad[:3]) else 0
+        kept = []  # raw logits of the first `keeping` chunks, in the weight dtype
         for i, a in enumerate(range(0, n, chunk_size)):
             s = slice(a, a + chunk_size)
-            z, x = _chunk_logits(hidden[s], weight, bias, tf, keep=i < num_kept, overwritten=with_entropy)
+            z, x = chunk_logits(hidden[s], weight, bias, tf, keep=i < keeping, overwritten=with_entropy)
             if x is not None:
                 kept.append(x)
             ids = None if topk_ids is None else topk_ids[s]
-            lp, ls, en, (at_c, own_c) = _chunk_forward(z, targets[s], with_entropy, (ids, top_k) if want_topk else None)
+            lp, ls, en, (at_c, own_c) = chunk_forward(z, targets[s], with_entropy, (ids, top_k) if want_topk else None)
             logp[s], lse[s] = lp, ls
             if with_entropy:
                 ent[s] = en
@@ -174,52 +127,40 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, *grads):
+        with exact_fp32():
+            return _ChunkedLogprobs._backward(ctx, grad_logp, *grads)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, *grads):
         grad_ent = grads[0] if ctx.with_entropy else None  # the top-k outputs have no gradient
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        part = None  # the weight dtype's (V, H) product of one chunk
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for i, a in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             s = slice(a, a + ctx.chunk_size)
             h = hidden[s].to(weight.dtype)
             if i < len(ctx.kept) and ctx.kept[i] is not None:  # consumed: a second backward recomputes
-                z, ctx.kept[i] = _kept_logits(ctx.kept[i], ctx.tf), None
+                z, ctx.kept[i] = kept_logits(ctx.kept[i], ctx.tf), None
             else:
-                z = _chunk_logits(h, weight, bias, ctx.tf)[0]
+                z = chunk_logits(h, weight, bias, ctx.tf)[0]
             g_ent = None if grad_ent is None else (ent[s], grad_ent[s])
-            gz = _chunk_grad(z, ctx.tf, targets[s], lse[s], grad_logp[s], g_ent)
+            gz = chunk_grad(z, ctx.tf, targets[s], lse[s], grad_logp[s], g_ent)
             gx = gz.to(weight.dtype)  # (c, V)
             if need_h:
                 grad_h[s] = gx @ weight
             if need_w and gx.dtype == torch.float32:
                 grad_w.addmm_(gx.T, h)
             elif need_w:  # matmul in the weight dtype, as the naive backward; summed over chunks in float32
-                grad_w.add_(gx.T @ h)
+                part = torch.mm(gx.T, h, out=part)  # (V, H), one buffer for every chunk: no V x H allocation each
+                grad_w.add_(part)
             if need_b:
                 grad_b.add_(gz.sum(dim=0))
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
-
-
-def _chunk_grad(z, tf: _Transform, t, lse, g_logp, entropy_and_grad) -> torch.Tensor:
-    """dL/dx of one chunk, (c, V) float32, x the raw logits, from its transformed logits z (recomputed
-    or kept; overwritten).
-
-    dlogp_t/dz_k = [k = t] - p_k;  dH/dz_k = -p_k (log p_k + H).
-    """
-    dz = None if tf.softcap is None else z.clone()
-    if entropy_and_grad is None:
-        gz = torch.softmax(z, dim=1).mul_(-g_logp[:, None])  # row-fused, like the forward
-    else:
-        ent, g_ent = entropy_and_grad
-        lp = z.sub_(lse[:, None])  # log p, (c, V)
-        p = lp.exp()
-        coef = lp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None])
-        gz = p.mul_(coef).neg_()
-    gz.scatter_add_(1, t[:, None], g_logp[:, None].to(gz.dtype))
-    return tf.grad_(gz, dz)
 
 
 def chunked_token_logprobs(
@@ -236,6 +177,7 @@ def chunked_token_logprobs(
     top_k: int = 0,
     topk_ids: torch.Tensor | None = None,
     keep_bytes: float = DEFAULT_KEEP_BYTES,
+    keep_limit: float = DEFAULT_KEEP_LIMIT,
 ) -> TokenLogprobs:
     """Log-probabilities of `targets` under the logits `hidden @ weight.T (+ bias)`, chunked over tokens.
 
@@ -253,7 +195,9 @@ def chunked_token_logprobs(
 
     but only `chunk_size` rows of logits exist at a time, in the forward and in the backward (which
     recomputes them). The matmul runs in `weight`'s dtype (as the model's LM head does), everything
-    after it in float32. Differentiable in `hidden`, `weight` and `bias`.
+    after it in float32. Float32 matmuls run at IEEE precision even where TF32 (or oneDNN's bfloat16
+    passes on CPU) is on for the rest of the process (`exact_fp32`). Differentiable in `hidden`,
+    `weight` and `bias`.
 
     Args:
         hidden: (N, H) final hidden states (after the final norm): one row per scored token.
@@ -262,7 +206,7 @@ def chunked_token_logprobs(
         temperature: sampling temperature (> 0, finite); the logits are divided by it.
         logit_scale: multiplies the logits first (Cohere `logit_scale`; Granite: 1 / `logits_scaling`).
         logit_softcap: Gemma-style `final_logit_softcapping`, applied after the scale; None for none.
-        chunk_size: rows per chunk; default `default_chunk_size(V)` (64 MiB of float32 logits).
+        chunk_size: rows per chunk; default `default_chunk_size(V)` (256 MiB of float32 logits).
         with_entropy: also return each row's entropy.
         top_k: also return each row's own `top_k` most probable ids (0: no).
         topk_ids: (N, K) int64 ids (the engine's top-K, -1 = padding) to return the logprobs of.
@@ -271,6 +215,9 @@ def chunked_token_logprobs(
             skips their recomputation (one matmul of the four per chunk). Default 2: all chunks of
             bfloat16 logits, half of float32 ones; 0 recomputes all. Same results either way;
             nothing is kept without grad.
+        keep_limit: bytes the kept logits may take in all (default 1 GiB), whatever `keep_bytes`
+            allows: at a 151,936 vocabulary 32k bfloat16 tokens' logits are 9.3 GiB, which `keep_bytes`
+            alone would keep.
 
     Returns:
         `TokenLogprobs(logp, entropy, topk)`: float32 (N,) tensors; entropy is None unless asked for;
@@ -279,6 +226,8 @@ def chunked_token_logprobs(
     check_temperature(temperature)
     if not (isinstance(keep_bytes, (int, float)) and math.isfinite(keep_bytes) and keep_bytes >= 0):
         raise ConfigError(f"keep_bytes must be a number of bytes per logit >= 0, got {keep_bytes!r}")
+    if not (isinstance(keep_limit, (int, float)) and keep_limit >= 0):
+        raise ConfigError(f"keep_limit must be a number of bytes >= 0 (inf: none), got {keep_limit!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise InputError(
             f"need hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -292,10 +241,11 @@ def chunked_token_logprobs(
         )
     ids = _check_topk(top_k, topk_ids, hidden.shape[0], weight.shape[0])
     ids = None if ids is None else ids.to(hidden.device)
-    tf = _Transform(float(logit_scale), logit_softcap, float(temperature))
+    tf = Transform(float(logit_scale), logit_softcap, float(temperature))
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     keep = float(keep_bytes) if torch.is_grad_enabled() else 0.0
-    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy, ids, top_k, keep)
+    out = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), tf, chunk, with_entropy, ids, top_k,
+                                 (keep, float(keep_limit)))
     out = list(out) if isinstance(out, tuple) else [out]
     logp, ent = out.pop(0), out.pop(0) if with_entropy else None
     if ids is None and not top_k:

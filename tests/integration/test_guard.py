@@ -205,3 +205,41 @@ class TestStressGuard:
         verdict = diagnose(out).verdict
         assert (verdict.cause, verdict.confidence) == ("stale_state", 0.97) and "engine guard" in verdict.evidence[0]
         assert set(verdict.affected_request_ids) <= affected and len(verdict.affected_request_ids) == min(50, len(affected))
+
+
+class TestGuardThatDies:
+    def test_dead_guard_reports_once_and_skips_are_counted(self, tiny_model, tmp_path, monkeypatch):
+        """The guard's reader raising at its 3rd step stops the guard, not the engine: generate still
+        returns every rollout; `take_guard_report` hands the error once (then None) and `alive` stays
+        False; the summary on disk has it with its traceback; the loop's alarm of it is a warn naming
+        the exception. A step whose metadata is not a dict is counted as skipped."""
+        from types import SimpleNamespace
+
+        import vllm.forward_context
+
+        from rlcheck.core.run.guard_files import load_guard
+        from rlcheck.engines.guard import DEAD_SIGNATURE, guard_alarms
+
+        with engine(tiny_model("mamba2"), GuardConfig(policy="record", run_dir=str(tmp_path))) as eng:
+            guard, real_read = eng.guard, eng.guard.reader.read
+            with monkeypatch.context() as patch:  # a step whose metadata is micro-batched (a list of dicts)
+                patch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(attn_metadata=[{}]))
+                guard._on_step(SimpleNamespace(total_num_scheduled_tokens=4))
+            assert guard.take_report()["skipped_steps"] == 1 and guard.step == 0
+
+            def read(step, *args):
+                if step == 3:
+                    raise KeyError("a metadata field this vLLM renamed")
+                return real_read(step, *args)
+
+            monkeypatch.setattr(guard.reader, "read", read)
+            with pytest.warns(RuntimeWarning, match="engine guard stopped"):
+                rollouts = eng.generate(prompts(8), step=4)
+            assert len(rollouts) == 8 and all(len(r.token_ids) == 8 for r in rollouts)
+            first, again = eng.take_guard_report(), eng.take_guard_report()
+            assert not first["alive"] and "KeyError" in first["error"] and "caller's step 4" in first["error"]
+            assert again["error"] is None and not again["alive"] and first["steps"] == 3
+            (alarm,) = guard_alarms(4, first)
+            assert alarm.severity == "warn" and alarm.details["signature"] == DEAD_SIGNATURE
+            assert "renamed" in alarm.details["traceback"]
+            assert "KeyError" in load_guard(tmp_path).summary["error"]

@@ -206,8 +206,14 @@ class TestRLCheckGRPOTrainer:
         assert set(dump["weight_version"]) == {ONSET - 1}
         assert dump["request_id"][0] == f"s{halt.report.step}-r0-0"
         meta = json.load(open(os.path.join(halt.dump_dir, "meta.json")))
-        assert meta["context"]["framework"] == "trl" and meta["context"]["vllm_dtype"] == "bfloat16"
-        assert meta["context"]["logit_processing"] == {}
+        from rlcheck.core.run.context import read_context
+        from rlcheck.forensics.localize import engine_dtype
+        from rlcheck.forensics.replay import resolve_temperature
+
+        ctx = read_context(meta)  # the dump schema, as replay and localize read it
+        assert ctx.framework == "trl" and ctx.engine.dtype == "bfloat16" and engine_dtype(meta) == "bfloat16"
+        assert ctx.sampling.logprobs_mode == "processed_logprobs" and ctx.sampling.processing == {}
+        assert resolve_temperature(meta, None) == (drill.trainer.temperature, "dump")
 
     def test_halt_reaches_trl_logs_and_jsonl(self, drill):
         """TRL's log history ends with the halt row; metrics.jsonl holds the halting step."""

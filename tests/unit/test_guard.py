@@ -255,6 +255,36 @@ class TestViolationsToAlarms:
         assert "(ii) slot_unique" in alarm.message and json.dumps(alarm.to_dict())
 
 
+class TestDeadGuard:
+    def test_first_step_must_show_the_scheduled_work(self):
+        """The guard's first traced step: no request, or scheduled tokens that do not add up to the
+        scheduler's total, is a RuntimeError (the guard stops, named), never an empty clean trace."""
+        from types import SimpleNamespace
+
+        from rlcheck.engines.guard import check_real_work
+
+        two = rec(1, ["a", "b"], [1, 2], computed=[0, 0])  # two prefills of 8 tokens
+        check_real_work(two, SimpleNamespace(total_num_scheduled_tokens=16))
+        empty = dataclasses.replace(two, request_ids=(), scheduled=np.zeros(0, dtype=np.int64))
+        for record, total in ((two, 17), (empty, 5)):
+            with pytest.raises(RuntimeError, match="does not understand this vLLM"):
+                check_real_work(record, SimpleNamespace(total_num_scheduled_tokens=total))
+
+    def test_dead_guard_is_a_warn_alarm_once(self):
+        """A report with the guard's error gives its alarm (warn, the error and traceback in details)
+        beside the violations'; a report after it (error taken) gives none."""
+        from rlcheck.engines.guard import ALIVE_METRIC, DEAD_SIGNATURE, guard_alarms
+
+        vs = [v.to_dict() for v in check_slot_unique(rec(2, ["a", "b"], [1, 1], assigned=[1, 5]))]
+        alarms = guard_alarms(3, {"violations": vs, "alive": False, "error": "engine step 9: KeyError: 'x'",
+                                  "error_trace": "Traceback ...", "steps": 9, "skipped_steps": 0})
+        assert [a.details["signature"] for a in alarms] == [SIGNATURE, DEAD_SIGNATURE]
+        dead = alarms[1]
+        assert (dead.kind, dead.severity, dead.metric, dead.step) == ("signature", "warn", ALIVE_METRIC, 3)
+        assert "KeyError" in dead.message and dead.details["traceback"] == "Traceback ..."
+        assert guard_alarms(4, {"violations": [], "alive": False, "error": None, "steps": 9, "skipped_steps": 0}) == []
+
+
 class Color(enum.Enum):
     RED = 1
 

@@ -60,7 +60,12 @@ class TestTolerance:
         """float32 is tight, bfloat16 loose, float16 between; torch and short names map onto them."""
         assert tolerance_for("float32") < tolerance_for("float16") < tolerance_for("bfloat16")
         assert tolerance_for("torch.bfloat16") == tolerance_for("bf16") == TOLERANCES["bfloat16"]
-        assert tolerance_for("auto") == TOLERANCES["float32"]
+        assert tolerance_for("auto") == tolerance_for(None) == max(TOLERANCES.values())  # not recorded: the loosest
+
+    def test_the_looser_of_engine_and_reference(self):
+        """A float32 engine judged against a bfloat16 reference gets the bfloat16 tolerance."""
+        assert tolerance_for("float32", "float32") == TOLERANCES["float32"]
+        assert tolerance_for("float32", "bf16") == tolerance_for("bfloat16", "float32") == TOLERANCES["bfloat16"]
 
     def test_unknown_dtype(self):
         """A dtype without a tolerance is refused, saying to pass one."""
@@ -429,3 +434,57 @@ class TestPerturbHandle:
 
         with pytest.raises(ConfigError, match=r"decoder layers 0\.\.1"):
             inject(FakeEngine(), "perturb-layer", layer=5)
+
+
+class TestDumpFault:
+    """The fault a teacher-forced re-run injects: the dump's, or the one asked for, never a silent none."""
+
+    def test_engine_fault_of_the_dump(self):
+        from rlcheck.forensics.localize.engine import DumpFault, dump_fault
+
+        assert dump_fault({"context": {"fault": "perturb-layer=2"}}) == DumpFault("perturb-layer=2", ("perturb-layer", {"layer": 2}))
+        assert dump_fault({"context": {"fault": "none"}}) == dump_fault({}) == DumpFault()
+
+    def test_unparsable_fault_is_refused_not_dropped(self, tmp_path):
+        """A spec this rlcheck cannot parse (a newer fault, a bad value) is an InputError naming it, from
+        localize before anything loads; fault="none" re-runs without it."""
+        from rlcheck.forensics.localize.engine import DumpFault, dump_fault
+
+        with pytest.raises(InputError, match="'perturb-layer=two'.*--fault"):
+            dump_fault({"context": {"fault": "perturb-layer=two"}})
+        assert dump_fault({"context": {"fault": "perturb-layer=two"}}, "none") == DumpFault()
+        model = tmp_path / "m"
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+        dump = write_test_dump(tmp_path / "d", context={"model": str(model), "fault": "future-fault@3"})
+        with pytest.raises(InputError, match="the dump's fault .* 'future-fault@3' does not parse"):
+            localize(dump)
+
+    @pytest.mark.parametrize("spec", ["skip-sync-every=3", "stale-buffer", "off-by-one@2"])
+    def test_fault_outside_the_forward_pass_is_named(self, spec):
+        """A sync, data or trainer fault has nothing to re-inject: the name says which and why."""
+        from rlcheck.forensics.localize.engine import dump_fault
+
+        got = dump_fault({"context": {"fault": spec}})
+        assert got.inject is None and got.name.startswith(f"none ({spec} is not re-injected")
+
+
+class TestForcedCache:
+    def test_recorded_budget_is_kept(self, tmp_path):
+        from rlcheck.forensics.localize.engine import forced_cache_bytes
+
+        assert forced_cache_bytes(8 << 20, tmp_path, "float32", 256) == 8 << 20
+
+    def test_a_7b_gets_room_for_its_sequences(self, tmp_path):
+        """A GPU dump records no budget: a Qwen2.5-7B-shaped model (28 layers x 4 KV heads x 128) at 32k
+        tokens gets four sequences' worth (7.5 GiB in bfloat16), not 64 MiB that vLLM refuses."""
+        import json
+
+        from rlcheck.forensics.localize.engine import MIN_CACHE_BYTES, forced_cache_bytes
+
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064}))
+        per_sequence = 2 * 28 * 4 * 128 * 2 * 32768
+        assert forced_cache_bytes(None, tmp_path, "bfloat16", 32768) == 4 * per_sequence
+        assert forced_cache_bytes(None, tmp_path, "bfloat16", 256) == MIN_CACHE_BYTES

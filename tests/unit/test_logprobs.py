@@ -144,9 +144,10 @@ class TestChunkedTokenLogprobs:
             chunked_token_logprobs(hidden, weight, targets[:-1])
 
     def test_default_chunk_size(self):
-        """The default chunk holds 64 MiB of float32 logits, and at least 16 rows."""
-        assert default_chunk_size(32768) == 512
-        assert default_chunk_size(131072) == 128
+        """The default chunk holds 256 MiB of float32 logits, and at least 16 rows."""
+        assert default_chunk_size(32768) == 2048
+        assert default_chunk_size(131072) == 512
+        assert default_chunk_size(151936) == 441
         assert default_chunk_size(10**8) == 16
 
 

@@ -8,7 +8,7 @@ import torch
 
 from rlcheck.errors import ConfigError
 from rlcheck.synthetic.streams import tiny_causal_lm
-from rlcheck.trainers.chunked_logprobs import _num_kept
+from rlcheck.trainers.chunk_math import num_kept as _num_kept
 from rlcheck.trainers.logprobs import chunked_token_logprobs, token_logprobs
 
 N, H, V = 203, 32, 256
@@ -75,6 +75,25 @@ class TestKeepBytes:
         assert _num_kept(2.0, 2, 16) == 16
         assert _num_kept(100.0, 4, 5) == 5
         assert _num_kept(1.0, 4, 3) == 0 and _num_kept(0.0, 2, 8) == 0
+
+    def test_keep_limit_caps_the_kept_bytes(self, monkeypatch):
+        """`keep_limit` caps the kept logits in bytes whatever `keep_bytes` allows: 16 bfloat16 chunks of
+        2 MiB under a 5 MiB limit keep 2; the kernel keeps exactly what `num_kept` says, with the
+        recompute-everything gradients; a bad limit is a ConfigError."""
+        from rlcheck.trainers import chunked_logprobs as kernel
+
+        assert _num_kept(2.0, 2, 16, chunk_bytes=2 << 20, keep_limit=5 << 20) == 2
+        assert _num_kept(2.0, 4, 16, chunk_bytes=1 << 20, keep_limit=float("inf")) == 8
+        kept = []
+        real = kernel.chunk_logits
+        monkeypatch.setattr(kernel, "chunk_logits", lambda *a, keep=False, **kw: kept.append(keep) or real(*a, keep=keep, **kw))
+        chunk_bytes = 40 * V * 4  # 40 rows of float32 logits
+        got, _ = grads(100.0, keep_limit=2 * chunk_bytes + 1)
+        assert kept[:6] == [True, True, False, False, False, False]
+        assert_same(got, grads(0.0)[0])
+        hidden, weight, _, targets = inputs()
+        with pytest.raises(ConfigError, match="keep_limit"):
+            chunked_token_logprobs(hidden, weight, targets, keep_limit=-1)
 
     @pytest.mark.parametrize("keep_bytes", [-1.0, float("nan"), float("inf"), "2"])
     def test_bad_keep_bytes(self, keep_bytes):

@@ -194,3 +194,17 @@ class TestLoop:
             assert [f.key for f in check_loop(cfg)] == ["dtype"]
         assert [f["key"] for f in cfg.context()["preflight"]] == ["dtype"]
         assert self.loop_config(llama).context()["preflight"] == []
+
+    def test_an_eager_engine_on_a_gpu_is_said(self, llama):
+        """An engine on a GPU with VLLMConfig's default enforce_eager=True: an info finding (no CUDA
+        graphs, the fix named); enforce_eager=False, or a CPU engine: nothing."""
+        from dataclasses import replace
+
+        from rlcheck.loop import Placement
+
+        gpu = replace(self.loop_config(llama), placement=Placement(rollout_gpus=1.0))
+        (finding,) = gpu.context()["preflight"]
+        assert (finding["key"], finding["severity"]) == ("enforce_eager", "info")
+        assert "CUDA graphs" in finding["message"] and "enforce_eager=False" in finding["fix"]
+        assert replace(gpu, rollout=replace(gpu.rollout, enforce_eager=False)).context()["preflight"] == []
+        assert self.loop_config(llama).context()["preflight"] == []

@@ -261,7 +261,10 @@ class TestWriteStress:
         assert [r["request_id"] for r in rows] == [str(i) for i in range(24)]
         assert rows[9]["failed"] and rows[9]["previous_holder"] == "1" and rows[9]["slot_reused"]
         assert rows[9]["first_divergence"] == 0 and not rows[2]["failed"] and rows[2]["slot_reused"] is False
-        assert meta["context"]["sampling"]["logprobs_mode"] == "raw_logprobs"
+        from rlcheck.core.run.context import read_context
+
+        ctx = read_context(meta)  # greedy: the engine's logprobs are untempered, replayed at T = 1
+        assert ctx.sampling.greedy and ctx.sampling.logprob_temperature()[0] == 1.0 and ctx.framework == "stress"
         saved = json.loads((tmp_path / "stress" / RESULT_FILE).read_text())
         assert saved["failing_request_ids"] == res.failing_request_ids and saved["dump_dir"] == res.dump_dir
 

@@ -289,6 +289,32 @@ class TestProbeRefused:
         check_probe(SyncCheckConfig(probe_prompts=4, probe_tokens=128), [[1, 2]] * 4)
 
 
+class TestLoopCheckerDtype:
+    def test_auto_asks_the_engine_once(self, tiny_model):
+        """A loop engine configured dtype "auto": the sync check asks the rollout actor which dtype vLLM
+        chose and rounds the trainer's fingerprint to it (torch has no dtype "auto": the loop's first
+        check used to fail there), once; the probe's tolerance follows it."""
+        from dataclasses import replace
+        from types import SimpleNamespace
+
+        from rlcheck.core.sync_check import PROBE_TOLERANCE
+        from rlcheck.loop.presets import tiny_cpu
+        from rlcheck.loop.sync_check import SyncChecker
+
+        asked, rounded = [], []
+        actor = SimpleNamespace(effective_settings=SimpleNamespace(remote=lambda: asked.append(1) or {"dtype": "float16"}),
+                                fingerprint=SimpleNamespace(remote=lambda: {}))
+        loop = SimpleNamespace(engine=SimpleNamespace(call=lambda submit: submit(actor)),
+                               group=SimpleNamespace(fingerprint=lambda dtype, engine: rounded.append(dtype) or ({}, engine())))
+        cfg = tiny_cpu(tiny_model("llama"), trainer="hf")
+        from transformers import AutoTokenizer
+
+        checker = SyncChecker(replace(cfg, rollout=replace(cfg.rollout, dtype="auto")), AutoTokenizer.from_pretrained(cfg.rollout.model))
+        checker.check(loop, 0, at_start=True)
+        checker.check(loop, 1)
+        assert rounded == ["float16", "float16"] and asked == [1] and checker.tolerance == PROBE_TOLERANCE["float16"]
+
+
 _ROW_OFFSET_CHECK = """
 import sys
 import numpy as np

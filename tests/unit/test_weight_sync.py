@@ -156,3 +156,21 @@ class TestSyncGroupTimeout:
         joiner.join()
         with pytest.raises(WeightSyncError, match="receiving bucket 0"):
             groups[1].broadcast(torch.zeros(4), "receiving bucket 0")
+
+
+class TestTensorParallelBackend:
+    def test_nccl_with_tensor_parallel_workers_is_refused_at_config(self, tiny_model):
+        """A collective NCCL sync into a TP=2 engine is refused when the LoopConfig is built, naming the
+        setting and the ways that work; gloo and the object store are kept; TP=1 NCCL too."""
+        from dataclasses import replace
+
+        from rlcheck.loop.presets import tiny_cpu
+        from rlcheck.loop.weight_sync import WeightSyncConfig
+
+        cfg = tiny_cpu(tiny_model("llama"), trainer="hf")
+        tp2 = replace(cfg.rollout, tensor_parallel_size=2)
+        with pytest.raises(ConfigError, match="'nccl' with tensor_parallel_size=2.*backend='gloo'.*object-store"):
+            replace(cfg, rollout=tp2, weight_sync=WeightSyncConfig("collective", backend="nccl"))
+        for ok in (WeightSyncConfig("collective", backend="gloo"), WeightSyncConfig("object-store")):
+            assert replace(cfg, rollout=tp2, weight_sync=ok).weight_sync == ok
+        assert replace(cfg, weight_sync=WeightSyncConfig("collective", backend="nccl")).rollout.tensor_parallel_size == 1

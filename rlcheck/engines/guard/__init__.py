@@ -20,6 +20,12 @@ engine afterwards, and drop a kept exception's `__traceback__`: its frames hold 
 snapshot of the scheduler output and the attention / Mamba metadata each step that request is
 scheduled, and with `RLCHECK_BREAK_PDB=1` (`break_pdb`) stops in pdb there. Files: `rlcheck.core.run.guard_files`.
 
+A guard that fails itself (its reader, checker or snapshot writer raises, or its first traced step does
+not show the work vLLM scheduled: `check_real_work`) stops guarding but never the engine: the error and
+its traceback go into the summary at once and into `take_report`, whose first report after it the loop
+turns into an alarm (`guard_alarms`: warn, signature "engine_guard_dead"; `guard/alive` 0 from then on).
+Steps it cannot trace (micro-batched metadata, a list of dicts) are counted (`skipped_steps`).
+
 Where it hooks: two instance attributes of the engine's model runner (no class is patched):
 `execute_model` (to hold the step's SchedulerOutput) and `_model_forward`, which vLLM calls inside
 `set_forward_context` (gpu_model_runner.py:4189-4213), so the guard reads the metadata the kernels
@@ -43,13 +49,23 @@ from typing import Any
 
 from rlcheck.core.run import guard_files as gio
 from rlcheck.core.run.guard_record import CHECKS, INVARIANT, StepRecord, Violation
-from rlcheck.engines.guard.alarms import GUARD_METRIC, SIGNATURE, violations_to_alarms
+from rlcheck.engines.guard.alarms import (
+    ALIVE_METRIC,
+    DEAD_SIGNATURE,
+    GUARD_METRIC,
+    SIGNATURE,
+    SKIPPED_METRIC,
+    dead_guard_alarm,
+    guard_alarms,
+    violations_to_alarms,
+)
 from rlcheck.engines.guard.checks import InvariantChecker
 from rlcheck.engines.guard.config import BREAK_ENV, BREAK_PDB_ENV, POLICIES, GuardConfig
 from rlcheck.errors import ConfigError, GuardViolation
 
-__all__ = ["BREAK_ENV", "BREAK_PDB_ENV", "CHECKS", "GUARD_METRIC", "INVARIANT", "MAX_WARNINGS", "POLICIES", "SIGNATURE",
-           "Guard", "GuardConfig", "StepRecord", "Violation", "install_guard", "violations_to_alarms"]
+__all__ = ["ALIVE_METRIC", "BREAK_ENV", "BREAK_PDB_ENV", "CHECKS", "DEAD_SIGNATURE", "GUARD_METRIC", "INVARIANT",
+           "MAX_WARNINGS", "POLICIES", "SIGNATURE", "SKIPPED_METRIC", "Guard", "GuardConfig", "StepRecord", "Violation",
+           "dead_guard_alarm", "guard_alarms", "install_guard", "violations_to_alarms"]
 
 MAX_WARNINGS = 20
 
@@ -69,7 +85,10 @@ class Guard:
         self.counts: Counter[str] = Counter()  # every occurrence, per check
         self.step, self.call_step, self.seconds, self.dropped = 0, None, 0.0, 0
         self.rollout_prefix: str | None = None  # VLLMEngine's engine_id: violations get the rollout's id
-        self.error: str | None = None
+        self.error: str | None = None  # set when the guard died (its reader or checker raised): it guards no more
+        self.error_trace: str | None = None
+        self.skipped = 0  # forward steps with work scheduled that the guard could not trace
+        self._error_taken = False
         self.snapshots: list[Path] = []
         self._seen: set[tuple[str, str]] = set()
         self._taken = self._warned = 0
@@ -95,6 +114,15 @@ class Guard:
         new, self._taken = self.violations[self._taken:], len(self.violations)
         return new
 
+    def take_report(self) -> dict[str, Any]:
+        """What the loop asks after each generation: the violations since the previous call, the error
+        that stopped the guard (once: None again after it was taken; `alive` stays False), the steps
+        traced and the steps skipped so far."""
+        error = None if self._error_taken else self.error
+        self._error_taken = self.error is not None
+        return {"violations": self.take_violations(), "alive": self.error is None, "error": error,
+                "error_trace": self.error_trace if error else None, "steps": self.step, "skipped_steps": self.skipped}
+
     def summary(self) -> dict[str, Any]:
         by_check: dict[str, list[str]] = {}
         for v in self.violations:
@@ -108,7 +136,8 @@ class Guard:
             "layout": {"mamba_groups": [g for g, _, _ in self.reader.layout.mamba],
                        "attention_groups": list(self.reader.layout.attention), "mamba_cache_mode": self.reader.layout.mode},
             "trace_steps": len(self.trace), "capacity": self.cfg.capacity, "seconds": self.seconds,
-            "snapshots": [str(p) for p in self.snapshots], "error": self.error,
+            "snapshots": [str(p) for p in self.snapshots], "error": self.error, "error_trace": self.error_trace,
+            "skipped_steps": self.skipped,
         }
 
     def output(self) -> gio.GuardOutput:
@@ -157,24 +186,37 @@ class Guard:
 
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict) or not self.runner.input_batch.num_reqs:
-            return  # micro-batched steps (a list of dicts) are not traced
+            self.skipped += 1  # micro-batched metadata (a list of dicts), or no request: not traced, counted
+            return
         t0 = time.perf_counter()
         self.step += 1
         try:
             rec = self.reader.read(self.step, sched, metadata, self.call_step)
+            if self.step == 1:
+                check_real_work(rec, sched)
             found = self.checker.check(rec)
-        except Exception as exc:  # noqa: BLE001 - a guard bug must not take the engine down: stop guarding
-            self.error = f"step {self.step}: {type(exc).__name__}: {exc}"
-            warnings.warn(f"rlcheck engine guard stopped: {self.error}", RuntimeWarning, stacklevel=2)
+            if self.cfg.break_on:
+                self._break(rec, sched, metadata, found)
+        except Exception as exc:  # noqa: BLE001 - a guard bug must not take the engine down: stop guarding, say so
+            self._die(exc)
             return
         self.trace.append(rec)
-        if self.cfg.break_on:
-            self._break(rec, sched, metadata, found)
         raising = self._admit(found)
         self.seconds += time.perf_counter() - t0
         if raising:
             self.flush()
             raise GuardViolation(raising, None if self.dir is None else str(self.dir))
+
+    def _die(self, exc: Exception) -> None:
+        """Stop guarding for this engine's life, keeping why: a warning now, the error in the summary (on
+        disk at once) and in `take_report` (the loop's alarm: a dead guard never reads as a clean one)."""
+        import traceback
+
+        where = "" if self.call_step is None else f" (caller's step {self.call_step})"
+        self.error = f"engine step {self.step}{where}: {type(exc).__name__}: {exc}"
+        self.error_trace = "".join(traceback.format_exception(exc))[-4000:]
+        warnings.warn(f"rlcheck engine guard stopped: {self.error}", RuntimeWarning, stacklevel=3)
+        self.flush()
 
     def _admit(self, found: list[Violation]) -> list[Violation]:
         """Count, keep (the first per request and check), write, warn; the ones to raise."""
@@ -234,6 +276,17 @@ class Guard:
                 import pdb
 
                 pdb.set_trace()
+
+
+def check_real_work(rec: StepRecord, sched: Any) -> None:
+    """The guard's first traced step must show the work vLLM scheduled: at least one request, and the
+    batch's scheduled tokens adding up to the scheduler's total. Otherwise the reader is out of step
+    with this vLLM and every later record would be empty: a RuntimeError, which stops the guard."""
+    total = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+    if rec.num_reqs == 0 or int(rec.scheduled.sum()) != total:
+        raise RuntimeError(f"the guard's first step read {rec.num_reqs} request(s) and {int(rec.scheduled.sum())} "
+                           f"scheduled tokens, the scheduler scheduled {total}: its reader does not understand "
+                           "this vLLM's batch")
 
 
 def install_guard(engine: Any, cfg: GuardConfig | None = None) -> Guard:

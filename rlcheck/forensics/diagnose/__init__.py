@@ -23,7 +23,7 @@ from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
 from rlcheck.forensics.diagnose.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
 from rlcheck.forensics.diagnose.localized import load_localizations, localized_weights, name_layer
-from rlcheck.forensics.diagnose.notes import RESTART_AGE, note_quarantine, note_restart
+from rlcheck.forensics.diagnose.notes import RESTART_AGE, note_quarantine, note_restart, note_sampling
 from rlcheck.forensics.diagnose.queries import (
     MAX_IDS,
     affected_ids,
@@ -53,6 +53,7 @@ def diagnose(path: Run | str | Path, localizations: list[dict[str, Any]] | None 
     findings.sort(key=lambda f: -f.confidence)
     note_restart(ev, findings[0])
     note_quarantine(ev, findings[0])
+    note_sampling(ev, findings[0])
     name_layer(findings[0], localizations)
     return Diagnosis(ev.source, str(ev.path), len(ev.records), findings)
 

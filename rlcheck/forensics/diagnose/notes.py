@@ -1,5 +1,6 @@
 """What diagnose adds to its verdict's evidence beyond the cause: the sequences the run quarantined,
-and alarms that came right after a fresh rollout engine started."""
+alarms that came right after a fresh rollout engine started, and what the dump records of the engine's
+sampling and precision (`rlcheck.core.run.context`) where it explains the verdict."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from collections import Counter
 
 from rlcheck.core import metrics as K
+from rlcheck.core.run.context import read_context
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
 
@@ -44,3 +46,22 @@ def note_restart(ev: Evidence, verdict: Finding) -> None:
         verdict.evidence.append(f"alarm(s) at step(s) {', '.join(map(str, steps[:5]))} came right after the rollout "
                                 "engine was restarted (a fresh engine: empty caches, weights re-synced); loop.jsonl "
                                 "has the restart")
+
+
+def note_sampling(ev: Evidence, verdict: Finding) -> None:
+    """The dump's record of how the engine sampled, where it explains the verdict: raw logprobs at a
+    temperature, or logit processing on the engine's side (a logit-processing mismatch); the dtype the
+    engine ran (numeric noise)."""
+    ctx = read_context(ev.meta())
+    s = ctx.sampling
+    if verdict.cause == "logit_processing":
+        if s.logprobs_mode == "raw_logprobs" and not s.greedy and s.temperature not in (None, 1.0):
+            verdict.evidence.append(f"the dump records logprobs_mode=raw_logprobs at T={s.temperature:g}: the engine's "
+                                    "logprobs are of the untempered logits, the trainer's of logits / T "
+                                    "(use processed_logprobs)")
+        if s.processing:
+            named = ", ".join(f"{k}={v!r}" for k, v in s.processing.items())
+            verdict.evidence.append(f"the dump records logit processing on the engine's side ({named}); the trainer "
+                                    "scores log_softmax(logits / T) without it")
+    elif verdict.cause == "numeric_noise" and ctx.engine.precision:
+        verdict.evidence.append(f"the dump records the engine ran in {ctx.engine.precision}")

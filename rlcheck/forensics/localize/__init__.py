@@ -16,8 +16,8 @@ How the engine side is re-run depends on PATH:
   schedule, slots and tokens, so a fault of the schedule happens again to the same requests. Only the
   chosen requests' rows are kept; their re-run tokens are checked against the dump's.
 - any other dump: the chosen requests alone, teacher-forced (prompt + response but its last token, one
-  prefill each), with the dump's engine settings (context.engine: dtype, cache budget, max_num_seqs)
-  and its engine fault (context.fault) re-injected. A weight or kernel fault shows; a fault of the
+  prefill each), with the dump's engine settings (context.engine, `rlcheck.core.run.context`: the dtype
+  it ran, its cache budget, max_num_seqs) and its engine fault (context.fault) re-injected. A weight or kernel fault shows; a fault of the
   schedule only if the small re-run triggers it; the weights are the model folder's (a run's later,
   synced weights are not in the dump).
 An injected fault is re-injected because it is part of the engine under test; a real engine bug is
@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.run.context import read_context
+from rlcheck.engines.reference import ReferenceConfig
 from rlcheck.errors import InputError
 from rlcheck.forensics.localize.compare import (
     LocalizeResult,
@@ -48,14 +50,7 @@ from rlcheck.forensics.localize.compare import (
     relative_errors,
     tolerance_for,
 )
-from rlcheck.forensics.localize.engine import (
-    EngineRun,
-    dump_fault,
-    engine_settings,
-    fault_name,
-    rerun_forced,
-    rerun_stress,
-)
+from rlcheck.forensics.localize.engine import EngineRun, dump_fault, fault_name, rerun_forced, rerun_stress
 from rlcheck.forensics.localize.routing import compare_routing, moe_layers, reference_routes
 from rlcheck.forensics.replay import (
     DumpSequences,
@@ -79,34 +74,43 @@ def localize(
     request_ids: Sequence[str] | None = None,
     top: int = DEFAULT_TOP,
     tolerance: float | None = None,
+    fault: str | None = None,
+    reference: ReferenceConfig | None = None,
     progress: Progress | None = None,
     scorer: Any = None,
     engine: Any = None,
     write: bool = True,
 ) -> LocalizeResult:
     """Localize the divergence of the worst `top` requests of a dump or stress output (or of
-    `request_ids`); see the module docstring. `write`: localize.json and localize.png into PATH."""
+    `request_ids`); see the module docstring. `tolerance`: None takes the looser of the engine's dtype
+    (as the dump records it; the loosest when it does not) and the reference's. `fault`: the engine
+    fault to re-inject in a teacher-forced re-run instead of the dump's ("none": none). `reference`:
+    where and in what dtype the HF reference runs (`ReferenceConfig`; default float32 on CPU).
+    `write`: localize.json and localize.png into PATH."""
     if tolerance is not None and not tolerance > 0:
         raise InputError(f"tolerance must be > 0, got {tolerance}")
+    reference = reference or ReferenceConfig()
     t0 = time.perf_counter()
     dump = check_dump_dir(path)
     seqs = load_sequences(dump)
     model_dir = resolve_model(seqs.meta, model_dir)
     chosen = choose(seqs, request_ids, top)
     stress = stress_config(dump, model_dir)
-    dtype = stress.dtype if stress is not None else engine_settings(seqs.meta).get("dtype") or "float32"
-    tol, tol_from = (tolerance, "argument") if tolerance is not None else (_tolerance(dtype), "dtype")
-    scorer = scorer or load_scorer(model_dir)
+    dtype = stress.dtype if stress is not None else engine_dtype(seqs.meta)
+    forced_fault = None if stress is not None else dump_fault(seqs.meta, fault)
+    tol, tol_from = (tolerance, "argument") if tolerance is not None else (_tolerance(dtype, reference.dtype), "dtype")
+    scorer = scorer or load_scorer(model_dir, reference)
     check_vocab(seqs, vocab_size(scorer.model))
     model_type = str(scorer.model.config.model_type)
     moe = moe_layers(scorer.model)  # decoder layer of each MoE layer: its routing is compared too
     t1 = time.perf_counter()
     if stress is not None:
-        mode, fault = "stress re-run", fault_name(stress)
+        mode, fault_run = "stress re-run", fault_name(stress)
         runs = rerun_stress(stress, seqs, chosen, model_type, engine, progress, moe=bool(moe))
     else:
-        mode, fault = "teacher-forced prefill", dump_fault(seqs.meta)
-        runs = rerun_forced(seqs, chosen, model_dir, model_type, dtype, engine, progress, moe=bool(moe))
+        mode, fault_run = "teacher-forced prefill", forced_fault.name
+        runs = rerun_forced(seqs, chosen, model_dir, model_type, dtype, engine, progress, moe=bool(moe),
+                            fault=forced_fault)
     t2 = time.perf_counter()
     from rlcheck.forensics.localize.capture import layer_types
 
@@ -118,7 +122,7 @@ def localize(
             progress("reference and comparison (requests)", len(requests), len(chosen))
     result = LocalizeResult(
         path=str(dump), model=str(model_dir), dtype=dtype, tolerance=tol, tolerance_from=tol_from, mode=mode,
-        fault=fault, layer_types=types, requests=tuple(requests),
+        fault=fault_run, layer_types=types, requests=tuple(requests),
         seconds={"load": t1 - t0, "engine": t2 - t1, "reference": time.perf_counter() - t2})
     if write:
         from rlcheck.forensics.localize.report import PLOT_FILE, plot_localization
@@ -129,6 +133,14 @@ def localize(
             pass
         result.write(dump)
     return result
+
+
+def engine_dtype(meta: dict[str, Any]) -> str:
+    """The dtype the dump's engine ran (`rlcheck.core.run.context`); else the one it was configured
+    with; "auto" when neither says (vLLM then picks the checkpoint's dtype again in the re-run, and the
+    tolerance is the loosest)."""
+    engine = read_context(meta).engine
+    return engine.precision or str(engine.configured_dtype or "auto")
 
 
 def choose(seqs: DumpSequences, request_ids: Sequence[str] | None, top: int) -> list[int]:
@@ -169,9 +181,9 @@ def stress_config(dump: Path, model_dir: Path) -> Any:
                          "is it rlcheck stress output?") from exc
 
 
-def _tolerance(dtype: str) -> float:
+def _tolerance(*dtypes: str) -> float:
     try:
-        return tolerance_for(dtype)
+        return tolerance_for(*dtypes)
     except ValueError as exc:
         raise InputError(str(exc)) from None
 

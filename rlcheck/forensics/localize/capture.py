@@ -19,7 +19,7 @@ def reference_states(model: Any, token_ids: list[int]) -> np.ndarray:
     sequence alone (no padding), no cache."""
     import torch
 
-    from rlcheck.engines.vllm_perturb import decoder_layers
+    from rlcheck.engines.layers import decoder_layers
 
     layers = decoder_layers(model)
     out: list[Any] = [None] * len(layers)
@@ -43,7 +43,8 @@ def reference_states(model: Any, token_ids: list[int]) -> np.ndarray:
 def layer_types(model: Any) -> tuple[str, ...]:
     """The type of every decoder layer of a vLLM or HF model: "attention", "mamba", "mlp" or "moe", its
     token mixer's; "+moe" after it when the layer's MLP is a routed MoE ("attention+moe": Qwen3-MoE)."""
-    from rlcheck.engines.vllm_perturb import decoder_layers, output_projection
+    from rlcheck.engines.layers import decoder_layers
+    from rlcheck.engines.vllm_perturb import output_projection
     from rlcheck.forensics.localize.routing import moe_layers
 
     routed = set(moe_layers(model))

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.limits import dtype_name
+
 RESULT_FILE = "localize.json"
 PLOT_FILE = "localize.png"
 TOLERANCES = {"float32": 3e-5, "bfloat16": 0.1, "float16": 0.02}
@@ -42,17 +44,23 @@ and position (tiny hybrid, trained and random, 10 requests x 64 tokens), while a
 layer's output projection moves that layer by >= 2e-4 at every position: 3e-5 sits 30x over the noise
 and 7x under the smallest fault. bfloat16: the same healthy engine differs by up to 1.8e-2 (rounding
 of every activation), so 0.1 (5x over it) finds gross faults (stale or aliased state, a wrong layer),
-not a 1% one. float16: bfloat16's scaled to its 8x finer mantissa (not measured here)."""
+not a 1% one. float16: bfloat16's scaled to its 8x finer mantissa (not measured here). A bfloat16 or
+float16 reference (`--reference-dtype`) brings its own rounding: the looser of the two dtypes' tolerances
+judges (`tolerance_for`)."""
 
 
-def tolerance_for(dtype: str) -> float:
-    """The divergence tolerance of an engine dtype ("float32", "bfloat16", "float16"; torch names too)."""
-    name = str(dtype).removeprefix("torch.")
-    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-            "auto": "float32"}.get(name, name)
-    if name not in TOLERANCES:
-        raise ValueError(f"no localize tolerance for dtype {dtype!r}; pass one (--tolerance)")
-    return TOLERANCES[name]
+def tolerance_for(*dtypes: str | None) -> float:
+    """The divergence tolerance of a comparison between these dtypes (the engine's, the reference's;
+    torch names and short ones too): the loosest of theirs. "auto" or None (the engine's dtype not
+    recorded) gets the loosest of all: judging an engine that may have run in bfloat16 at the float32
+    tolerance would call its rounding a divergence at layer 0."""
+    names = [dtype_name(d) if d is not None else "auto" for d in dtypes] or ["auto"]
+    if "auto" in names:
+        return max(TOLERANCES.values())
+    unknown = [d for d in names if d not in TOLERANCES]
+    if unknown:
+        raise ValueError(f"no localize tolerance for dtype {unknown[0]!r}; pass one (--tolerance)")
+    return max(TOLERANCES[d] for d in names)
 
 
 def relative_errors(engine: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -147,9 +155,9 @@ def _finite(x: float) -> float | str:
 class LocalizeResult:
     path: str  # the dump (or stress output) localized
     model: str
-    dtype: str  # the engine's
+    dtype: str  # the engine's ("auto": not recorded)
     tolerance: float
-    tolerance_from: str  # "dtype" or "argument"
+    tolerance_from: str  # "dtype" (the engine's and the reference's, the looser) or "argument"
     mode: str  # "stress re-run" (the whole workload again, its fault re-injected) or "teacher-forced prefill"
     fault: str  # the engine fault the re-run injected ("none")
     layer_types: tuple[str, ...]

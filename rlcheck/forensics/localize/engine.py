@@ -36,34 +36,44 @@ class EngineRun:
     experts: np.ndarray | None = None  # (T, L_moe, k) int64 its routers' experts at `positions` (an MoE)
 
 
-def engine_settings(meta: dict[str, Any]) -> dict[str, Any]:
-    """The dump's context.engine (dtype, kv_cache_bytes, max_num_seqs, ...; {} without one)."""
-    settings = (meta.get("context") or {}).get("engine")
-    return settings if isinstance(settings, dict) else {}
-
-
 def fault_name(cfg: Any) -> str:
     """The fault of a `StressConfig`, with its value ("perturb-layer=2")."""
     value = cfg.fault_boundary if cfg.fault == "index-wrap" else cfg.layer
     return cfg.fault + ("" if value is None else f"={value}")
 
 
-def dump_fault(meta: dict[str, Any]) -> str:
-    """The engine fault a dump's run had (context.fault, as `rlcheck demo --inject` wrote it), or "none"."""
-    spec = (meta.get("context") or {}).get("fault")
-    if not spec or spec == "none":
-        return "none"
+@dataclass(frozen=True)
+class DumpFault:
+    """The engine fault a teacher-forced re-run injects: `name` for the report ("none" for none), and
+    (kind, options) for `rlcheck.engines.vllm_faults.inject` (None: nothing injected)."""
+
+    name: str = "none"
+    inject: tuple[str, dict[str, Any]] | None = None
+
+
+def dump_fault(meta: dict[str, Any], spec: str | None = None) -> DumpFault:
+    """The engine fault the dump's run had (context.fault, as `rlcheck demo --inject` wrote it), or
+    `spec` in its place ("none": none). A spec this rlcheck cannot parse is an InputError, never read as
+    no fault: the re-run would be clean and the report would say the dump had none. A fault outside the
+    engine's forward pass (a trainer, data or sync fault) has nothing to re-inject: its name says so."""
+    from rlcheck.core.run.context import read_context
     from rlcheck.engines.vllm_faults import FAULTS
+    from rlcheck.errors import ConfigError, InputError
     from rlcheck.faults import parse_inject
 
+    where = "localize's fault" if spec is not None else "the dump's fault (meta.json context.fault)"
+    spec = read_context(meta).fault if spec is None else (None if spec == "none" else spec)
+    if spec is None:
+        return DumpFault()
     try:
         engine_fault = parse_inject(str(spec)).engine_fault()
-    except Exception:  # noqa: BLE001 - a fault this version does not know: nothing to re-inject
-        return "none"
+    except ConfigError as exc:
+        raise InputError(f"{where} {spec!r} does not parse in this rlcheck ({exc}); pass the fault to re-inject "
+                         "(localize(fault=...), --fault SPEC), or 'none' to re-run without one") from None
     if engine_fault is None or engine_fault[0] not in FAULTS:
-        return "none"
+        return DumpFault(f"none ({spec} is not re-injected: a trainer, data or weight-sync fault, outside a re-run)")
     kind, options = engine_fault
-    return kind + "".join(f"={v}" for v in options.values())
+    return DumpFault(kind + "".join(f"={v}" for v in options.values()), (kind, options))
 
 
 def route_capture(engine: Any, moe: bool) -> Any:
@@ -111,7 +121,8 @@ def rerun_stress(cfg: Any, seqs: DumpSequences, chosen: list[int], model_type: s
 
 
 def rerun_forced(seqs: DumpSequences, chosen: list[int], model_dir: Path, model_type: str, dtype: str,
-                 engine: Any, progress: Progress | None, moe: bool = False) -> dict[int, EngineRun]:
+                 engine: Any, progress: Progress | None, moe: bool = False,
+                 fault: DumpFault | None = None) -> dict[int, EngineRun]:
     """The chosen requests teacher-forced, one prefill each (see `rlcheck.forensics.localize`)."""
     from rlcheck.forensics.localize.capture import LayerCapture
     from rlcheck.forensics.stress import progress_bar
@@ -119,7 +130,7 @@ def rerun_forced(seqs: DumpSequences, chosen: list[int], model_dir: Path, model_
     forced = [seqs.prompts[i] + seqs.responses[i][:-1] for i in chosen]
     own = engine is None
     engine = engine or forced_engine(seqs.meta, model_dir, dtype, max(len(f) for f in forced) + 1)
-    handle = inject_dump_fault(engine, seqs.meta) if own else None
+    handle = inject_dump_fault(engine, fault or dump_fault(seqs.meta)) if own else None
     try:
         llm = getattr(engine, "llm", engine)  # a VLLMEngine or a vllm.LLM
         offset = llm.request_counter.counter
@@ -139,31 +150,49 @@ def rerun_forced(seqs: DumpSequences, chosen: list[int], model_dir: Path, model_
             engine.close()
 
 
+MIN_CACHE_BYTES = 64 << 20
+"""The least cache a teacher-forced re-run gets when the dump recorded none (the tiny models need ~1 MiB)."""
+
+
+def forced_cache_bytes(recorded: int | None, model_dir: Path, dtype: str, max_model_len: int) -> int:
+    """The cache budget of localize's engine: the dump's engine's, else room for four sequences of
+    `max_model_len` in the model's attention layers, at least MIN_CACHE_BYTES. A dump of a GPU run
+    records none (vLLM sized its cache from the GPU's memory), and 64 MiB holds not even one 32k-token
+    sequence of a 7B (1.8 GiB in bfloat16), which vLLM refuses."""
+    if recorded:
+        return int(recorded)
+    from rlcheck.forensics.stress.config import kv_bytes_per_token
+
+    per_token, _ = kv_bytes_per_token(str(model_dir), "float32" if dtype == "auto" else dtype)
+    return max(MIN_CACHE_BYTES, 4 * per_token * max_model_len)
+
+
 def forced_engine(meta: dict[str, Any], model_dir: Path, dtype: str, max_len: int) -> Any:
-    """A greedy one-token engine with the dump's engine settings, long enough for its sequences,
-    hookable (localize hooks every decoder layer; a dump's engine fault is injected into it)."""
+    """A greedy one-token engine with the dump's engine settings (`rlcheck.core.run.context`), long
+    enough for its sequences, hookable (localize hooks every decoder layer; a dump's engine fault is
+    injected into it)."""
+    from rlcheck.core.run.context import read_context
     from rlcheck.engines.vllm import VLLMConfig, VLLMEngine
     from rlcheck.errors import ConfigError
 
-    settings = engine_settings(meta)
+    settings = read_context(meta).engine
+    max_model_len = max(256, max_len)
     cfg = VLLMConfig(model=str(model_dir), dtype=dtype, greedy=True, max_tokens=1, engine_id="localize",
-                     max_model_len=max(256, max_len), kv_cache_bytes=settings.get("kv_cache_bytes") or 64 << 20,
-                     max_num_seqs=settings.get("max_num_seqs"), hookable=True, moe_routing="off")
+                     max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs, hookable=True, moe_routing="off",
+                     kv_cache_bytes=forced_cache_bytes(settings.kv_cache_bytes, model_dir, dtype, max_model_len))
     try:
         return VLLMEngine(cfg)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(f"vLLM refused the dump's engine settings: {str(exc).splitlines()[0]}") from exc
 
 
-def inject_dump_fault(engine: Any, meta: dict[str, Any]) -> Any:
-    """The dump's engine fault (`dump_fault`) injected into `engine`: its handle, or None."""
-    spec = dump_fault(meta)
-    if spec == "none":
+def inject_dump_fault(engine: Any, fault: DumpFault) -> Any:
+    """`fault` (`dump_fault`) injected into `engine`: its handle, or None."""
+    if fault.inject is None:
         return None
     from rlcheck.engines import vllm_faults
-    from rlcheck.faults import parse_inject
 
-    kind, options = parse_inject(str(meta["context"]["fault"])).engine_fault()
+    kind, options = fault.inject
     return vllm_faults.inject(engine, kind, **options)
 
 

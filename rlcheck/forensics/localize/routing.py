@@ -28,7 +28,7 @@ from rlcheck.core.moe import first_diff_layer, same_experts
 def moe_layers(model: Any) -> tuple[int, ...]:
     """The decoder layer index of every MoE layer of an HF or vLLM model (`moe_gates`' order); () for a
     model without MoE layers."""
-    from rlcheck.engines.vllm_perturb import decoder_layers
+    from rlcheck.engines.layers import decoder_layers
 
     return tuple(i for i, layer in enumerate(decoder_layers(model)) if hasattr(getattr(layer, "mlp", None), "gate"))
 

@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.limits import ENGINE_TOL
+from rlcheck.core.run.context import read_context
 from rlcheck.core.run.dump import META, SEQUENCES, read_dump
 from rlcheck.core.stats import StatsConfig
+from rlcheck.engines.reference import ReferenceConfig
 from rlcheck.errors import InputError
 from rlcheck.forensics.replay.ranking import ReplayRecord, compare, rank, with_context
 
@@ -46,7 +48,7 @@ class ReplayReport:
     model: str
     step: int | None
     temperature: float
-    temperature_from: str  # "argument", "dump" (meta.json context.sampling) or "default"
+    temperature_from: str  # "argument", "dump..." (meta.json context.sampling, `rlcheck.core.run.context`) or "default"
     threshold: float
     tau: float
     batched: bool
@@ -56,6 +58,8 @@ class ReplayReport:
     score_seconds: float  # the reference's forward passes
     load_seconds: float  # dump, model and tokenizer
     padding_fraction: float  # of the batched forward passes (0 for packed or one at a time)
+    reference_dtype: str = "float32"  # the reference's dtype and device (`ReferenceConfig`)
+    reference_device: str = "cpu"
 
     @property
     def failed(self) -> tuple[ReplayRecord, ...]:
@@ -92,14 +96,17 @@ def replay(
     batch: bool = True,
     progress: Callable[[int, int], None] | None = None,
     scorer: Any = None,
+    reference: ReferenceConfig | None = None,
 ) -> ReplayReport:
     """Re-score a dump with the HF reference and rank its requests (see the module docstring).
 
     model_dir: the model the rollouts came from (HF layout); None: the dump's `context.model`.
-    temperature: None takes the dump's sampling temperature (1.0 if it has none, or if the engine
-      returned raw, untempered logprobs).
+    temperature: None takes the temperature of the engine's logprobs as the dump records it (1.0 for
+      greedy or raw, untempered logprobs, or when it records none).
     progress(done_tokens, total_tokens): called as the scoring advances.
-    scorer: an `HFScorer` already loaded (then model_dir only names it in the report)."""
+    scorer: an `HFScorer` already loaded (then model_dir only names it in the report).
+    reference: where and in what dtype the reference runs (`ReferenceConfig`: float32 on CPU by default;
+      a bfloat16 reference is noisier: ~0.1-0.2 nats, inside the default threshold)."""
     if not (threshold > 0 and tau > 0):
         raise InputError(f"threshold and tau must be > 0, got {threshold} and {tau}")
     start = time.perf_counter()
@@ -107,7 +114,7 @@ def replay(
     model_dir = resolve_model(seqs.meta, model_dir)
     temperature, temperature_from = resolve_temperature(seqs.meta, temperature)
     if scorer is None:
-        scorer = load_scorer(model_dir)
+        scorer = load_scorer(model_dir, reference)
     check_vocab(seqs, vocab_size(scorer.model))
     decode = load_decoder(model_dir)
     load_seconds = time.perf_counter() - start
@@ -128,6 +135,8 @@ def replay(
         num_scored_tokens=sum(len(p) + len(r) for p, r in zip(seqs.prompts, seqs.responses, strict=True)),
         score_seconds=score_seconds, load_seconds=load_seconds,
         padding_fraction=scorer.last_padding_fraction if batch else 0.0,
+        reference_dtype=str(getattr(getattr(scorer, "cfg", None), "dtype", "float32")),
+        reference_device=str(getattr(getattr(scorer, "cfg", None), "device", "cpu")),
     )
 
 
@@ -179,7 +188,7 @@ def check_dump_dir(path: str | Path) -> Path:
 
 def resolve_model(meta: dict[str, Any], model_dir: str | Path | None) -> Path:
     if model_dir is None:
-        model_dir = (meta.get("context") or {}).get("model")
+        model_dir = read_context(meta).model
         if not model_dir:
             raise InputError("the dump names no model (meta.json context.model): pass --model DIR")
     path = Path(model_dir)
@@ -189,17 +198,14 @@ def resolve_model(meta: dict[str, Any], model_dir: str | Path | None) -> Path:
 
 
 def resolve_temperature(meta: dict[str, Any], temperature: float | None) -> tuple[float, str]:
-    """(temperature, where it came from): the argument, else the dump's sampling context, else 1.0."""
+    """(temperature, where it came from): the argument, else the temperature of the engine's logprobs as
+    the dump records it (`rlcheck.core.run.context`: 1 for greedy or raw logprobs, else the sampler's),
+    else 1.0."""
     if temperature is not None:
         if not temperature > 0:
             raise InputError(f"temperature must be > 0, got {temperature}")
         return float(temperature), "argument"
-    sampling = (meta.get("context") or {}).get("sampling") or {}
-    if sampling.get("logprobs_mode") == "raw_logprobs":
-        return 1.0, "dump (raw logprobs: untempered)"
-    if sampling.get("temperature") is not None:
-        return float(sampling["temperature"]), "dump"
-    return 1.0, "default"
+    return read_context(meta).sampling.logprob_temperature()
 
 
 def check_vocab(seqs: DumpSequences, vocab: int) -> None:
@@ -215,13 +221,11 @@ def check_vocab(seqs: DumpSequences, vocab: int) -> None:
 # ---- the reference -------------------------------------------------------------------------------
 
 
-def load_scorer(model_dir: Path):
-    from rlcheck.engines.hf import HFScorer, HFScorerConfig
+def load_scorer(model_dir: Path, reference: ReferenceConfig | None = None):
+    """The HF reference of `model_dir` (`rlcheck.engines.reference`: float32 on CPU unless `reference` says)."""
+    from rlcheck.engines.reference import load_reference
 
-    try:
-        return HFScorer(HFScorerConfig(model=str(model_dir)))
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"cannot load the model in {model_dir}: {exc}") from exc
+    return load_reference(model_dir, reference)
 
 
 def vocab_size(model: Any) -> int:

@@ -51,6 +51,7 @@ from rlcheck.forensics.stress.config import (
     StressConfig,
     check_kv_budget,
     check_prefill_limit,
+    engine_config,
     parse_inject,
 )
 from rlcheck.forensics.stress.results import StressResult
@@ -70,7 +71,7 @@ def run_stress(cfg: StressConfig, out_dir: str | Path | None = None, *, progress
 
     t0 = time.perf_counter()
     if cfg.reference:
-        scorer = scorer or load_scorer(resolve_model({}, cfg.model))
+        scorer = scorer or load_scorer(resolve_model({}, cfg.model), cfg.reference_config())
         if cfg.fault == "stale-buffer":  # the engine syncs an update: the reference judges on its weights
             from rlcheck.forensics.stress.sync import updated_scorer
 
@@ -131,19 +132,6 @@ def _allowed_ids(model: str, scorer: Any) -> np.ndarray:
     size = vocab_size(scorer.model) if scorer is not None else int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
     ids = np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
     return ids
-
-
-def engine_config(cfg: StressConfig):
-    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`,
-    hookable (the slot trace, the faults and the guard hook vLLM's V1 runner: `VLLMConfig.hookable`)."""
-    from rlcheck.engines.guard import GuardConfig
-    from rlcheck.engines.vllm import VLLMConfig
-
-    return VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
-                      max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
-                      max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      kv_cache_bytes=cfg.kv_cache_bytes, hookable=True,
-                      guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
 
 
 def start_engine(cfg: StressConfig):

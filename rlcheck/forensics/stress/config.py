@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlcheck.core.limits import ENGINE_TOL, FP32_ENGINE_TOL
+from rlcheck.core.limits import FP32_ENGINE_TOL, logprob_tolerance
 from rlcheck.errors import ConfigError
 
 FAULTS = ("none", "stale-state", "index-wrap", "perturb-layer", "stale-buffer")
@@ -63,7 +63,8 @@ class StressConfig:
     layer: int | None = None
     """perturb-layer: the decoder layer (from 0) whose output projection vLLM scales by 1.01 (required)."""
     threshold: float | None = None
-    """Max |d| over which a request fails (None: FP32_THRESHOLD in float32, replay's default otherwise)."""
+    """Max |d| over which a request fails (None: FP32_THRESHOLD when engine and reference run float32,
+    replay's default otherwise: `fail_threshold`)."""
     guard: bool = False
     """Run the engine guard during generation (lifecycle invariants, policy "record")."""
     audits: tuple[str, ...] = ()
@@ -74,6 +75,10 @@ layer on every pass: a wrong weight is wrong in all of them)."""
     reference: bool = True
     """Replay every request through the HF reference; False (`--no-reference`): engine-only, judged by
     the decode-prefill audit when it runs (nothing is judged per request otherwise)."""
+    reference_dtype: str = "float32"
+    """The HF reference's dtype (`rlcheck.engines.reference.ReferenceConfig`): float32, bfloat16, float16."""
+    reference_device: str = "cpu"
+    """Where the HF reference runs: "cpu", "cuda" or "cuda:N"."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -104,6 +109,13 @@ layer on every pass: a wrong weight is wrong in all of them)."""
                               f"< max_model_len ({self.max_model_len})")
         if self.threshold is not None and not self.threshold > 0:
             raise ConfigError(f"threshold must be > 0, got {self.threshold}")
+        self.reference_config()  # its dtype and device, checked
+
+    def reference_config(self):
+        """Where and in what dtype the HF reference runs (`rlcheck.engines.reference.ReferenceConfig`)."""
+        from rlcheck.engines.reference import ReferenceConfig
+
+        return ReferenceConfig(self.reference_dtype, self.reference_device)
 
     @property
     def fault_boundary(self) -> int | None:
@@ -113,9 +125,25 @@ layer on every pass: a wrong weight is wrong in all of them)."""
 
     @property
     def fail_threshold(self) -> float:
+        """`threshold`, else the engine's and the reference's dtypes' (`logprob_tolerance`: FP32_THRESHOLD
+        when both are float32, ENGINE_TOL otherwise; the judge's pass is in the reference's dtype, or
+        the engine's own with `--no-reference`)."""
         if self.threshold is not None:
             return self.threshold
-        return FP32_THRESHOLD if self.dtype == "float32" else ENGINE_TOL
+        return logprob_tolerance(self.dtype, self.reference_dtype if self.reference else self.dtype)
+
+
+def engine_config(cfg: StressConfig):
+    """The `VLLMConfig` of a stress run: greedy, EOS ignored, the memory and concurrency knobs of `cfg`,
+    hookable (the slot trace, the faults and the guard hook vLLM's V1 runner: `VLLMConfig.hookable`)."""
+    from rlcheck.engines.guard import GuardConfig
+    from rlcheck.engines.vllm import VLLMConfig
+
+    return VLLMConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, engine_id="stress", greedy=True,
+                      max_tokens=cfg.max_tokens, sampling={"ignore_eos": True}, max_model_len=cfg.max_model_len,
+                      max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      kv_cache_bytes=cfg.kv_cache_bytes, hookable=True,
+                      guard=GuardConfig(policy="record", capacity=4096) if cfg.guard else None)
 
 
 def parse_audits(names: Sequence[str] | None) -> tuple[str, ...]:

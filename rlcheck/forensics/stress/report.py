@@ -44,6 +44,8 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
         return result
     from rlcheck.core.batch import StepBatch
     from rlcheck.core.run.dump import write_dump
+    from rlcheck.engines.vllm_env import vllm_record
+    from rlcheck.forensics.stress.config import engine_config
 
     cfg, contexts = result.config, result.contexts
     failing = set(result.failing)
@@ -67,10 +69,9 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
         prompt_tokens=[np.asarray(p, dtype=np.int64) for p in prompts], meta=meta,
     )
     context = {
-        "model": cfg.model, "engine": "vllm", "source": "rlcheck stress",
-        "logp_train": JUDGES[result.judge],
-        "sampling": {"greedy": True, "temperature": 0.0, "logprobs_mode": "raw_logprobs",
-                     "max_tokens": cfg.max_tokens},  # greedy logprobs are untempered: replay at T = 1
+        "model": cfg.model, "framework": "stress", "source": "rlcheck stress", "logp_train": JUDGES[result.judge],
+        **vllm_record(engine_config(cfg), n=1, settings=result.settings),  # greedy: logprobs at T = 1
+        "reference": {"dtype": cfg.reference_dtype, "device": cfg.reference_device} if result.judge == "reference" else None,
         "stress": {"judge": result.judge, "audits": list(cfg.audits), "fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,
                    "num_blocks": result.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                    "kv_cache_bytes": cfg.kv_cache_bytes, "trace": result.trace, "engine_settings": result.settings},
@@ -145,9 +146,13 @@ def _render_guard(r: StressResult, console: Any, top: int) -> None:
     from rlcheck.core.run.guard_record import INVARIANT
 
     s, violations = r.guard.summary, r.guard.violations
+    skipped = f", {s['skipped_steps']} engine steps it could not trace" if s.get("skipped_steps") else ""
+    if s["error"]:  # a guard that died checked nothing from there on: never an OK
+        console.print(f"[bold yellow]engine guard: STOPPED[/] after {s['num_steps']} engine steps{skipped}: "
+                      f"{escape(s['error'])}; the invariants were not checked from there on")
+    elif not violations:
+        console.print(f"[green]engine guard: OK[/]: no invariant broken over {s['num_steps']} engine steps{skipped}")
     if not violations:
-        console.print(f"[green]engine guard: OK[/]: no invariant broken over {s['num_steps']} engine steps"
-                      + (f" (guard error: {escape(s['error'])})" if s["error"] else ""))
         return
     t = Table(title=f"engine guard: {len(violations)} violations (first {min(top, len(violations))}, step order)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)

@@ -114,6 +114,7 @@ def guard_dict(output: Any, max_violations: int = 200) -> dict[str, Any]:
     s = output.summary
     return {"num_violations": s["num_violations"], "counts": s["counts"], "request_ids": s["request_ids"],
             "num_steps": s["num_steps"], "pool": s["pool"], "seconds": s["seconds"], "error": s["error"],
+            "skipped_steps": s.get("skipped_steps", 0),
             "violations": [v.to_dict() for v in output.violations[:max_violations]]}
 
 

@@ -134,20 +134,27 @@ def check_trainer(trainer: Any) -> None:
 
 
 def trl_context(trainer: Any) -> dict[str, Any]:
-    """What decides the two sides' numerics, for every dump's meta.json: sampling settings, the
-    trainer's precision, vLLM's dtype (TRL leaves it "auto": bf16 for a float32 checkpoint) and the
-    preflight's findings."""
+    """What decides the two sides' numerics, for every dump's meta.json: the engine's sampling and
+    precision in the dump schema (`rlcheck.core.run.context`: vLLM's dtype as its LLM runs it; TRL leaves
+    it "auto", bf16 for a float32 checkpoint), the trainer's precision and the preflight's findings."""
+    from rlcheck.core.run.context import Engine, Sampling, record
+
     args = trainer.args
-    ctx: dict[str, Any] = {
+    processing = logit_processing(args)
+    llm = getattr(trainer.vllm_generation, "llm", None)  # colocate: the engine in this process
+    ran = None if llm is None else str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    # colocate builds its LLM with processed logprobs; a server's mode is the server's (not asked here)
+    mode = "processed_logprobs" if args.vllm_mode == "colocate" else None
+    sampling = Sampling(temperature=float(trainer.temperature), logprobs_mode=mode, processing=processing,
+                        max_tokens=getattr(args, "max_completion_length", None), n=getattr(args, "num_generations", None))
+    engine = Engine(name="vllm", dtype=ran, configured_dtype="auto",
+                    tensor_parallel_size=getattr(args, "vllm_tensor_parallel_size", None))
+    return {
         "framework": "trl",
         "model": getattr(trainer.model.config, "_name_or_path", None),
+        **record(sampling, engine),
         "vllm_mode": args.vllm_mode,
-        "temperature": trainer.temperature,
-        "top_p": trainer.top_p,
-        "top_k": trainer.top_k,
-        "min_p": trainer.min_p,
-        "repetition_penalty": trainer.repetition_penalty,
-        "logit_processing": logit_processing(args),
+        "logit_processing": processing,
         "trainer_bf16": bool(args.bf16),
         "trainer_fp16": bool(args.fp16),
         "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
@@ -155,10 +162,6 @@ def trl_context(trainer: Any) -> dict[str, Any]:
         else None,
         "preflight": as_context(getattr(trainer, "rlcheck_preflight", None)),  # `preflight_checks`' findings
     }
-    llm = getattr(trainer.vllm_generation, "llm", None)
-    if llm is not None:
-        ctx["vllm_dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    return ctx
 
 
 def _is_neutral(key: str, value: Any) -> bool:

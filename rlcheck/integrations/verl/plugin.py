@@ -60,6 +60,7 @@ def kind_of(trainer: Any) -> str:
 def start(trainer: Any) -> Any:
     """Attach rlcheck to `trainer` before it starts anything: its Session, or None when rlcheck stays out."""
     from rlcheck.integrations import verl as rlcheck_verl
+    from rlcheck.integrations.verl.context import verl_context
     from rlcheck.integrations.verl.session import Session
     from rlcheck.integrations.verl.settings import check, settings_of
     from rlcheck.preflight import as_context
@@ -71,7 +72,8 @@ def start(trainer: Any) -> Any:
     if settings is not None:
         check(trainer.config, settings)
         findings = rlcheck_verl.preflight(trainer.config)
-        session = Session(settings, kind_of(trainer), {"preflight": as_context(findings)})
+        # the rollout engine's sampling and settings, in every dump (replay reads the temperature from there)
+        session = Session(settings, kind_of(trainer), {**verl_context(trainer.config), "preflight": as_context(findings)})
         _sessions.add(session)
     trainer._rlcheck = session
     return session

@@ -59,7 +59,8 @@ def preflight_config(config: Any, path: str) -> PreflightConfig:
         logprobs_mode=str(get(config, f"{rollout}.logprobs_mode", "processed_logprobs")),
         dtype=str(get(config, f"{rollout}.dtype", "bfloat16")),
         trainer_dtype=str(get(config, "actor_rollout_ref.actor.fsdp_config.dtype", "bfloat16")),
-        prefix_caching=bool(get(config, f"{rollout}.enable_prefix_caching", True)), resets_prefix_cache=True)
+        prefix_caching=bool(get(config, f"{rollout}.enable_prefix_caching", True)), resets_prefix_cache=True,
+        enforce_eager=bool(get(config, f"{rollout}.enforce_eager", False)))  # verl runs vLLM on GPUs
 
 
 def verl_preflight(config: Any) -> tuple[Finding, ...]:
