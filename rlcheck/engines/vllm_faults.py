@@ -215,10 +215,16 @@ class FaultHandle:
 
     def _build(self, *args: Any, **kwargs: Any):
         out = self._original(*args, **kwargs)
-        num_reqs = kwargs.get("num_reqs")
+        call = builder_arguments(self._original, args, kwargs)
+        num_reqs = call.get("num_reqs")
         attn_metadata = out[0]
         req_ids = list(self._runner.input_batch.req_ids[: num_reqs or 0])
-        if (kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices") is not None or not num_reqs
+        if "num_reqs" not in call and self._runner.input_batch.num_reqs:
+            raise UnsupportedVLLMError(
+                f"the {self.fault} fault's hook cannot read num_reqs from vLLM's _build_attention_metadata call "
+                f"(its arguments: {sorted(call)}) while the engine runs {self._runner.input_batch.num_reqs} "
+                "request(s): it would see no step and never fire; this vLLM is not the one the hook was written for")
+        if (call.get("for_cudagraph_capture") or call.get("ubatch_slices") is not None or not num_reqs
                 or not isinstance(attn_metadata, dict) or len(req_ids) < num_reqs or None in req_ids):
             return out  # dummy / profiling runs
         self.step += 1
@@ -283,6 +289,18 @@ class FaultHandle:
             init = init.to(torch.bool)
         return dataclasses.replace(md, state_indices_tensor_d=d, state_indices_tensor_p=p,
                                    has_initial_states_p=init, prep_initial_states=prep)
+
+
+def builder_arguments(builder: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of one `_build_attention_metadata` call by name, however vLLM passed them (by
+    position or keyword; `builder` is the bound method, its signature without self). A call that does
+    not fit the signature gives its keywords alone."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(builder).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
 
 
 def inject(engine: Any, fault: str, *, boundary: int | None = None, layer: int | None = None,
