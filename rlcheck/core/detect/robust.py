@@ -91,7 +91,9 @@ class DriftConfig:
     threshold: float = 3.0
     """CUSUM decision level: log-growth past the slack, accumulated (nats)."""
     clip: float = 1.0
-    """Each step adds at most this (an e-fold): one outlier step is not a drift."""
+    """Each step adds at most this (an e-fold): one outlier step is not a drift. A step below the
+    reference counts as at most `slack` below it (it takes off at most 2 x slack): one low step (a
+    batch of short answers at 0.05x) does not undo a drift under way."""
     critical_ratio: float = 3.0
     """A drift alarm whose value is this many times the reference is critical (it halts): weights
     that stopped syncing triple the mismatch within a few steps; the healthy floor never does."""
@@ -131,7 +133,7 @@ step up to 1.2x above its median, hence the 1.35x slack. Warns at 1.56-1.61x of 
 
 class DriftDetector(Detector):
     """Per metric, with g = log(x / median of the window):
-    S = max(0, S + min(g, clip) - slack); alarm and reset when S > threshold."""
+    S = max(0, S + clip(g, -slack, clip) - slack); alarm and reset when S > threshold."""
 
     kind = "drift"
 
@@ -150,7 +152,7 @@ class DriftDetector(Detector):
             if len(base) >= cfg.warmup:
                 med, _ = base.center_scale()
                 floor = max(cfg.floor, _TINY)
-                g = min(math.log(max(x, floor) / max(med, floor)), cfg.clip)
+                g = min(max(math.log(max(x, floor) / max(med, floor)), -cfg.slack), cfg.clip)
                 s = max(0.0, self.cusum[m] + g - cfg.slack)
                 if s > 0 and self.cusum[m] == 0:
                     self.since[m] = step
