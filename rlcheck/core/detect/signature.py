@@ -9,6 +9,7 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes fro
 | systematic_slope     | d correlates with logp_rollout (temperature / logit processing)    | warn      |
 | early_divergence     | a few sequences diverge from their first tokens (stale state)      | warn      |
 | sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
+| many_catastrophic    | more than `sparse_max_frac` of them far off, not from the start    | warn      |
 
 A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
 slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
@@ -39,7 +40,9 @@ class SignatureConfig:
     slope_min_abs_diff: float = 0.005
     """A slope counts only when mean |d| is above this noise floor."""
     sparse_max_frac: float = 0.1
-    """Catastrophic sequences are 'sparse' when at most this fraction of the step."""
+    """Catastrophic sequences are 'sparse' when at most this fraction of the step; past it they are
+    `many_catastrophic` (which counts toward the recurrence as the sparse shape does; a quarter of them
+    is also a hard limit, `HaltConfig.hard_limits`)."""
     min_tokens: int = 64
     """Steps with fewer valid tokens give no slope or shift signature."""
     slope_critical_after: int = 4
@@ -76,6 +79,7 @@ DEFAULT_SEVERITY = {
     "systematic_slope": "warn",
     "early_divergence": "warn",
     "sparse_catastrophic": "warn",
+    "many_catastrophic": "warn",
 }
 
 
@@ -138,8 +142,9 @@ class SignatureDetector(Detector):
     def _catastrophic(self, step: int, m: dict[str, float]) -> list[Alarm]:
         count = m.get(K.SEQ_CATASTROPHIC_COUNT, 0.0)
         burst = self._early_burst(m)
-        if (count <= 0 or m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) > self.cfg.sparse_max_frac) and not burst:
+        if count <= 0 and not burst:
             return []
+        sparse = m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) <= self.cfg.sparse_max_frac
         early = m.get(K.SIG_EARLY_DIV_COUNT, 0.0)
         if burst and early * 2 < count:
             burst = False  # catastrophic sequences that are not early: the sparse shape below
@@ -150,12 +155,20 @@ class SignatureDetector(Detector):
         lasting = len(recent) >= self.cfg.recur_count
         again = f" (in {len(recent)} of the last {self.cfg.recur_window} observations)" if lasting else ""
         details = {"count": count, "early": early, "frac": m.get(K.SEQ_CATASTROPHIC_FRAC, 0.0), "recurrences": len(recent)}
-        if early * 2 >= count:
+        if early * 2 >= count and (sparse or burst):
             return [self._alarm(
                 "early_divergence", K.SIG_EARLY_DIV_COUNT, step,
                 f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
                 f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before "
                 "prefill)",
+                persistent=lasting, **details,
+            )]
+        if not sparse:
+            return [self._alarm(
+                "many_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
+                f"{int(count)} sequences ({details['frac']:.0%} of the step) are far off, not from their first "
+                f"tokens{again}: too many for one bad request (state shared between requests, index aliasing, "
+                "a broken kernel); see the offenders",
                 persistent=lasting, **details,
             )]
         return [self._alarm(

@@ -101,7 +101,7 @@ def _logit_processing(ev: Evidence) -> Finding | None:
 
 def _sparse_sequences(ev: Evidence) -> Finding | None:
     early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
-    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic",))
+    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic", "many_catastrophic"))
     if not early and not sparse:
         return None
     steps = alarm_steps(early + sparse)
