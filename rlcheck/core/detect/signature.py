@@ -145,6 +145,8 @@ class SignatureDetector(Detector):
         if count <= 0 and not burst:
             return []
         sparse = m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) <= self.cfg.sparse_max_frac
+        if not (sparse or burst or count >= 2):
+            return []  # one sequence of a small batch is no "many" (a NaN one has its own alarm)
         early = m.get(K.SIG_EARLY_DIV_COUNT, 0.0)
         if burst and early * 2 < count:
             burst = False  # catastrophic sequences that are not early: the sparse shape below
