@@ -66,6 +66,14 @@ SIG_EARLY_ANY_COUNT = "rlcheck/sig/early_any_count"  # sequences diverging (|d| 
 SIG_EARLY_ANY_EXPECTED = "rlcheck/sig/early_any_expected"  # ... expected were the diverged tokens anywhere
 SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
 SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
+# twins: tokens scored in identical contexts within a step (`rlcheck.core.stats.twins`; batches with the
+# engine's token ids and the prompt ids)
+SIG_TWIN_GROUPS = "rlcheck/sig/twin_groups"  # groups of identical contexts compared
+SIG_TWIN_SPLIT = "rlcheck/sig/twin_split"  # ... the engine scored apart (the trainer alike)
+SIG_TWIN_SPLIT_SEQS = "rlcheck/sig/twin_split_seqs"  # sequences in those groups
+SIG_TWIN_TRAINER_SPLIT = "rlcheck/sig/twin_trainer_split"  # groups the trainer scored apart
+SIG_TWIN_SPREAD = "rlcheck/sig/twin_spread"  # the largest split group's engine spread (nats)
+SIG_TWIN_FIRST_POS = "rlcheck/sig/twin_first_pos"  # the earliest response position of a split group
 
 # beyond the sampled token (StatsConfig.distribution, batches with top-k; rlcheck.core.stats.distribution)
 DIST_COUNT = "rlcheck/dist/num_tokens"  # positions scored

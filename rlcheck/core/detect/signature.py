@@ -10,6 +10,8 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes fro
 | early_divergence     | a few sequences diverge from their first tokens (stale state)      | warn      |
 | sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
 | many_catastrophic    | more than `sparse_max_frac` of them far off, not from the start    | warn      |
+| split_twins          | the engine scored identical contexts of the step apart (stale or   | critical  |
+|                      | aliased recurrent state: its output is not a function of the request) |        |
 
 A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
 slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
@@ -58,6 +60,11 @@ class SignatureConfig:
     tokens, early_excess times more than the step's diverged tokens would put there by chance. The
     engine's stale-state fault on the tiny hybrid: 40% of the sequences diverge at their first token
     by 1.4-3.7 nats, one token past 2 of 32; a healthy or noisy step's divergences fall anywhere."""
+    twin_min_split: int = 2
+    twin_min_frac: float = 0.05
+    """split_twins: at least twin_min_split twin groups, and twin_min_frac of the step's, scored apart by
+    the engine (`rlcheck.core.stats.twins`; a healthy engine, fp32 or bf16, scores twins alike to the
+    bit; the tiny hybrid's stale state split 3 of 28 to 26 of 33 groups a step)."""
     severity: dict[str, str] | None = None
     """Override the default severity of a signature by name."""
 
@@ -80,6 +87,7 @@ DEFAULT_SEVERITY = {
     "early_divergence": "warn",
     "sparse_catastrophic": "warn",
     "many_catastrophic": "warn",
+    "split_twins": "critical",
 }
 
 
@@ -131,9 +139,26 @@ class SignatureDetector(Detector):
                 "temperature or logit processing differs between engine and trainer",
                 persistent=lasting, slope=slope, corr=corr, streak=self.slope_streak,
             ))
+        out += self._split_twins(step, m)
         self.observed += 1
         out += self._catastrophic(step, m)
         return out
+
+    def _split_twins(self, step: int, m: dict[str, float]) -> list[Alarm]:
+        split, groups = m.get(K.SIG_TWIN_SPLIT, 0.0), m.get(K.SIG_TWIN_GROUPS, 0.0)
+        if split < max(self.cfg.twin_min_split, self.cfg.twin_min_frac * groups):
+            return []
+        where = f", the first at response position {int(m[K.SIG_TWIN_FIRST_POS])}" if K.SIG_TWIN_FIRST_POS in m else ""
+        return [self._alarm(
+            "split_twins", K.SIG_TWIN_SPLIT, step,
+            f"the engine scored {int(split)} of {int(groups)} groups of identical contexts (the same prompt and "
+            f"response prefix; {int(m.get(K.SIG_TWIN_SPLIT_SEQS, 0))} sequences{where}) up to "
+            f"{m.get(K.SIG_TWIN_SPREAD, 0.0):.3g} nats apart while the trainer scored each alike: its output depends "
+            "on more than the request's tokens, a recurrent state read from another request (stale state: a reused "
+            "Mamba slot) or shared with one (index aliasing)",
+            split=split, groups=groups, sequences=m.get(K.SIG_TWIN_SPLIT_SEQS, 0.0),
+            spread=m.get(K.SIG_TWIN_SPREAD, 0.0), first_position=m.get(K.SIG_TWIN_FIRST_POS),
+        )]
 
     def _early_burst(self, m: dict[str, float]) -> bool:
         return early_burst(m.get(K.SIG_EARLY_ANY_COUNT, 0.0), m.get(K.SEQ_COUNT, 0.0),

@@ -1,0 +1,98 @@
+"""Twins (`rlcheck.core.stats.twins`): tokens scored in identical contexts within a step, and the
+`split_twins` signature an engine that scores them apart raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect import SignatureDetector
+from rlcheck.core.stats import StatsConfig, compute, compute_partial, finalize, merge
+from rlcheck.core.stats.twins import split_twin_sequences
+
+
+def grpo_batch(num_prompts=4, group=8, length=6, seed=0, stale=(), trainer_stale=(), mask=None):
+    """`num_prompts` prompts x `group` samples; the samples of a prompt share their first 3 tokens and
+    part after. The engine scores identically in identical contexts, but for the sequences in `stale`,
+    whose first tokens it scores 0.3 nats lower (a stale recurrent state); `trainer_stale`: the same on
+    the trainer's side."""
+    rng = np.random.default_rng(seed)
+    prompts, tokens, lr, lt = [], [], [], []
+    for p in range(num_prompts):
+        prompt = rng.integers(5, 100, 7)
+        head = rng.integers(100, 200, 3)
+        for g in range(group):
+            toks = np.concatenate([head, rng.integers(200, 2000, length - 3)])
+            base = -np.abs(np.sin(toks * 0.37 + p)) - 0.05  # a function of the context's tokens
+            i = p * group + g
+            prompts.append(prompt)
+            tokens.append(toks)
+            lr.append(base - (0.3 if i in stale else 0.0) * (np.arange(length) < 2))
+            lt.append(base + 1e-7 - (0.3 if i in trainer_stale else 0.0) * (np.arange(length) < 2))
+    return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, tokens=tokens, prompt_tokens=prompts,
+                                 request_ids=[f"r{i}" for i in range(len(lr))], mask=mask)
+
+
+class TestTwinStats:
+    def test_a_healthy_engine_splits_nothing(self):
+        """Identical contexts scored alike on both sides: twin groups counted, none split."""
+        m, _ = compute(grpo_batch())
+        assert m[K.SIG_TWIN_GROUPS] == 4 * 3 and m[K.SIG_TWIN_SPLIT] == 0 and K.SIG_TWIN_FIRST_POS not in m
+
+    def test_stale_sequences_split_their_groups(self):
+        """Two sequences of different prompts scored off at their first tokens split their prompts'
+        groups at positions 0 and 1 (4 groups, 32 sequences in them), the spread and position named."""
+        batch = grpo_batch(stale={1, 9})
+        m, _ = compute(batch)
+        assert (m[K.SIG_TWIN_SPLIT], m[K.SIG_TWIN_SPLIT_SEQS], m[K.SIG_TWIN_FIRST_POS]) == (4, 32, 0)
+        assert m[K.SIG_TWIN_SPREAD] == pytest.approx(0.3, rel=1e-5) and m[K.SIG_TWIN_TRAINER_SPLIT] == 0
+        assert np.flatnonzero(split_twin_sequences(batch, StatsConfig())).tolist() == list(range(16))
+
+    def test_a_split_on_both_sides_is_not_the_engines(self):
+        """When the trainer scores the same twins apart too, the split is counted as the trainer's only."""
+        m, _ = compute(grpo_batch(stale={1}, trainer_stale={1}))
+        assert m[K.SIG_TWIN_SPLIT] == 0 and m[K.SIG_TWIN_TRAINER_SPLIT] == 2
+
+    def test_the_bar_is_in_residual_units(self):
+        """A spread under twin_tau * (1 - p)^0.91 is no split; a lower twin_tau (a finer floor) counts it."""
+        batch = grpo_batch(stale={1})
+        assert compute(batch, StatsConfig(twin_tau=10.0))[0][K.SIG_TWIN_SPLIT] == 0
+        assert compute(batch, StatsConfig(twin_tau=1e-4))[0][K.SIG_TWIN_SPLIT] == 2
+
+    def test_masked_tokens_and_missing_ids(self):
+        """Masked tokens are not compared; without prompt or token ids there are no twin metrics."""
+        batch = grpo_batch(stale={1})
+        masked = grpo_batch(stale={1}, mask=[np.arange(6) >= 2 for _ in range(32)])
+        assert compute(masked)[0][K.SIG_TWIN_SPLIT] == 0 and compute(masked)[0][K.SIG_TWIN_GROUPS] == 4
+        bare = StepBatch.from_packed(batch.logp_rollout, batch.logp_train, batch.cu_seqlens, batch.request_ids)
+        assert K.SIG_TWIN_GROUPS not in compute(bare)[0]
+
+    def test_merge_and_torch_agree(self):
+        """Two halves merged count what the whole does (twins within a half); the torch backend agrees."""
+        batch = grpo_batch(stale={1, 9, 17})
+        whole, _ = compute(batch)
+        halves = [batch.select(np.arange(0, 16)), batch.select(np.arange(16, 32))]
+        merged, _ = finalize(merge([compute_partial(h) for h in halves]))
+        keys = (K.SIG_TWIN_GROUPS, K.SIG_TWIN_SPLIT, K.SIG_TWIN_SPLIT_SEQS, K.SIG_TWIN_SPREAD, K.SIG_TWIN_FIRST_POS)
+        assert [merged[k] for k in keys] == [whole[k] for k in keys]
+        pytest.importorskip("torch")
+        torch_m, _ = compute(batch, StatsConfig(backend="torch-eager"))
+        assert [torch_m[k] for k in keys] == [whole[k] for k in keys]
+
+
+class TestSplitTwinsSignature:
+    def test_critical_on_a_split_step(self):
+        """Two or more split groups (and 5% of them) raise a critical split_twins naming the counts."""
+        m, _ = compute(grpo_batch(stale={1, 9}))
+        (a,) = [a for a in SignatureDetector().update(3, m) if a.details["signature"] == "split_twins"]
+        assert (a.severity, a.details["split"], a.details["groups"], a.details["first_position"]) == ("critical", 4, 12, 0)
+        assert "stale state" in a.message and "index aliasing" in a.message
+
+    def test_quiet_on_one_split_group_or_none(self):
+        """One split group is below the signature's bar; a healthy step raises nothing."""
+        det = SignatureDetector()
+        one = compute(grpo_batch(stale={1}, mask=[np.arange(6) < 1 for _ in range(32)]))[0]  # first tokens only
+        assert (one[K.SIG_TWIN_SPLIT], one[K.SIG_TWIN_GROUPS]) == (1, 4)
+        assert det.update(0, one) == [] and det.update(1, compute(grpo_batch())[0]) == []
