@@ -44,6 +44,7 @@ from rlcheck.preflight import as_context
 FIELDS = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
 _monitor: Monitor | None = None
 _preflight: tuple = ()  # the static preflight's findings, recorded in the Monitor's context
+_precision = None  # the two sides' dtypes (rlcheck.core.floors.Precision), read with the preflight
 
 
 def monitor() -> Monitor:
@@ -54,6 +55,7 @@ def monitor() -> Monitor:
         run_dir = os.environ.get("RLCHECK_RUN_DIR", "runs/verl")
         quarantine = QuarantineConfig() if os.environ.get("RLCHECK_QUARANTINE") == "1" else None
         _monitor = Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "console"), quarantine=quarantine,
+                                         precision=_precision,
                                          context={"framework": "verl", "preflight": as_context(_preflight)}))
     return _monitor
 
@@ -100,8 +102,9 @@ def _wrap_v1(original):
 def _wrap_init_workers(original):
     @functools.wraps(original)
     def init_workers(self, *args, **kwargs):
-        global _preflight
+        global _preflight, _precision
         _preflight = rlcheck_verl.preflight(self.config)  # before verl starts vLLM: a warning block, critical refused
+        _precision = rlcheck_verl.precision(self.config)  # the run's floor: its gates scale with it
         return original(self, *args, **kwargs)
     return init_workers
 

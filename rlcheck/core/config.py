@@ -12,6 +12,7 @@ from typing import Any
 from rlcheck.core import metrics as K
 from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.core.floors import Floor, Precision  # noqa: F401 - Floor: the Monitor's, from its config
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import ConfigError
@@ -85,6 +86,10 @@ class MonitorConfig:
     """Take the sequences the evidence condemns out of the step instead of halting
     (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
+    precision: Precision | None = None
+    """The dtypes the engine and the trainer compute their logprobs in: what a healthy run's floor is,
+    which the detectors' gates and diagnose's "clean" are relative to (`rlcheck.core.floors`). None: read
+    from `context` (the loop's and TRL's name them), else the run calibrates on its first steps."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -99,5 +104,7 @@ class MonitorConfig:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
         if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise ConfigError(f"precision must be a rlcheck.core.floors.Precision or None, got {type(self.precision).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")

@@ -54,6 +54,8 @@ FIRST_DIV_MIN = "rlcheck/seq/first_div_min"
 FIRST_DIV_P50 = "rlcheck/seq/first_div_p50"
 SEQ_LEVEL_SPREAD = "rlcheck/seq/level_spread"  # p90 - p50 of the sequences' log residual levels (`stats.levels`)
 PROBE_LEVEL = "rlcheck/probe/abs_diff_clipped_mean"  # the sync check's fixed probe batch, when observed with one
+FLOOR_LEVEL = "rlcheck/floor/level"  # the run's precision floor: a healthy clipped mean |d| stays under it (`core.floors`)
+FLOOR_SCALE = "rlcheck/floor/scale"  # ... over the bf16 floor the detectors' defaults were set at
 
 # signature statistics
 SIG_SLOPE = "rlcheck/sig/slope"

@@ -41,7 +41,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core import quarantine as Q
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.catch_up import catch_up
-from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
+from rlcheck.core.config import DEFAULT_HARD_LIMITS, Floor, HaltConfig, MonitorConfig
 from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
@@ -71,6 +71,7 @@ class Monitor:
         self.run = Run.create(self.run_dir)
         try:
             self.detectors = build_detectors(cfg.detectors)
+            self.floor = Floor.of(cfg, self.detectors)  # the precision's floor, which the gates scale with
             self.last_step: int | None = None
             self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
@@ -104,8 +105,8 @@ class Monitor:
                              "StepBatch.from_ragged, from_padded or from_packed")
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
-        partial, verdict = Q.step_partial(batch, self.cfg.stats, self.cfg.quarantine, trainer_version,
-                                          self.cfg.max_weight_lag, check_alarms(alarms, step),
+        partial, verdict = Q.step_partial(batch, self.floor.stats(self.cfg.stats), self.cfg.quarantine,
+                                          trainer_version, self.cfg.max_weight_lag, check_alarms(alarms, step),
                                           self.cfg.detectors.signature)
         own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
                **levels.probe_level(probe, self.cfg.stats.clip)}
@@ -128,12 +129,10 @@ class Monitor:
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
         """Write the forensic dump of `batch` for `step` now."""
         return self.run.write_dump(
-            step, batch, reason=reason,
-            metrics=report.metrics if report else None,
+            step, batch, reason=reason, metrics=report.metrics if report else None,
             alarms=[a.to_dict() for a in report.alarms] if report else (),
             offenders=[o.to_dict() for o in report.offenders] if report else (),
-            context=dict(self.cfg.context), divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact,
-        )
+            context=dict(self.cfg.context), divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact)
 
     def close(self) -> None:
         """Close the sinks and the run (its journal, its lock); a second call does nothing more."""
@@ -166,6 +165,7 @@ class Monitor:
         metrics, offenders = finalize(partial, self.cfg.stats)
         empty = check_metrics(metrics)
         metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
+        self.floor.observe(metrics, empty)  # calibrates (unknown dtypes) and logs the floor
         if empty:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
                           f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "
@@ -291,7 +291,7 @@ class Monitor:
             "last_step": self.last_step,
             "streak": self.streak,
             "alarm_counts": self.alarm_counts,
-            "resumes": self.resumes,
+            "resumes": self.resumes, "floor": self.floor.state_dict(),
             **({"quarantine": self.quarantine.state_dict()} if self.quarantine is not None else {}),
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
         }
@@ -300,16 +300,16 @@ class Monitor:
         self.run.save_state(self.state_dict())  # with what this state has seen of metrics.jsonl
 
     def _load_state(self) -> None:
-        path = self.run_dir / STATE_FILE
         state = self.run.read_state()
         if state.get("version") != STATE_VERSION:
-            raise RunDirError(f"{path} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
+            raise RunDirError(f"{self.run_dir / STATE_FILE} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
         self.last_step = state.get("last_step")
         self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
         self.resumes = int(state.get("resumes", 0)) + 1
         if self.quarantine is not None:
             self.quarantine.load_state_dict(state.get("quarantine") or {})
+        self.floor.load_state_dict(state.get("floor") or {})
         for kind, det_state in state.get("detectors", {}).items():
             if kind in self.detectors:
                 self.detectors[kind].load_state_dict(det_state)

@@ -101,7 +101,8 @@ class DriftConfig:
     """Severity of a drift alarm below critical_ratio."""
     floor: float = 0.0
     """Values under it count as it (in the value and the reference): growth among levels this small is
-    noise of a precise run (a float32 engine's |d| of 1e-7 doubling), not a drift."""
+    noise of a precise run (a float32 engine's |d| of 1e-7 doubling), not a drift. Set at the bf16 floor;
+    it scales with the run's (`Detector.scale`)."""
 
     def __post_init__(self) -> None:
         if self.floor < 0:
@@ -151,7 +152,7 @@ class DriftDetector(Detector):
                 continue
             if len(base) >= cfg.warmup:
                 med, _ = base.center_scale()
-                floor = max(cfg.floor, _TINY)
+                floor = max(cfg.floor * self.scale, _TINY)
                 g = min(max(math.log(max(x, floor) / max(med, floor)), -cfg.slack), cfg.clip)
                 s = max(0.0, self.cusum[m] + g - cfg.slack)
                 if s > 0 and self.cusum[m] == 0:
@@ -164,7 +165,7 @@ class DriftDetector(Detector):
         return alarms
 
     def _alarm(self, m: str, step: int, x: float, med: float, s: float) -> Alarm:
-        ratio = x / max(med, self.cfg.floor, _TINY)
+        ratio = x / max(med, self.cfg.floor * self.scale, _TINY)
         severity = "critical" if ratio >= self.cfg.critical_ratio else self.cfg.severity
         return Alarm(
             self.kind, m, step, severity,

@@ -40,7 +40,8 @@ class SignatureConfig:
     slope_min_abs: float = 0.01
     """|slope| of d on logp_rollout; a trainer temperature 1% off the engine's gives ~0.01."""
     slope_min_abs_diff: float = 0.005
-    """A slope counts only when mean |d| is above this noise floor."""
+    """A slope counts only when mean |d| is above this noise floor (set at the bf16 floor; it scales
+    with the run's, `Detector.scale`)."""
     sparse_max_frac: float = 0.1
     """Catastrophic sequences are 'sparse' when at most this fraction of the step; past it they are
     `many_catastrophic` (which counts toward the recurrence as the sparse shape does; a quarter of them
@@ -128,7 +129,7 @@ class SignatureDetector(Detector):
             ))
         corr, slope = get(K.SIG_SLOPE_CORR, 0.0), get(K.SIG_SLOPE, 0.0)
         sloped = (enough and abs(corr) >= cfg.slope_min_corr and abs(slope) >= cfg.slope_min_abs
-                  and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff)
+                  and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff * self.scale)
         self.slope_streak = self.slope_streak + 1 if sloped else 0
         if sloped:
             lasting = self.slope_streak >= cfg.slope_critical_after

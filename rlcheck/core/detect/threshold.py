@@ -25,6 +25,8 @@ class ThresholdRule:
     limit: float
     severity: str = "warn"
     note: str = ""
+    scaled: bool = False
+    """`limit` is set at the bf16 floor and scales with the run's (`Detector.scale`): 1e-3 x on fp32/fp32."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -36,9 +38,10 @@ class ThresholdRule:
 # them: one bf16 tail token at |d| = 8 in 20,000 tokens adds 0.15 to it, and it fired on about half of
 # the steps of a healthy long-response stream.
 DEFAULT_RULES = (
-    ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01, "warn", "verl's probs_diff_mean alarm level"),
-    ThresholdRule(K.ABS_DIFF_CLIPPED_MEAN, 0.05, "warn", "mean |d| (clipped) far above bf16 noise"),
+    ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01, "warn", "verl's probs_diff_mean alarm level", scaled=True),
+    ThresholdRule(K.ABS_DIFF_CLIPPED_MEAN, 0.05, "warn", "mean |d| (clipped) far above the precision's noise", scaled=True),
 )
+"""Set at the bf16 floor; on a fp32/fp32 run (floor scale 1e-3) they stand at 1e-5 and 5e-5."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class ThresholdDetector(Detector):
             value = metrics.get(rule.metric)
             if value is None:
                 continue
-            if value <= rule.limit:
+            limit = rule.limit * (self.scale if rule.scaled else 1.0)
+            if value <= limit:
                 self.quiet[i] = max(self.quiet[i] - 1, 0)
                 continue
             if self.quiet[i] and self.cfg.rearm is not None:
@@ -79,8 +83,8 @@ class ThresholdDetector(Detector):
             later = f"; quiet until {self.cfg.rearm} steps back at or below it" if self.cfg.rearm else ""
             alarms.append(Alarm(
                 self.kind, rule.metric, step, rule.severity,
-                f"{rule.metric} = {value:.4g} > {rule.limit:g}{why}{later}",
-                {"value": value, "limit": rule.limit},
+                f"{rule.metric} = {value:.4g} > {limit:g}{why}{later}",
+                {"value": value, "limit": limit},
             ))
         return alarms
 
