@@ -11,28 +11,7 @@ from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect import SignatureDetector
 from rlcheck.core.stats import StatsConfig, compute, compute_partial, finalize, merge
 from rlcheck.core.stats.twins import split_twin_sequences
-
-
-def grpo_batch(num_prompts=4, group=8, length=6, seed=0, stale=(), trainer_stale=(), mask=None):
-    """`num_prompts` prompts x `group` samples; the samples of a prompt share their first 3 tokens and
-    part after. The engine scores identically in identical contexts, but for the sequences in `stale`,
-    whose first tokens it scores 0.3 nats lower (a stale recurrent state); `trainer_stale`: the same on
-    the trainer's side."""
-    rng = np.random.default_rng(seed)
-    prompts, tokens, lr, lt = [], [], [], []
-    for p in range(num_prompts):
-        prompt = rng.integers(5, 100, 7)
-        head = rng.integers(100, 200, 3)
-        for g in range(group):
-            toks = np.concatenate([head, rng.integers(200, 2000, length - 3)])
-            base = -np.abs(np.sin(toks * 0.37 + p)) - 0.05  # a function of the context's tokens
-            i = p * group + g
-            prompts.append(prompt)
-            tokens.append(toks)
-            lr.append(base - (0.3 if i in stale else 0.0) * (np.arange(length) < 2))
-            lt.append(base + 1e-7 - (0.3 if i in trainer_stale else 0.0) * (np.arange(length) < 2))
-    return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, tokens=tokens, prompt_tokens=prompts,
-                                 request_ids=[f"r{i}" for i in range(len(lr))], mask=mask)
+from rlcheck.synthetic.groups import grpo_batch
 
 
 class TestTwinStats:

@@ -84,6 +84,7 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
         mask=column("mask"),
         tokens=column("response_tokens"),
         tokens_train=column("tokens_train"),
+        prompt_tokens=column("prompt_tokens"),
     )
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))

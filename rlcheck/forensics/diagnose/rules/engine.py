@@ -1,0 +1,106 @@
+"""The diagnose rule for an engine whose output is not a function of the request (`engine_state`): the
+two Mamba state faults, read from logprobs alone (the engine guard, `rlcheck.engines.guard`, reads
+them from the scheduler's slots: `diagnose._engine_guard`).
+
+- The engine scored identical contexts of a step apart (the `split_twins` signature,
+  `rlcheck.core.stats.twins`), which neither a weight, a temperature nor a precision does. Stale state
+  needs a slot another request held before: a run whose first steps scored their twins alike and
+  split them from a later step (the first wave of requests gets never-used slots; the next reuses
+  them) is `stale_state`. Split from the run's first step, no slot had a previous holder yet: a state
+  shared with a live request (`index_aliasing`) is the likelier, and the verdict says what tells.
+- Every sequence far off from the run's first step (past the hard limit on catastrophic sequences)
+  while the engine holds the trainer's weights (the sync check's fingerprints agree) and the two sides
+  scored the same ids: the engine computes garbage with the right weights; on a model with recurrent
+  state an aliased state index does exactly that (`index_aliasing`, lower confidence, the same
+  pointer to the guard and `rlcheck stress`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats import StatsConfig
+from rlcheck.core.stats.twins import split_twin_sequences
+from rlcheck.forensics.diagnose.evidence import Evidence
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
+
+TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
+         "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
+         "(a slot read before its prefill) from aliasing (a slot two live requests share)")
+STALE, ALIASED, GARBAGE = 0.93, 0.75, 0.7
+"""Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
+sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
+from the first step (rerouted near-tie tokens split twins too, and their own metrics say so). Garbage
+from the first step outranks the sparse shapes' 0.6 for catastrophic sequences that are not early."""
+
+
+def engine_state(ev: Evidence) -> Finding | None:
+    split = alarms_of(ev, kind="signature", signatures=("split_twins",))
+    if split:
+        return _split(ev, split)
+    return _garbage(ev)
+
+
+def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
+    steps = alarm_steps(split)
+    first, a = steps[0], split[0]
+    clean = [int(r["step"]) for r in ev.records if int(r["step"]) < first]
+    ids = _split_ids(ev, steps)
+    evidence = [f"step {first}: {a['message']}",
+                f"on {len(steps)} step(s); {len(ids)} request(s) in split groups among the dumped steps"]
+    if clean:
+        evidence.append(f"the run's first {len(clean)} step(s) (from step {clean[0]}) scored their twins alike: the "
+                        f"engine turned inconsistent at step {first}, as when requests first start in state slots "
+                        "other requests held before (the first wave of a run gets never-used slots)")
+        return Finding("stale_state", STALE, evidence + [TELLS], steps, ids)
+    evidence.append("inconsistent from the run's first step, before any state slot had a previous holder: a state "
+                    "shared with another live request (an aliased state index) is the likelier; stale state if the "
+                    "engine served requests before this run")
+    return Finding("index_aliasing", ALIASED, evidence + [TELLS], steps, ids)
+
+
+def _split_ids(ev: Evidence, steps: list[int]) -> list[str]:
+    """The request ids in split twin groups of the dumped alarmed steps."""
+    cfg = StatsConfig(twin_tau=StatsConfig().twin_tau * _floor_scale(ev))
+    ids: list[str] = []
+    for step in steps:
+        rows = ev.dump_rows.get(step)
+        if not rows or any(row.get("prompt_tokens") is None or row.get("response_tokens") is None for row in rows):
+            continue
+        batch = StepBatch.from_ragged(logp_rollout=[row["logp_rollout"] for row in rows],
+                                      logp_train=[row["logp_train"] for row in rows],
+                                      request_ids=[row["request_id"] for row in rows],
+                                      tokens=[row["response_tokens"] for row in rows],
+                                      prompt_tokens=[row["prompt_tokens"] for row in rows])
+        hit = split_twin_sequences(batch, cfg)
+        ids += [row["request_id"] for row, h in zip(rows, hit.tolist(), strict=True) if h and row["request_id"] not in ids]
+    return ids[:MAX_IDS]
+
+
+def _floor_scale(ev: Evidence) -> float:
+    """The run's floor relative to the bf16 reference, as its records logged it (1 where none did)."""
+    _, scales = metric_series(ev, K.FLOOR_SCALE)
+    return float(scales[-1]) if scales.size else 1.0
+
+
+def _garbage(ev: Evidence) -> Finding | None:
+    """Most sequences catastrophic from the run's first step, with the weights verified and the ids shared."""
+    if not ev.records or ev.source != "run":
+        return None
+    first = ev.records[0]
+    m = first["metrics"]
+    if m.get(K.SEQ_CATASTROPHIC_FRAC, 0.0) < 0.25 or m.get("sync/fingerprint_differs", 1.0) != 0.0:
+        return None
+    if alarms_of(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch")) or alarms_of(ev, kind="weights"):
+        return None
+    steps = alarm_steps(alarms_of(ev))
+    evidence = [f"step {first['step']}: {m[K.SEQ_CATASTROPHIC_FRAC]:.0%} of the sequences far off (mean |d| "
+                f"{m.get(K.ABS_DIFF_MEAN, 0.0):.3g}) from the run's first step, while the sync check found the engine "
+                "holding the trainer's weights and both sides scored the same token ids: the engine computes garbage "
+                "with the right weights, as an aliased recurrent state index does (a broken kernel would too)",
+                TELLS]
+    ids = [o["request_id"] for o in first.get("offenders", [])]
+    return Finding("index_aliasing", GARBAGE, evidence, steps, ids[:MAX_IDS])

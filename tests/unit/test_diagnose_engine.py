@@ -1,0 +1,71 @@
+"""Diagnose's engine-state rule (`rlcheck.forensics.diagnose.rules.engine`) on runs the real Monitor
+wrote: split twins after clean steps are stale state, halted at the first split step; split from the
+first step is index aliasing with the command that tells the two apart; garbage from the first step
+with the weights verified is an engine-state verdict too, at both precision pairs."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.floors import Precision
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.errors import MismatchHalt
+from rlcheck.forensics.diagnose import diagnose
+from rlcheck.synthetic.groups import grpo_batch
+
+PAIRS = {"fp32": Precision("float32", "float32"), "bf16": Precision("bfloat16", "float32")}
+STALE = {1, 9, 17, 26}
+
+
+def record(tmp_path, batches, precision, extra=None) -> int | None:
+    """Observe `batches` (step by step) until a halt; the halting step, or None. The loop's first
+    alarmed step without a halt keeps its dump, as `keep_first_alarm` does."""
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=precision)) as mon:
+        for step, batch in enumerate(batches):
+            try:
+                report = mon.observe(step, batch, extra=extra)
+            except MismatchHalt:
+                return step
+            if report.alarms and not list(tmp_path.glob("dumps/step_*")):
+                mon.dump(step, batch, report, reason="first alarm")
+    return None
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+class TestEngineState:
+    def test_split_after_clean_steps_is_stale_state(self, tmp_path, pair):
+        """Steps 0-1 score their twins alike, step 2 splits them: halted at step 2, `stale_state`, the
+        requests of the split groups named, the guard and `rlcheck stress` pointed at."""
+        noise = 1e-7 if pair == "fp32" else 3e-3
+        batches = [grpo_batch(seed=s, noise=noise) for s in range(2)] + [grpo_batch(seed=2, stale=STALE, noise=noise)]
+        assert record(tmp_path, batches, PAIRS[pair]) == 2
+        v = diagnose(tmp_path).verdict
+        assert (v.cause, v.affected_steps) == ("stale_state", [2]) and v.confidence > 0.9
+        assert set(v.affected_request_ids) == {f"r{i}" for i in range(32)}  # every group holds a stale sequence
+        assert "--guard" in " ".join(v.evidence) and "rlcheck stress" in " ".join(v.evidence)
+
+    def test_split_from_the_first_step_is_index_aliasing(self, tmp_path, pair):
+        """Twins split on the run's first step (no slot had a previous holder yet): `index_aliasing`,
+        saying what tells it from stale state."""
+        assert record(tmp_path, [grpo_batch(stale=STALE)], PAIRS[pair]) == 0
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "index_aliasing" and "stale state" in " ".join(v.evidence) and "--guard" in " ".join(v.evidence)
+
+    def test_garbage_from_the_first_step_with_the_weights_in(self, tmp_path, pair):
+        """Every sequence far off at step 0 while the sync check's fingerprints agree: an engine-state
+        verdict (index aliasing) with the command that tells, never "no known shape"; without the sync
+        check's word it is not claimed."""
+        b = grpo_batch(length=12)  # the engine sure of its samples, the trainer finding them ~6 nats less likely
+        garbage = StepBatch.from_packed(b.logp_rollout, b.logp_rollout - 6.0, b.cu_seqlens, b.request_ids)
+        assert record(tmp_path / "a", [garbage], PAIRS[pair], extra={"sync/fingerprint_differs": 0.0}) == 0
+        v = diagnose(tmp_path / "a").verdict
+        assert v.cause == "index_aliasing" and "rlcheck stress" in " ".join(v.evidence)
+        assert record(tmp_path / "b", [garbage], PAIRS[pair]) == 0
+        assert diagnose(tmp_path / "b").verdict.cause != "index_aliasing"
+
+    def test_a_healthy_run_is_healthy(self, tmp_path, pair):
+        """Twins alike on every step: no alarm, healthy."""
+        noise = 1e-7 if pair == "fp32" else 3e-3
+        assert record(tmp_path, [grpo_batch(seed=s, noise=noise) for s in range(3)], PAIRS[pair]) is None
+        assert diagnose(tmp_path).verdict.cause == "healthy"
