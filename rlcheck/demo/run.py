@@ -153,6 +153,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
         task = progress.add_task("", total=opts.max_steps)
 
         touched: set[str] = set()
+        reach = Reach()
         quarantined: dict[str, str] = {}
 
         def on_step(step: int, report: StepReport, info: dict[str, Any]) -> None:
@@ -160,6 +161,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                 progress.console.print(f"[yellow]step {step}[/] {a.kind}/{a.severity}: {a.message}")
             skipped = " (sync skipped)" if info.get("sync_skipped") else ""
             held = ""
+            reach.add(step, report, info.get("fault_touched") or ())
             if not report.halted:
                 touched.update(info.get("fault_touched") or ())
                 quarantined.update({q.request_id: q.reason for q in report.quarantined})
@@ -170,7 +172,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                 f"mean |d| {report.metrics.get(K.ABS_DIFF_MEAN, float('nan')):.2g}{kl}  reward {reward:.3f}{skipped}{held}"))
 
         result = loop.run(on_step)
-    found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined,
+    found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined, reach=reach,
                  rewards=list(result.rewards))
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
                  alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
@@ -180,7 +182,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
 def _print_found(found: dict[str, Any], console: Any) -> None:
     console.rule("what rlcheck found")
     fault = found["fault"]
-    console.print(f"injected: {fault.describe()} ({fault.shape})")
+    console.print(f"injected: {fault.describe()} ({fault.shape})" + found["reach"].said(fault, found["steps_run"]))
     if found["timings"]:
         med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in (*PHASES, "total")}
         console.print("median seconds per step: " + ", ".join(f"{p} {v:.3f}" for p, v in med.items()))
@@ -224,14 +226,47 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
                   f"`rlcheck diagnose {found['run_dir']}` for the evidence")
 
 
+class Reach:
+    """What an injected fault touched over a run: sequences, their tokens and the steps (from the loop's
+    `fault_touched`, counted in each step's batch)."""
+
+    def __init__(self) -> None:
+        self.sequences = self.tokens = self.total = 0
+        self.steps: list[int] = []
+
+    def add(self, step: int, report: StepReport, ids: Any) -> None:
+        batch, hit = report.batch, set(ids)
+        self.total += 0 if batch is None else batch.num_sequences
+        if not hit or batch is None:
+            return
+        lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+        rows = [i for i, rid in enumerate(batch.request_ids) if rid in hit]
+        self.sequences += len(rows)
+        self.tokens += int(lens[rows].sum())
+        self.steps.append(step)
+
+    def said(self, fault: Fault, steps_run: int) -> str:
+        """The summary line's tail: what the fault touched, or that it touched nothing."""
+        if fault.name == "none":
+            return ""
+        if not self.sequences:
+            return (f"; it touched nothing in {steps_run} step(s): no sequence was changed by it, so this run says "
+                    "nothing about catching it")
+        steps = f"step {self.steps[0]}" if len(self.steps) == 1 else f"{len(self.steps)} steps, {self.steps[0]}-{self.steps[-1]}"
+        return f"; it touched {self.sequences} of {self.total} sequences ({self.tokens} tokens) on {steps}"
+
+
 def demo_succeeded(found: dict[str, Any]) -> bool:
     """With --quarantine, a sequence-corrupting data fault (corrupt-seqs) runs to the end, quarantining
     no sequence the fault left alone. Otherwise a clean demo raises no alarm; an injected sync fault (skip-sync, stale-weights, drop-sync,
     stale-buffer) ends in a halt on a `weights` alarm (or, for skip-sync with `weights` out of the
-    halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts."""
+    halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts. A
+    fault that touched no sequence (stop-token on a model that never stops) did not succeed."""
     fault = found["fault"]
     if found.get("error") is not None:  # an actor was lost: the demo did not show what it should
         return False
+    if fault.name != "none" and found.get("reach") is not None and not found["reach"].sequences:
+        return False  # a fault that touched nothing shows nothing
     kinds = {a.kind for a in found["alarms"]}
     if found.get("quarantine") and isinstance(fault, CorruptSequences):
         # corrupt-seqs: the run goes on to its end and quarantines only sequences the fault corrupted (on

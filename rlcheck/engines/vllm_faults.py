@@ -3,6 +3,7 @@
     handle = inject(engine, "stale-state")           # or "index-wrap", boundary=4; or "none" (trace only)
     rollouts = engine.generate(prompts, step=0)
     handle.affected      # {vllm request id: why}   handle.events: who held which state slot, per step
+    handle.take_touched()  # the requests (ids as LLM.generate reports them) it touched since the last take
     handle.remove()      # or `with inject(...) as handle:`
 
 Faults (the two state faults change only what the Mamba2 layers are told, never the weights or the
@@ -123,6 +124,7 @@ class FaultHandle:
         self.fault, self.boundary, self.max_events = fault, boundary, max_events
         self.events: list[SlotEvent] = []
         self.affected: dict[str, str] = {}  # internal request id -> reason
+        self._taken = 0  # `affected` entries handed out by take_touched
         self.step = 0
         self._runner, self._md_cls = runner, Mamba2AttentionMetadata
         groups = runner.kv_cache_config.kv_cache_groups
@@ -164,6 +166,13 @@ class FaultHandle:
     def affected_external(self) -> dict[str, str]:
         """`affected`, keyed by the ids `LLM.generate` returned."""
         return {external_id(k): v for k, v in self.affected.items()}
+
+    def take_touched(self) -> set[str]:
+        """The requests (as `LLM.generate` reports their ids) the fault touched since the last call: what
+        the loop reports it did (`rlcheck.loop.driver`; none at all means it never fired)."""
+        new = list(self.affected)[self._taken:]
+        self._taken = len(self.affected)
+        return {external_id(k) for k in new}
 
     # ---- the hook ------------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class TestFaultHandleCalls:
         md, _ = runner._build_attention_metadata(4, 1, 4)
         assert handle.step == 2 and len(handle.events) == 3
         assert list(handle.affected_external()) == ["c"]
+        assert handle.take_touched() == {"c"} and handle.take_touched() == set()  # what it touched, once
         assert bool(md["m0"].has_initial_states_p[0])  # c starts from a's state
 
     def test_keyword_and_dummy_runs(self):
