@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcheck.errors import ConfigError
 from rlcheck.core.batch import StepBatch
+from rlcheck.errors import ConfigError
 from rlcheck.faults.base import Fault, all_ids, check_factor
 
 SYSTEM_PROMPT = ("You are a careful calculator. Read the problem, add the two numbers digit by digit, "
