@@ -52,6 +52,7 @@ SEQ_CATASTROPHIC_COUNT = "rlcheck/seq/catastrophic_count"
 SEQ_CATASTROPHIC_FRAC = "rlcheck/seq/catastrophic_frac"
 FIRST_DIV_MIN = "rlcheck/seq/first_div_min"
 FIRST_DIV_P50 = "rlcheck/seq/first_div_p50"
+RESIDUAL_LEVEL = "rlcheck/token/residual_level"  # mean |d| (clipped) over (1 - p)^0.91: the token mix out (`stats.residual`)
 SEQ_LEVEL_SPREAD = "rlcheck/seq/level_spread"  # p90 - p50 of the sequences' log residual levels (`stats.levels`)
 PROBE_LEVEL = "rlcheck/probe/abs_diff_clipped_mean"  # the sync check's fixed probe batch, when observed with one
 FLOOR_LEVEL = "rlcheck/floor/level"  # the run's precision floor: a healthy clipped mean |d| stays under it (`core.floors`)

@@ -9,6 +9,7 @@ from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
 from rlcheck.core.detect.robust import (
     CONTROL_DRIFT,
     CONTROL_TREND,
+    RESIDUAL_TREND,
     DriftConfig,
     DriftDetector,
     RobustZConfig,
@@ -30,19 +31,22 @@ class DetectorsConfig:
     growth, free of what the policy samples; silent on a run that passes no probe."""
     control_trend: DriftConfig | None = field(default_factory=lambda: CONTROL_TREND)
     """Slow drift of the same probe batch (a longer reference)."""
+    residual_trend: DriftConfig | None = field(default_factory=lambda: RESIDUAL_TREND)
+    """Drift of the step's residual level (the token mix out): the engine's growth without a probe."""
     periodic: PeriodicConfig | None = field(default_factory=PeriodicConfig)
     signature: SignatureConfig | None = field(default_factory=SignatureConfig)
 
 
 def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
     """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
-    control_drift and control_trend: drift detectors)."""
+    control_drift, control_trend and residual_trend: drift detectors)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
         "drift": (cfg.drift, DriftDetector),
         "control_drift": (cfg.control_drift, DriftDetector),
         "control_trend": (cfg.control_trend, DriftDetector),
+        "residual_trend": (cfg.residual_trend, DriftDetector),
         "periodic": (cfg.periodic, PeriodicDetector),
         "signature": (cfg.signature, SignatureDetector),
     }
@@ -52,6 +56,6 @@ def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
 __all__ = [
     "KINDS", "SEVERITIES", "Alarm", "Detector", "severity_rank", "DetectorsConfig", "build_detectors",
     "ThresholdConfig", "ThresholdRule", "ThresholdDetector", "DEFAULT_RULES",
-    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector", "CONTROL_DRIFT", "CONTROL_TREND",
+    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector", "CONTROL_DRIFT", "CONTROL_TREND", "RESIDUAL_TREND",
     "PeriodicConfig", "PeriodicDetector", "SignatureConfig", "SignatureDetector",
 ]
