@@ -79,7 +79,8 @@ class ThresholdDetector(Detector):
                 self.quiet[i] = self.cfg.rearm  # still above: the quiet time starts over
                 continue
             self.quiet[i] = self.cfg.rearm or 0
-            why = f" ({rule.note})" if rule.note else ""
+            floor = f"{rule.limit:g} x {self.scale:g} at this run's precision floor" if rule.scaled and self.scale != 1.0 else ""
+            why = f" ({'; '.join(x for x in (rule.note, floor) if x)})" if rule.note or floor else ""
             later = f"; quiet until {self.cfg.rearm} steps back at or below it" if self.cfg.rearm else ""
             alarms.append(Alarm(
                 self.kind, rule.metric, step, rule.severity,
