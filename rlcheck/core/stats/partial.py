@@ -15,10 +15,10 @@ from rlcheck.core import histogram as H
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.stats.backend import choose
 from rlcheck.core.stats.distribution import distribution_stats
+from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
-from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import (
     F32_SAFE,

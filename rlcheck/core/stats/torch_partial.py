@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from rlcheck.core.stats import torch_kernels as TK
+from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.torch_distribution import distribution_sums
 from rlcheck.core.stats.torch_sequences import OFFENDER_FIELDS, sequence_parts, signature_sums
-from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import F32_SAFE, R_FROM_E, RATIO_LOG_CAP, PartialStats, StatsConfig
 from rlcheck.core.types import Offender, rank_offenders
