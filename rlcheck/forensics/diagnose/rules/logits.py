@@ -16,6 +16,7 @@ import numpy as np
 
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import floor_level
 from rlcheck.forensics.diagnose.queries import alarm_steps, alarms_of
 from rlcheck.forensics.diagnose.rows import CLEAN, abs_diff, dumped_rows
 
@@ -36,7 +37,7 @@ def logit_processing_tokens(ev: Evidence) -> Finding | None:
         if step not in anomalous or not rows:
             continue
         lr = np.concatenate([np.asarray(row["logp_rollout"], np.float64) for row in rows])
-        keep = np.concatenate([abs_diff(row) > CLEAN for row in rows])
+        keep = np.concatenate([abs_diff(row) > max(CLEAN, floor_level(ev)) for row in rows])  # past the precision's noise
         d = np.concatenate([np.asarray(row["logp_train"], np.float64) for row in rows]) - lr
         likely = keep & (lr > LIKELY[0]) & (lr < LIKELY[1])
         if likely.sum() < MIN_TOKENS:
