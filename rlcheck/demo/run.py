@@ -66,6 +66,9 @@ class DemoOptions:
     """The decode-prefill audit on 8 rollouts a step (`rlcheck.loop.audit.DecodePrefillAudit`)."""
     weight_sync: str = "object-store"
     """How the weights reach vLLM after each update (`rlcheck.loop.weight_sync`): "object-store" or "collective"."""
+    engine_dtype: str = "float32"
+    """vLLM's dtype: "float32" (both sides fp32, ~1e-6 apart) or "bfloat16" (a bf16 engine against the
+    fp32 trainer, ~1e-2); the Monitor judges the run at that pair's floor (`rlcheck.core.floors`)."""
 
     @property
     def fault(self) -> Fault:
@@ -99,7 +102,7 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
     model = ensure_model(opts.model, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
-                   fault=fault, seed=opts.seed, guard=opts.guard)
+                   fault=fault, seed=opts.seed, guard=opts.guard, engine_dtype=opts.engine_dtype)
     if opts.correction is not None:
         from rlcheck.core.correction import CorrectionConfig
 

@@ -15,13 +15,15 @@ TINY_KV_CACHE_BYTES = 64 * 2**20
 
 
 def tiny_cpu(model: str | Path, *, trainer: str = "fsdp2", world_size: int = 2, steps: int = 20,
-             fault: Fault | None = None, seed: int = 0, zero_stage: int = 3, guard: bool = False) -> LoopConfig:
+             fault: Fault | None = None, seed: int = 0, zero_stage: int = 3, guard: bool = False,
+             engine_dtype: str = "float32") -> LoopConfig:
     """GRPO on the addition task with a tiny local model on CPU: 8 prompts x 8 samples of up to 32
     tokens per step, fp32 on both sides (vLLM and the trainer agree to ~1e-6 then), AdamW at 1e-5.
-    guard: run the rollout engine with the engine guard (violations recorded, then alarms that halt)."""
+    guard: run the rollout engine with the engine guard (violations recorded, then alarms that halt).
+    engine_dtype: vLLM's ("bfloat16": a bf16 engine against the fp32 trainer, the usual RL setup)."""
     model = str(model)
     return LoopConfig(
-        rollout=VLLMConfig(model=model, dtype="float32", seed=seed, engine_id="rollout0", max_tokens=32,
+        rollout=VLLMConfig(model=model, dtype=engine_dtype, seed=seed, engine_id="rollout0", max_tokens=32,
                            kv_cache_bytes=TINY_KV_CACHE_BYTES, guard=GuardConfig(policy="record") if guard else None),
         trainer=TrainerConfig(model=model, backend=trainer, zero_stage=zero_stage, dtype="float32", lr=1e-5,
                               seed=seed, micro_batch_tokens=2048),
