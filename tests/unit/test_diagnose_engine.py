@@ -69,3 +69,12 @@ class TestEngineState:
         noise = 1e-7 if pair == "fp32" else 3e-3
         assert record(tmp_path, [grpo_batch(seed=s, noise=noise) for s in range(3)], PAIRS[pair]) is None
         assert diagnose(tmp_path).verdict.cause == "healthy"
+
+
+class TestGuardCauses:
+    def test_each_invariant_names_its_cause(self):
+        """The engine guard's broken invariants name the causes docs/forensics/guard.md's table says."""
+        from rlcheck.forensics.diagnose import GUARD_CAUSE
+
+        assert GUARD_CAUSE == {"prefill_from_zero": "stale_state", "slot_unique": "index_aliasing", "in_pool": "index_aliasing",
+                               "offset_fits": "index_aliasing", "freed_reinit": "stale_state"}
