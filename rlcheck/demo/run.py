@@ -118,7 +118,7 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
         cfg = dataclasses.replace(cfg, weight_sync=WeightSyncConfig(opts.weight_sync))
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
-    with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
+    with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
                             f"{cfg.trainer.backend} trainer rank(s) ..."):
             loop = GRPOLoop(cfg, mon)
@@ -130,7 +130,8 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     return found
 
 
-def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+def monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+    """The demo's Monitor for the loop config `cfg` (its context names both sides' dtypes: the run's floor)."""
     from rlcheck.core.quarantine import QuarantineConfig
     from rlcheck.core.stats import StatsConfig
     from rlcheck.sinks.wandb import WandbConfig
