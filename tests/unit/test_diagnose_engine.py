@@ -71,6 +71,26 @@ class TestEngineState:
         assert diagnose(tmp_path).verdict.cause == "healthy"
 
 
+class TestProbeOnly:
+    def test_a_failed_probe_with_sequences_off_from_their_first_token_is_the_engines_state(self, tmp_path):
+        """The sync check's probe fails while every fingerprint agrees, on a run whose alarmed step has a part
+        of its sequences diverging from their first token (a whole prompt's samples alike: no twin split):
+        stale_state after a clean first step, above the weights rule's probe-only 0.85."""
+        from rlcheck.core.types import Alarm
+
+        probe = Alarm("weights", "rlcheck/weights/sync_check", 1, "critical", "the probe failed, the fingerprints agree",
+                      {"differing": [], "layers": [], "probe": {"mean_abs": 0.05}})
+        off = grpo_batch(seed=1, trainer_stale=set(range(8)), offset=0.6)  # prompt 0's 8 samples, first 2 tokens
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=PAIRS["fp32"])) as mon:
+            mon.observe(0, grpo_batch(seed=0))
+            with pytest.raises(MismatchHalt):
+                mon.observe(1, off, alarms=[probe])
+        result = diagnose(tmp_path)
+        v = result.verdict
+        assert (v.cause, v.confidence) == ("stale_state", 0.88), v.evidence
+        assert "weights_out_of_sync" in [f.cause for f in result.findings[1:]]
+
+
 class TestGuardCauses:
     def test_each_invariant_names_its_cause(self):
         """The engine guard's broken invariants name the causes docs/forensics/guard.md's table says."""

@@ -13,6 +13,10 @@ them from the scheduler's slots: `diagnose._engine_guard`).
   scored the same ids: the engine computes garbage with the right weights; on a model with recurrent
   state an aliased state index does exactly that (`index_aliasing`, lower confidence, the same
   pointer to the guard and `rlcheck stress`).
+- The sync check's probe failing while every fingerprint agrees, on a run whose batches have some of
+  their sequences (not all) diverging from their first token: the weights are the trainer's and the
+  engine computes otherwise per request, its state, not "weights not synced" (`stale_state` after a
+  clean first step, else `index_aliasing`; above the weights rule's probe-only 0.85).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, 
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
-STALE, ALIASED, GARBAGE = 0.93, 0.75, 0.7
+STALE, ALIASED, GARBAGE, PROBE = 0.93, 0.75, 0.7, 0.88
 """Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
 sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
 from the first step (rerouted near-tie tokens split twins too, and their own metrics say so). Garbage
@@ -41,7 +45,7 @@ def engine_state(ev: Evidence) -> Finding | None:
     split = alarms_of(ev, kind="signature", signatures=("split_twins",))
     if split:
         return _split(ev, split)
-    return _garbage(ev)
+    return _garbage(ev) or _probe_state(ev)
 
 
 def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
@@ -104,3 +108,31 @@ def _garbage(ev: Evidence) -> Finding | None:
                 TELLS]
     ids = [o["request_id"] for o in first.get("offenders", [])]
     return Finding("index_aliasing", GARBAGE, evidence, steps, ids[:MAX_IDS])
+
+
+def _probe_state(ev: Evidence) -> Finding | None:
+    """A probe-only sync-check failure (fingerprints agree) on a run whose alarmed steps have a part of their
+    sequences diverging from the first token."""
+    probe = [a for a in alarms_of(ev, kind="weights")
+             if "differing" in a["details"] and not a["details"]["differing"] and a["details"].get("probe")]
+    if not probe:
+        return None
+    anomalous = set(alarm_steps(alarms_of(ev)))
+    early = [int(r["step"]) for r in ev.records if int(r["step"]) in anomalous
+             and r["metrics"].get(K.FIRST_DIV_MIN) == 0 and 0 < r["metrics"].get(K.SEQ_FLAGGED_FRAC, 0.0) < 0.5]
+    if not early:
+        return None
+    clean = int(ev.records[0]["step"]) < early[0] and not _alarmed(ev, int(ev.records[0]["step"]))
+    evidence = [f"step {probe[0]['step']}: {probe[0]['message']}",
+                f"{len(early)} alarmed step(s), from step {early[0]}, have some of their sequences (not all) diverging "
+                "from their first generated token: the engine holds the trainer's weights (every fingerprint agrees) "
+                "and computes otherwise per request, from its state",
+                TELLS]
+    steps = sorted(set(early) | {int(probe[0]["step"])})
+    ids = [o["request_id"] for r in ev.records if int(r["step"]) == early[0] for o in r.get("offenders", [])]
+    return Finding("stale_state" if clean else "index_aliasing", PROBE if clean else ALIASED, evidence, steps,
+                   ids[:MAX_IDS])
+
+
+def _alarmed(ev: Evidence, step: int) -> bool:
+    return any(int(a["step"]) == step for a in alarms_of(ev))
