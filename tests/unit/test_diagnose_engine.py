@@ -63,6 +63,9 @@ class TestEngineState:
         assert v.cause == "index_aliasing" and "rlcheck stress" in " ".join(v.evidence)
         assert record(tmp_path / "b", [garbage], PAIRS[pair]) == 0
         assert diagnose(tmp_path / "b").verdict.cause != "index_aliasing"
+        sloped = StepBatch.from_packed(b.logp_rollout, 3.0 * b.logp_rollout - 6.0, b.cu_seqlens, b.request_ids)
+        assert record(tmp_path / "c", [sloped], PAIRS[pair], extra={"sync/fingerprint_differs": 0.0}) == 0
+        assert diagnose(tmp_path / "c").verdict.cause == "index_aliasing"  # a slope over garbage is no temperature
 
     def test_a_healthy_run_is_healthy(self, tmp_path, pair):
         """Twins alike on every step: no alarm, healthy."""

@@ -84,7 +84,10 @@ def _logit_processing(ev: Evidence) -> Finding | None:
     if not slope:
         return None
     misaligned = set(alarm_steps(alarms_of(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch"))))
-    slope = [a for a in slope if a["step"] not in misaligned]
+    # a slope over garbage (mean |d| past the 1-nat hard limit: an engine computing nonsense, sure of its
+    # samples) is no reweighting of the likely tokens (`rules.engine`)
+    garbage = {int(r["step"]) for r in ev.records if r["metrics"].get(K.ABS_DIFF_MEAN, 0.0) > 1.0}
+    slope = [a for a in slope if a["step"] not in misaligned | garbage]
     if not slope:
         return None
     steps = alarm_steps(slope)
