@@ -184,28 +184,20 @@ class SignatureDetector(Detector):
         again = f" (in {len(recent)} of the last {self.cfg.recur_window} observations)" if lasting else ""
         details = {"count": count, "early": early, "frac": m.get(K.SEQ_CATASTROPHIC_FRAC, 0.0), "recurrences": len(recent)}
         if early * 2 >= count and (sparse or burst):
-            return [self._alarm(
-                "early_divergence", K.SIG_EARLY_DIV_COUNT, step,
-                f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
-                f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before "
-                "prefill)",
-                persistent=lasting, **details,
-            )]
-        if not sparse:
-            return [self._alarm(
-                "many_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
-                f"{int(count)} sequences ({details['frac']:.0%} of the step) are far off, not from their first "
-                f"tokens{again}: too many for one bad request (state shared between requests, index aliasing, "
-                "a broken kernel); see the offenders",
-                persistent=lasting, **details,
-            )]
-        return [self._alarm(
-            "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
-            f"{int(count)} sequences are far off (a twentieth of their tokens or more at or above the catastrophic "
-            f"level) while the rest match{again}: a per-request fault (state corruption, index aliasing); "
-            "see the offenders",
-            persistent=lasting, **details,
-        )]
+            name, metric = "early_divergence", K.SIG_EARLY_DIV_COUNT
+            message = (f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
+                       f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before prefill)")
+        elif not sparse:
+            name, metric = "many_catastrophic", K.SEQ_CATASTROPHIC_COUNT
+            message = (f"{int(count)} sequences ({details['frac']:.0%} of the step) are far off, not from their first "
+                       f"tokens{again}: too many for one bad request (state shared between requests, index aliasing, "
+                       "a broken kernel); see the offenders")
+        else:
+            name, metric = "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT
+            message = (f"{int(count)} sequences are far off (a twentieth of their tokens or more at or above the "
+                       f"catastrophic level) while the rest match{again}: a per-request fault (state corruption, index "
+                       "aliasing); see the offenders")
+        return [self._alarm(name, metric, step, message, persistent=lasting, **details)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"slope_streak": self.slope_streak, "observed": self.observed, "catastrophic_at": self.catastrophic_at}
