@@ -181,6 +181,18 @@ def hotter(step: int) -> Step:
     return s
 
 
+def nucleus(step: int) -> Step:
+    """A random model (every sampled token ~7 nats) whose engine samples from its top-p nucleus (mass 0.9) and
+    returns the renormalised logprob: logp_rollout = logp_train - log 0.9 on every token, from the first step."""
+    s = step_of(step)
+    rng = np.random.default_rng([13, step])
+    for i, x in enumerate(s.lr):
+        lt = -rng.uniform(6.0, 8.0, x.size)
+        s.lr[i] = lt - np.log(0.9)
+        s.lt[i] = lt + noise(rng, s.lr[i])
+    return s
+
+
 def log_softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(1, keepdims=True)
     return z - np.log(np.exp(z).sum(1, keepdims=True))
@@ -196,7 +208,7 @@ def sparse(step: int, off: float = 2.0) -> Step:
 
 
 CASES = {"double_bos": double_bos, "retokenized": retokenized, "stop_dropped": stop_dropped, "left_padded": left_padded,
-         "rope": rope, "stale_prefix": stale_prefix, "hotter": hotter, "sparse": sparse,
+         "rope": rope, "stale_prefix": stale_prefix, "hotter": hotter, "nucleus": nucleus, "sparse": sparse,
          "sparse_small": lambda s: sparse(s, 0.01),
          "clean": step_of, "clean_shared": lambda s: step_of(s, long="shared"), "clean_own": lambda s: step_of(s, long="own")}
 
@@ -278,6 +290,12 @@ class TestEvidenceRules:
         """The trainer gives the likely tokens more probability on every one of them: logit_processing."""
         v = diagnose(runs("hotter")).verdict
         assert v.cause == "logit_processing", v.evidence
+
+    def test_top_p_on_a_random_model(self, runs):
+        """No likely token to read, but the engine's renormalised nucleus puts d = log 0.9 on every token of every
+        sequence: logit_processing."""
+        v = diagnose(runs("nucleus")).verdict
+        assert v.cause == "logit_processing" and "renormalised" in v.evidence[1], v.evidence
 
     @pytest.mark.parametrize("name", ["sparse", "sparse_small"])
     def test_a_few_far_off_rows_are_stale_state(self, recorded, name, pair):
