@@ -180,9 +180,13 @@ def run_shared(cells: list[Cell], out: Path, steps: int) -> None:
 
 
 def _resync(loop) -> None:
-    """The engine back on the trainer's weights (a fault's skipped or spoiled syncs undone), unchecked."""
+    """The engine back on the trainer's weights where a fault's skipped or spoiled syncs left it elsewhere (sent
+    as a new version: the engine takes only increasing ones), unchecked."""
+    stale = loop.spoiled or loop.synced != loop.version
     loop.fault_touched, loop.spoiled = [], False
-    loop._sync(-1)
+    if stale:
+        loop.version += 1
+        loop._sync(-1)
     loop.checker.pending = None
 
 
