@@ -77,6 +77,7 @@ SIG_TWIN_SPLIT_SEQS = "rlcheck/sig/twin_split_seqs"  # sequences in those groups
 SIG_TWIN_TRAINER_SPLIT = "rlcheck/sig/twin_trainer_split"  # groups the trainer scored apart
 SIG_TWIN_SPREAD = "rlcheck/sig/twin_spread"  # the largest split group's engine spread (nats)
 SIG_TWIN_FIRST_POS = "rlcheck/sig/twin_first_pos"  # the earliest response position of a split group
+SIG_TWIN_ROUTED = "rlcheck/sig/twin_routed"  # 1: an MoE batch (router noise splits twins too)
 
 # beyond the sampled token (StatsConfig.distribution, batches with top-k; rlcheck.core.stats.distribution)
 DIST_COUNT = "rlcheck/dist/num_tokens"  # positions scored

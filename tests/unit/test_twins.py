@@ -75,3 +75,17 @@ class TestSplitTwinsSignature:
         one = compute(grpo_batch(stale={1}, mask=[np.arange(6) < 1 for _ in range(32)]))[0]  # first tokens only
         assert (one[K.SIG_TWIN_SPLIT], one[K.SIG_TWIN_GROUPS]) == (1, 4)
         assert det.update(0, one) == [] and det.update(1, compute(grpo_batch())[0]) == []
+
+    def test_an_moe_batch_warns(self):
+        """A batch carrying MoE routing (router noise reroutes near-tie tokens between batches, splitting twins
+        too) gets the signature as a warning, naming the routing metrics."""
+        import dataclasses
+
+        from rlcheck.core.moe import Routing
+
+        batch = grpo_batch(stale={1, 9})
+        experts = np.zeros((batch.num_tokens, 1, 2), dtype=np.int64)
+        routed = dataclasses.replace(batch, routing=Routing(experts, experts))
+        m, _ = compute(routed)
+        (a,) = [a for a in SignatureDetector().update(0, m) if a.details["signature"] == "split_twins"]
+        assert m[K.SIG_TWIN_ROUTED] == 1.0 and a.severity == "warn" and "moe/" in a.message

@@ -11,7 +11,8 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes fro
 | sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
 | many_catastrophic    | more than `sparse_max_frac` of them far off, not from the start    | warn      |
 | split_twins          | the engine scored identical contexts of the step apart (stale or   | critical  |
-|                      | aliased recurrent state: its output is not a function of the request) |        |
+|                      | aliased recurrent state: its output is not a function of the request; |        |
+|                      | warn on an MoE batch, whose router noise does it too)               |           |
 
 A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
 slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
@@ -150,16 +151,21 @@ class SignatureDetector(Detector):
         if split < max(self.cfg.twin_min_split, self.cfg.twin_min_frac * groups):
             return []
         where = f", the first at response position {int(m[K.SIG_TWIN_FIRST_POS])}" if K.SIG_TWIN_FIRST_POS in m else ""
-        return [self._alarm(
+        routed = bool(m.get(K.SIG_TWIN_ROUTED))
+        alarm = self._alarm(
             "split_twins", K.SIG_TWIN_SPLIT, step,
             f"the engine scored {int(split)} of {int(groups)} groups of identical contexts (the same prompt and "
             f"response prefix; {int(m.get(K.SIG_TWIN_SPLIT_SEQS, 0))} sequences{where}) up to "
             f"{m.get(K.SIG_TWIN_SPREAD, 0.0):.3g} nats apart while the trainer scored each alike: its output depends "
             "on more than the request's tokens, a recurrent state read from another request (stale state: a reused "
-            "Mamba slot) or shared with one (index aliasing)",
+            "Mamba slot) or shared with one (index aliasing)"
+            + ("; on an MoE, router noise (near-tie tokens sent to other experts) does it too: see moe/*" if routed else ""),
             split=split, groups=groups, sequences=m.get(K.SIG_TWIN_SPLIT_SEQS, 0.0),
-            spread=m.get(K.SIG_TWIN_SPREAD, 0.0), first_position=m.get(K.SIG_TWIN_FIRST_POS),
-        )]
+            spread=m.get(K.SIG_TWIN_SPREAD, 0.0), first_position=m.get(K.SIG_TWIN_FIRST_POS), routed=routed,
+        )
+        if routed and "split_twins" not in (self.cfg.severity or {}):  # an MoE's router noise is no halt by itself
+            alarm = Alarm(alarm.kind, alarm.metric, alarm.step, "warn", alarm.message, alarm.details)
+        return [alarm]
 
     def _early_burst(self, m: dict[str, float]) -> bool:
         return early_burst(m.get(K.SIG_EARLY_ANY_COUNT, 0.0), m.get(K.SEQ_COUNT, 0.0),

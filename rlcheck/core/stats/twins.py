@@ -35,7 +35,9 @@ TRAINER_MARGIN = 4.0
 """A group is the engine's split only when the trainer's spread is this many times smaller."""
 _PRIME = np.uint64(1_099_511_628_211)  # FNV-1a's 64-bit prime: the rolling hash of a response prefix
 
-SUMS = ("tw_groups", "tw_split", "tw_split_seqs", "tw_trainer_split")
+SUMS = ("tw_groups", "tw_split", "tw_split_seqs", "tw_trainer_split", "tw_routed")
+"""`tw_routed`: the batch carried MoE routing (`StepBatch.routing`): its engine's router may send twins'
+near-tie tokens to other experts (bf16 router noise between batches), which splits them too."""
 
 
 def empty_twins() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -53,7 +55,7 @@ def twin_sums(batch, cfg) -> tuple[dict[str, float], dict[str, float], dict[str,
     at, starts, size, e_spread, t_spread, bar, split = found
     position = at[starts] - batch.cu_seqlens[np.searchsorted(batch.cu_seqlens, at[starts], side="right") - 1]
     sums.update(tw_groups=float(starts.size), tw_split=float(split.sum()), tw_split_seqs=float(size[split].sum()),
-                tw_trainer_split=float((t_spread > bar).sum()))
+                tw_trainer_split=float((t_spread > bar).sum()), tw_routed=float(batch.routing is not None))
     if split.any():
         maxima["tw_spread"] = float(e_spread[split].max())
         minima["tw_first_pos"] = float(position[split].min())
