@@ -42,7 +42,7 @@ class TestEngineState:
         assert record(tmp_path, batches, PAIRS[pair]) == 2
         v = diagnose(tmp_path).verdict
         assert (v.cause, v.affected_steps) == ("stale_state", [2]) and v.confidence > 0.9
-        assert set(v.affected_request_ids) == {f"r{i}" for i in range(32)}  # every group holds a stale sequence
+        assert set(v.affected_request_ids) == {f"r{i}" for i in STALE}  # the twins the engine scored off
         assert "--guard" in " ".join(v.evidence) and "rlcheck stress" in " ".join(v.evidence)
 
     def test_split_from_the_first_step_is_index_aliasing(self, tmp_path, pair):

@@ -22,12 +22,13 @@ class TestTwinStats:
 
     def test_stale_sequences_split_their_groups(self):
         """Two sequences of different prompts scored off at their first tokens split their prompts'
-        groups at positions 0 and 1 (4 groups, 32 sequences in them), the spread and position named."""
+        groups at positions 0 and 1 (4 groups, 32 sequences in them), the spread and position named; the
+        sequences named are the two the engine scored off, not their twins."""
         batch = grpo_batch(stale={1, 9})
         m, _ = compute(batch)
         assert (m[K.SIG_TWIN_SPLIT], m[K.SIG_TWIN_SPLIT_SEQS], m[K.SIG_TWIN_FIRST_POS]) == (4, 32, 0)
         assert m[K.SIG_TWIN_SPREAD] == pytest.approx(0.3, rel=1e-5) and m[K.SIG_TWIN_TRAINER_SPLIT] == 0
-        assert np.flatnonzero(split_twin_sequences(batch, StatsConfig())).tolist() == list(range(16))
+        assert np.flatnonzero(split_twin_sequences(batch, StatsConfig())).tolist() == [1, 9]  # the twins scored off
 
     def test_a_split_on_both_sides_is_not_the_engines(self):
         """When the trainer scores the same twins apart too, the split is counted as the trainer's only."""

@@ -63,13 +63,15 @@ def twin_sums(batch, cfg) -> tuple[dict[str, float], dict[str, float], dict[str,
 
 
 def split_twin_sequences(batch, cfg) -> np.ndarray:
-    """(N,) bool: the sequences holding a token of a group the engine split (what diagnose names)."""
+    """(N,) bool: the sequences whose token in a group the engine split is off from the trainer's by more
+    than the bar (the twins the engine scored otherwise; what diagnose names)."""
     out = np.zeros(batch.num_sequences, dtype=bool)
     found = _groups(batch, cfg)
     if found is None:
         return out
-    at, starts, size, *_, split = found
-    members = np.repeat(split, size)  # (T,) each twin token: its group split
+    at, starts, size, _, _, bar, split = found
+    off = np.abs(batch.logp_train[at].astype(np.float64) - batch.logp_rollout[at]) > np.repeat(bar, size)
+    members = np.repeat(split, size) & off  # (T,) a split group's token the engine scored off
     out[np.searchsorted(batch.cu_seqlens, at[members], side="right") - 1] = True
     return out
 

@@ -29,12 +29,19 @@ from rlcheck.core.stats import StatsConfig
 from rlcheck.core.stats.twins import split_twin_sequences
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
-from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
+from rlcheck.forensics.diagnose.queries import (
+    MAX_IDS,
+    alarm_steps,
+    alarms_of,
+    catastrophic_ids,
+    metric_series,
+)
 
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
 STALE, ALIASED, GARBAGE, PROBE = 0.93, 0.75, 0.7, 0.88
+SHAPES = ("early_divergence", "sparse_catastrophic", "many_catastrophic")
 """Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
 sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
 from the first step (rerouted near-tie tokens split twins too, and their own metrics say so). Garbage
@@ -49,10 +56,11 @@ def engine_state(ev: Evidence) -> Finding | None:
 
 
 def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
-    steps = alarm_steps(split)
+    shapes = alarms_of(ev, kind="signature", signatures=SHAPES)  # the state faults' other shapes, where twins were few
+    steps = alarm_steps(split + shapes)
     first, a = steps[0], split[0]
     clean = [int(r["step"]) for r in ev.records if int(r["step"]) < first]
-    ids = _split_ids(ev, steps)
+    ids = list(dict.fromkeys(_split_ids(ev, alarm_steps(split)) + catastrophic_ids(ev, shapes)))[:MAX_IDS]
     evidence = [f"step {first}: {a['message']}",
                 f"on {len(steps)} step(s); {len(ids)} request(s) in split groups among the dumped steps"]
     if clean:
