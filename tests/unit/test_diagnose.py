@@ -360,3 +360,19 @@ class TestSecondaryCause:
                 mon.observe(6, stale, trainer_version=6)
         causes = [f.cause for f in diagnose(run_dir).findings]
         assert causes == ["weights_out_of_sync"]
+
+
+class TestShortRuns:
+    @pytest.mark.parametrize("pair", sorted(PAIRS))
+    def test_noise_from_the_first_step_over_three_steps(self, tmp_path, pair):
+        """Rounding noise on the engine from step 0, three steps (the run `rlcheck demo --inject bf16-noise=X` gives
+        before it stops): one threshold warning (the gate re-arms) and every step past the gate at the run's floor:
+        numeric_noise. bf16-sized noise on a fp32 pair; on a bf16 engine, 16x its own (4x is within its floor)."""
+        PAIR["now"] = pair
+        spec = "bf16-noise=1" if pair == "fp32" else "bf16-noise=16"
+        try:
+            run = record(tmp_path, lambda s: synthetic_batch(data(), s), spec, steps=3)
+        finally:
+            PAIR["now"] = "bf16"
+        v = diagnose(run.path).verdict
+        assert v.cause == "numeric_noise" and v.affected_steps == [0, 1, 2], v.evidence

@@ -146,6 +146,19 @@ def left_padded(step: int) -> Step:
     return s
 
 
+def left_padded_one(step: int) -> Step:
+    """From ONSET, one prompt shorter than all the others by one id: its 4 rows off by 0.01 (x the pair's size), the
+    28 others exact to the pair's noise (the trained hybrid's step: one prompt of eight shorter)."""
+    s = step_of(step)
+    width = max(len(p) for p in s.prompts)
+    s.prompts = [p + [7] * (width - len(p)) if i >= 4 else p[: width - 1] for i, p in enumerate(s.prompts)]
+    s.trainer_prompts = [list(p) for p in s.prompts]
+    if step >= ONSET:
+        for i in range(4):
+            s.lt[i] = s.lt[i] - 0.01 * size() * np.abs(np.random.default_rng(i).normal(1, 0.3, s.lt[i].size))
+    return s
+
+
 def rope(step: int) -> Step:
     """From the first step: |d| grows with the token's position (prompts 0, 2, ... carry long contexts of their own)."""
     s = step_of(step, long="own")
@@ -208,6 +221,7 @@ def sparse(step: int, off: float = 2.0) -> Step:
 
 
 CASES = {"double_bos": double_bos, "retokenized": retokenized, "stop_dropped": stop_dropped, "left_padded": left_padded,
+         "left_padded_one": left_padded_one,
          "rope": rope, "stale_prefix": stale_prefix, "hotter": hotter, "nucleus": nucleus, "sparse": sparse,
          "sparse_small": lambda s: sparse(s, 0.01),
          "clean": step_of, "clean_shared": lambda s: step_of(s, long="shared"), "clean_own": lambda s: step_of(s, long="own")}
@@ -273,6 +287,12 @@ class TestEvidenceRules:
         assert v.cause == "position_ids" and v.affected_steps == [ONSET], v.evidence
         lengths = [len(p) for p in prompts(ONSET) for _ in range(4)]
         assert set(v.affected_request_ids) == {f"r{i}" for i, n in enumerate(lengths) if n < max(lengths)}
+
+    def test_one_short_prompt(self, runs):
+        """Only one prompt's rows padded (by one id), the other rows within the pair's noise of exact: position_ids,
+        naming those 4 rows (the cut between the groups never falls inside the precision's noise)."""
+        v = diagnose(runs("left_padded_one")).verdict
+        assert v.cause == "position_ids" and set(v.affected_request_ids) == {"r0", "r1", "r2", "r3"}, v.evidence
 
     def test_position_dependent(self, runs):
         """|d| growing with the position from the first step: position_dependent, with |d| by position."""

@@ -22,6 +22,7 @@ from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
 from rlcheck.forensics.diagnose.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
+from rlcheck.forensics.diagnose.floors import elevated_steps
 from rlcheck.forensics.diagnose.localized import load_localizations, localized_weights, name_layer
 from rlcheck.forensics.diagnose.notes import RESTART_AGE, note_quarantine, note_restart
 from rlcheck.forensics.diagnose.queries import (
@@ -257,6 +258,8 @@ def _growing(ev: Evidence, anomalous: list[int]) -> Finding | None:
 def _numeric_noise(ev: Evidence) -> Finding | None:
     """A persistent, flat, symmetric rise over most sequences, with no signature."""
     anomalous = alarm_steps([a for a in alarms_of(ev) if a["kind"] != "weights"])  # its own evidence only
+    if anomalous and len(anomalous) < MIN_NOISE_STEPS:  # a gate warns once and re-arms: the steps past it count
+        anomalous = sorted(set(anomalous) | set(elevated_steps(ev)))
     if len(anomalous) < MIN_NOISE_STEPS or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
         return None
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)

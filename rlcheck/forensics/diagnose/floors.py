@@ -35,3 +35,15 @@ def floor_level(ev: Any) -> float:
 def clean_level(ev: Any) -> float:
     """Mean |d| under which a row (or the run's first step) is clean for the rules, at the run's floor."""
     return max(CLEAN, CLEAN_RATIO * floor_level(ev))
+
+
+ELEVATED = 5.0
+"""A step is past its precision's noise at this many times the floor's level: the clipped-mean gate of the
+threshold detector at the run's floor (0.05 on a bf16 engine, 5e-5 on fp32/fp32)."""
+
+
+def elevated_steps(ev: Any) -> list[int]:
+    """The steps whose clipped mean |d| stands past the threshold gate at the run's floor (one alarm marks the
+    crossing, the gate then re-arms: these are the steps that stayed past it)."""
+    steps, values = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
+    return [int(s) for s, v in zip(steps, values, strict=True) if v > ELEVATED * floor_level(ev)]

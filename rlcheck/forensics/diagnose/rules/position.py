@@ -20,7 +20,7 @@ import numpy as np
 from rlcheck.core import metrics as K
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
-from rlcheck.forensics.diagnose.floors import clean_level
+from rlcheck.forensics.diagnose.floors import clean_level, floor_level
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
 from rlcheck.forensics.diagnose.rows import (
     CONTRAST,
@@ -45,6 +45,12 @@ MIN_SHARED = 64
 caches whole blocks: 16 tokens on GPUs, 128 on CPU)."""
 
 
+def floored_rows(ev: Evidence, rows) -> np.ndarray:
+    """(N,) each row's mean |d|, at least the run's floor: rows within the precision's noise are alike (an
+    exact row and one 1e-7 off on a fp32 run), so a cut between two groups never falls inside that noise."""
+    return np.maximum(row_abs(rows), floor_level(ev))
+
+
 def _ids(rows, picked) -> list[str]:
     order = sorted(picked, key=lambda i: -(rows[i].get("max_abs_diff") or 0.0))
     return [rows[i]["request_id"] for i in order][:MAX_IDS]
@@ -56,7 +62,7 @@ def position_ids(ev: Evidence) -> Finding | None:
         pad = left_padding(rows)
         if pad is None or not (pad == 0).any() or not (pad > 0).any():
             continue
-        off = row_abs(rows)
+        off = floored_rows(ev, rows)
         clean, padded = float(off[pad == 0].mean()), float(off[pad > 0].mean())
         rho = spearman(pad.astype(np.float64), off)
         if padded < clean_level(ev) or padded < CONTRAST * clean or rho < 0.4 or not separated(off, pad > 0, 0.95):
@@ -113,7 +119,7 @@ def stale_prefix_cache(ev: Evidence) -> Finding | None:
         shared = shared_prefix(rows)
         if shared is None or not (shared >= MIN_SHARED).any() or not _onset_after_clean(ev, step):
             continue
-        off, on = row_abs(rows), shared >= MIN_SHARED
+        off, on = floored_rows(ev, rows), shared >= MIN_SHARED
         hit = float(off[on].mean())
         rest = float(off[~on].mean()) if (~on).any() else None
         if hit < clean_level(ev) or (rest is not None and (hit < CONTRAST * rest or not separated(off, on, 0.95))):
