@@ -6,8 +6,10 @@ them from the scheduler's slots: `diagnose._engine_guard`).
   `rlcheck.core.stats.twins`), which neither a weight, a temperature nor a precision does. Stale state
   needs a slot another request held before: a run whose first steps scored their twins alike and
   split them from a later step (the first wave of requests gets never-used slots; the next reuses
-  them) is `stale_state`. Split from the run's first step, no slot had a previous holder yet: a state
-  shared with a live request (`index_aliasing`) is the likelier, and the verdict says what tells.
+  them) is `stale_state`. Split from the run's first step, no slot had a previous holder yet: on a
+  quarter of the sequences or more, a state shared between live requests (`index_aliasing`: every
+  request past a slot boundary and the ones it aliases); on fewer, a few requests on state not their
+  own (`stale_state` at 0.8: an engine that served before the run). Each says what tells them apart.
 - Every sequence far off from the run's first step (past the hard limit on catastrophic sequences)
   while the engine holds the trainer's weights (the sync check's fingerprints agree) and the two sides
   scored the same ids: the engine computes garbage with the right weights; on a model with recurrent
@@ -40,7 +42,10 @@ from rlcheck.forensics.diagnose.queries import (
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
-STALE, ALIASED, GARBAGE, PROBE = 0.93, 0.75, 0.7, 0.88
+STALE, ALIASED, GARBAGE, PROBE, FEW = 0.93, 0.75, 0.7, 0.88, 0.8
+MANY = 0.25
+"""Split from the run's first step: index aliasing when at least this share of the sequences is off (every
+request past a slot boundary, and the ones it shares with), stale state for fewer (a few reused slots)."""
 SHAPES = ("early_divergence", "sparse_catastrophic", "many_catastrophic")
 """Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
 sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
@@ -68,10 +73,25 @@ def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
                         f"engine turned inconsistent at step {first}, as when requests first start in state slots "
                         "other requests held before (the first wave of a run gets never-used slots)")
         return Finding("stale_state", STALE, evidence + [TELLS], steps, ids)
-    evidence.append("inconsistent from the run's first step, before any state slot had a previous holder: a state "
-                    "shared with another live request (an aliased state index) is the likelier; stale state if the "
-                    "engine served requests before this run")
+    share = _off_share(ev, first, ids)
+    if share < MANY:
+        evidence.append(f"inconsistent from the run's first step on {share:.0%} of its sequences: a few requests "
+                        "computed from state not their own, stale state (an engine that served requests before this "
+                        "run) as likely as an aliased index")
+        return Finding("stale_state", FEW, evidence + [TELLS], steps, ids)
+    evidence.append(f"inconsistent from the run's first step, before any state slot had a previous holder, on {share:.0%} "
+                    "of its sequences: a state shared between live requests (an aliased state index, past a boundary "
+                    "that more concurrency crosses) is the likelier")
     return Finding("index_aliasing", ALIASED, evidence + [TELLS], steps, ids)
+
+
+def _off_share(ev: Evidence, step: int, ids: list[str]) -> float:
+    """The share of `step`'s sequences off: those named (from its dump), else the flagged share of its record."""
+    rows = ev.dump_rows.get(step)
+    if rows:
+        return sum(row["request_id"] in set(ids) for row in rows) / len(rows)
+    record = next((r for r in ev.records if int(r["step"]) == step), {"metrics": {}})
+    return float(record["metrics"].get(K.SEQ_FLAGGED_FRAC, 1.0))
 
 
 def _split_ids(ev: Evidence, steps: list[int]) -> list[str]:
