@@ -50,7 +50,7 @@ PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 """The engine's dtype; the trainer computes in float32."""
 TRAINERS = {"hf": 1, "fsdp2": 2, "deepspeed": 2}
 MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama"}, {"moe-trained"}
-SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "bf16-noise=1", "corrupt-seqs=0.03",
+SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "bf16-noise={noise}", "corrupt-seqs=0.03",
           "drop-sync={drop}", "permute-sync={permute}", "retokenize", "double-bos", "left-pad-positions", "stop-token")
 OWN = {"temperature-mismatch=1.1": None, "top-p=0.9": None, "raw-logprobs": None, "perturb-layer=1": None,
        "stale-state": MAMBA, "index-wrap=16": MAMBA, "stale-buffer": MAMBA, "moe-route-flip=0.1": MOE,
@@ -59,6 +59,11 @@ OWN = {"temperature-mismatch=1.1": None, "top-p=0.9": None, "raw-logprobs": None
 PATTERNS = {"mamba2": {"drop": "out_proj", "permute": "in_proj"}}
 """drop-sync / permute-sync patterns where the default ("mlp", "self_attn") names no tensor."""
 DEFAULT_PATTERNS = {"drop": "mlp", "permute": "self_attn"}
+NOISE = {"fp32": 1, "bf16": 16}
+"""bf16-noise's scale: bf16-sized rounding on a fp32 engine; on a bf16 engine 1x is its own noise (no fault at
+that precision: `WITHIN_NOISE`), 16x stands past its floor."""
+WITHIN_NOISE = {("bf16-noise=1", "bf16")}
+"""(spec, precision) cells that are no fault at that precision: listed apart, not in the matrix."""
 AFTER = 2
 CALIBRATION = {"seed": 0, "trainer": "hf", "models": {"fp32": set(MODELS), "bf16": MAMBA | {"llama-trained"}}}
 
@@ -85,10 +90,10 @@ class Cell:
         return self.seed == c["seed"] and self.trainer == c["trainer"] and self.model in c["models"][self.precision]
 
 
-def specs(model: str) -> tuple[list[str], list[str]]:
-    """(the shared loop's specs, the own-loop specs) that apply to `model`."""
+def specs(model: str, precision: str) -> tuple[list[str], list[str]]:
+    """(the shared loop's specs, the own-loop specs) that apply to `model` at `precision`."""
     patterns = PATTERNS.get(model, DEFAULT_PATTERNS)
-    shared = [s.format(**patterns) for s in SHARED]
+    shared = [s.format(noise=NOISE[precision], **patterns) for s in SHARED]
     return shared, [s for s, where in OWN.items() if where is None or model in where]
 
 
@@ -233,7 +238,7 @@ def run_all(models, precisions, trainers, seed: int, out: Path, steps: int, only
         for trainer in trainers:
             for precision in precisions:
                 for model in models:
-                    shared, own = specs(model)
+                    shared, own = specs(model, precision)
                     run_shared([Cell(s, model, precision, trainer, seed) for s in shared if _kept(s, only)], out, steps)
                     for s in own:
                         if _kept(s, only):
@@ -264,6 +269,8 @@ def diagnosed(run_dir: Path, again: bool) -> dict:
 def report(rows: list[dict]) -> str:
     """The matrix (calibration and held-out apart), the state faults' halts, the refused and failed runs."""
     lines = []
+    within = [r for r in rows if (r["spec"], r["precision"]) in WITHIN_NOISE]
+    rows = [r for r in rows if r not in within]
     ran = [r for r in rows if not r["error"] and (r["touched"] or r["spec"] == "none")]
     for title, part in (("calibration", [r for r in ran if r["calibration"]]), ("held-out", [r for r in ran if not r["calibration"]])):
         if part:
@@ -274,6 +281,9 @@ def report(rows: list[dict]) -> str:
         lines.append("Never fired (refused, not counted): " + ", ".join(sorted(_cell(r) for r in never)))
     if failed:
         lines.append("Failed: " + "; ".join(f"{_cell(r)}: {r['error'][:120]}" for r in failed))
+    if within:
+        lines.append("Within the precision's noise (no fault there, not counted): " + ", ".join(
+            f"{_cell(r)} -> {r['verdict']}" for r in within))
     return "\n".join(lines)
 
 
