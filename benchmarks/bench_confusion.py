@@ -50,7 +50,8 @@ PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 """The engine's dtype; the trainer computes in float32."""
 TRAINERS = {"hf": 1, "fsdp2": 2, "deepspeed": 2}
 MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama"}, {"moe-trained"}
-SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "bf16-noise={noise}", "corrupt-seqs=0.03",
+SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "off-by-one-early", "bf16-noise={noise}",
+          "corrupt-seqs=0.03",
           "drop-sync={drop}", "permute-sync={permute}", "retokenize", "double-bos", "left-pad-positions", "stop-token")
 OWN = {"temperature-mismatch=1.1": None, "top-p=0.9": None, "raw-logprobs": None, "perturb-layer=1": None,
        "stale-state": MAMBA, "index-wrap=16": MAMBA, "stale-buffer": MAMBA, "moe-route-flip=0.1": MOE,

@@ -33,6 +33,8 @@ def preflight(
                                 help="Whether your weight sync calls reset_prefix_cache() (default: not known, a note)."),
     probe: bool = typer.Option(None, "--probe/--no-probe", help="Run the vLLM vs HF probe batch (default: when vLLM "
                                "is installed)."),
+    trainer_device: str = typer.Option(None, "--trainer-device", help="Where the probe's HF forward runs, as the "
+                                       "trainer does (cpu, cuda, cuda:N); default: the GPU when there is one."),
     as_json: bool = typer.Option(False, "--json", help="Print the findings (key, severity, both values, fix) as JSON."),
 ) -> None:
     """List every setting on which the engine and the trainer would differ, each with its fix; then score a
@@ -47,7 +49,8 @@ def preflight(
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     cfg = PreflightConfig(model=str(model), engine_model=None if engine_model is None else str(engine_model),
                           temperature=temperature, top_p=top_p, top_k=top_k, logprobs_mode=logprobs_mode, dtype=dtype,
-                          trainer_dtype=trainer_dtype, prefix_caching=prefix_caching, resets_prefix_cache=resets)
+                          trainer_dtype=trainer_dtype, prefix_caching=prefix_caching, resets_prefix_cache=resets,
+                          trainer_device=trainer_device)
     result = run_preflight(cfg, probe=probe)
     typer.echo(json.dumps(result.to_dict(), indent=1) if as_json else render(result))
     if result.differs:

@@ -95,10 +95,6 @@ class StepBatch:
         """(N,) int64 length of every sequence."""
         return np.diff(self.cu_seqlens)
 
-    def routing_metrics(self) -> dict[str, float]:
-        """The `rlcheck/moe/*` metrics of the batch's MoE routing (`rlcheck.core.moe`); none without it."""
-        return {} if self.routing is None else self.routing.metrics(self.logp_train - self.logp_rollout, self.mask)
-
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod

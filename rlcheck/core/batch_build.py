@@ -159,6 +159,17 @@ def packed_from_ragged(
     }
 
 
+def padded_spans(mask: np.ndarray) -> np.ndarray:
+    """(B, T) bool: the positions of a [B, T] `mask` that `packed_from_padded` packs, row b from its
+    first to its last masked-in token (none for a row without one): where each packed token lies."""
+    t = mask.shape[1]
+    any_in = mask.any(axis=1)
+    first = np.where(any_in, mask.argmax(axis=1), 0)  # (B,)
+    last = np.where(any_in, t - 1 - mask[:, ::-1].argmax(axis=1), -1)  # (B,)
+    cols = np.arange(t, dtype=np.int64)
+    return (cols >= first[:, None]) & (cols <= last[:, None])
+
+
 def packed_from_padded(
     logp_rollout: Any, logp_train: Any, mask: Any, tokens: Any, tokens_train: Any, topk: Any = None
 ) -> dict[str, Any]:
@@ -177,11 +188,7 @@ def packed_from_padded(
     if lr.shape[0] == 0:
         raise InputError("empty batch: no sequences to compare")
     b, t = lr.shape
-    any_in = m.any(axis=1)
-    first = np.where(any_in, m.argmax(axis=1), 0)  # (B,)
-    last = np.where(any_in, t - 1 - m[:, ::-1].argmax(axis=1), -1)  # (B,)
-    cols = np.arange(t, dtype=np.int64)
-    keep = (cols >= first[:, None]) & (cols <= last[:, None])  # (B, T)
+    keep = padded_spans(m)  # (B, T)
     lens = keep.sum(axis=1, dtype=np.int64)
     cu = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])

@@ -208,13 +208,17 @@ def _is_metrics(w, raw, log_for_metrics, m, cu, level, upper, lower) -> dict[str
     return out
 
 
+def correct(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
+    """`cfg`'s correction of a StepBatch's tokens `response_mask(batch, keep)` counts."""
+    d = batch.logp_train.astype(np.float64) - batch.logp_rollout
+    return compute(d, response_mask(batch, keep), batch.cu_seqlens, cfg)
+
+
 def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:
     """The `rlcheck/corr/...` metrics of `cfg` on a StepBatch's kept, valid tokens ({} when off or none)."""
-    mask = response_mask(batch, keep)
-    if not cfg.enabled or not mask.any():
+    if not cfg.enabled or not response_mask(batch, keep).any():
         return {}
-    d = batch.logp_train.astype(np.float64) - batch.logp_rollout
-    return compute(d, mask, batch.cu_seqlens, cfg).prefixed()
+    return correct(batch, keep, cfg).prefixed()
 
 
 def sequence_weights(d: np.ndarray, mask: np.ndarray, cu: np.ndarray, keep: np.ndarray,

@@ -32,7 +32,7 @@ class HaltPolicy:
             if key == K.NONFINITE_COUNT and nonfinite > 0:
                 continue  # the alarm above says it
             value = metrics.get(key)
-            if value is not None and value > limit:
+            if value is not None and not value <= limit:  # NaN is past any limit
                 out.append(Alarm(
                     "threshold", key, step, "critical",
                     f"{key} = {value:.4g} is past the hard limit {limit:g}",

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core.correction import response_mask
 from rlcheck.core.types import Alarm
 from rlcheck.errors import InputError
 
-__all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "first_diff_layer", "routing_alarms",
-           "routing_metrics", "routing_stats", "same_experts", "sequence_routing"]
+__all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "batch_routing_metrics", "first_diff_layer",
+           "routing_alarms", "routing_metrics", "routing_stats", "same_experts", "sequence_routing"]
 
 MIN_SHARE = 0.5
 """Routing drives a step's mismatch when the tokens routed differently carry at least this share of its
@@ -121,8 +122,9 @@ class RoutingStats:
 def routing_stats(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> RoutingStats:
     """Agreement of `routing` over the tokens `mask` (M,) keeps, and how |d| of `diff` (M,) splits between the
     tokens routed alike and the others."""
-    keep = np.ones(routing.num_tokens, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    keep &= np.isfinite(diff)
+    keep = np.isfinite(diff)  # (M,) a new array: the caller's mask is evidence, never changed here
+    if mask is not None:
+        keep = keep & np.asarray(mask, dtype=bool)
     agree = same_experts(routing.experts_rollout, routing.experts_train)[keep]  # (n, L)
     d = np.abs(np.asarray(diff, dtype=np.float64)[keep])  # (n,)
     n, num_layers = agree.shape
@@ -176,6 +178,14 @@ def routing_metrics(routing: Routing, diff: np.ndarray, mask: np.ndarray | None 
     if np.isfinite(s.abs_diff_lift):
         out[K.MOE_ABS_DIFF_LIFT] = s.abs_diff_lift
     return out
+
+
+def batch_routing_metrics(batch: Any, keep: np.ndarray | None = None) -> dict[str, float]:
+    """`routing_metrics` of a StepBatch's routing over the compared tokens (`response_mask`) of the
+    sequences `keep` (N,) keeps (the quarantine's verdict; all when None); {} without routing."""
+    if batch is None or batch.routing is None:
+        return {}
+    return routing_metrics(batch.routing, batch.logp_train - batch.logp_rollout, response_mask(batch, keep))
 
 
 def routing_alarms(step: int, metrics: Mapping[str, float]) -> list[Alarm]:

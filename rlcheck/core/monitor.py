@@ -46,7 +46,7 @@ from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
 from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
-from rlcheck.core.moe import routing_alarms
+from rlcheck.core.moe import batch_routing_metrics, routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
@@ -111,7 +111,7 @@ class Monitor:
         own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
                **levels.probe_level(probe, self.cfg.stats.clip)}
         return self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
-                             quarantine_batch=batch, own=own)
+                             quarantine_batch=batch, own=own, keep=None if verdict is None else verdict.keep)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
@@ -153,7 +153,7 @@ class Monitor:
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
                  trainer_version: int | None = None, verdict: Q.Verdict | None = None,
                  quarantine_batch: StepBatch | None = None,
-                 own: Mapping[str, float] | None = None) -> StepReport:
+                 own: Mapping[str, float] | None = None, keep: np.ndarray | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -178,8 +178,6 @@ class Monitor:
             found, weights = check_versions(step, partial.versions, trainer_version, self.cfg.max_weight_lag)
             metrics.update(found)
             alarms += weights
-        hard = self.policy.hard_limit_alarms(step, metrics)
-        alarms += hard
         added: dict[str, Any] = {}
         if verdict is not None and self.quarantine is not None:
             found, quarantine_metrics, added = self.quarantine.step(
@@ -189,8 +187,10 @@ class Monitor:
             metrics.update(quarantine_metrics)
         if self.cfg.correction is not None and batch is not None:
             metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
-        metrics.update({} if batch is None else batch.routing_metrics(), **extra)  # rlcheck/moe/*, if any
+        metrics.update(batch_routing_metrics(batch, keep), **extra)  # rlcheck/moe/*, if any, of the kept sequences
         alarms += routing_alarms(step, metrics)
+        hard = self.policy.hard_limit_alarms(step, metrics)  # over every metric of the step, extra ones too
+        alarms += hard
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)

@@ -20,11 +20,12 @@ order; `Quarantined.reasons` lists all it breaks):
 |                   | detector's early burst (`SignatureConfig.early_*`: a stale state, step-wide)       |
 | token_mismatch    | was scored by the trainer on other token ids than the engine sampled               |
 | stale_weights     | comes from weights further behind the trainer's than `MonitorConfig.max_weight_lag`|
-| guard             | is named by an alarm found outside the Monitor (`details["request_ids"]`: the      |
-|                   | engine guard's violations)                                                         |
+| prompt_mismatch,  | is named (`details["request_ids"]`) by an alarm found outside the Monitor: a       |
+| decode_prefill,   | prompt-id alarm, the decode-prefill audit's, the engine guard's, another's; each   |
+| guard, alarm      | reason says what raised it (`outside_reason`; a `weights` one: stale_weights)      |
 
-These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`): a quarantined
-sequence is one the step counts as catastrophic, early-diverged, mismatched or stale.
+These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`) but one: a corrupted
+tail (`corrupt_tails`) is the quarantine's alone, not counted catastrophic in the statistics or their limits.
 
 With some sequences quarantined, the detectors, the hard limits and the weight-version check judge
 the kept sequences (what the trainer learns from); the offenders are the kept ones' worst, their
@@ -54,7 +55,11 @@ from rlcheck.core.types import Alarm
 from rlcheck.core.weights import is_stale
 from rlcheck.errors import ConfigError
 
-REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "guard")
+REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "prompt_mismatch",
+           "decode_prefill", "guard", "alarm")
+OUTSIDE_REASONS = {"prompt_id_mismatch": "prompt_mismatch", "decode_prefill": "decode_prefill", "engine_guard": "guard"}
+"""An outside alarm's `details["signature"]` -> the reason its sequences are quarantined for (the
+signatures of `rlcheck.core.prompt_ids`, `rlcheck.loop.audit` and `rlcheck.engines.guard`)."""
 
 MAX_LISTED = 100
 """Quarantined sequences a step's metrics.jsonl record lists (all of them are in `StepReport`)."""
@@ -152,6 +157,14 @@ class Verdict:
         return out
 
 
+def outside_reason(alarm: Alarm) -> str:
+    """The reason an alarm found outside the Monitor quarantines the sequences it names: "stale_weights"
+    for a `weights` alarm, else by its signature (`OUTSIDE_REASONS`), "alarm" for any other."""
+    if alarm.kind == "weights":
+        return "stale_weights"
+    return OUTSIDE_REASONS.get(alarm.details.get("signature"), "alarm")
+
+
 def burst_counts(flags: Mapping[str, np.ndarray]) -> np.ndarray:
     """(5,) float64 counts the step's early burst is decided on, additive over a step's parts (ranks):
     sequences diverging early, sequences, diverged tokens, compared tokens, early slots."""
@@ -191,8 +204,12 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
     if trainer_version is not None and batch.weight_version is not None:
         stale = is_stale(batch.weight_version, trainer_version, max_weight_lag)  # (N,)
     found["stale_weights"] = stale
-    named = {rid for a in alarms for rid in (a.details.get("request_ids") or ())}
-    found["guard"] = np.array([rid in named for rid in batch.request_ids], dtype=bool) if named else np.zeros(num, bool)
+    for reason in ("prompt_mismatch", "decode_prefill", "guard", "alarm"):
+        found[reason] = np.zeros(num, dtype=bool)
+    for a in alarms:
+        named = set(a.details.get("request_ids") or ())
+        if named:
+            found[outside_reason(a)] |= np.array([rid in named for rid in batch.request_ids], dtype=bool)
     firm = np.zeros(num, dtype=bool)  # what the per-sequence rules condemn
     for reason in cfg.rules:
         firm |= found[reason]

@@ -82,7 +82,8 @@ def merge_fingerprints(parts: Iterable[Mapping[str, Iterable[float]]]) -> Finger
 
 def differing_keys(engine: Mapping[str, Any], trainer: Mapping[str, Any], rtol: float = DEFAULT_RTOL) -> list[str]:
     """The keys whose sums differ past `rtol` (sum and sum of |x| relative to sum of |x|, sum of
-    squares relative to itself), or that one side lacks; sorted by layer."""
+    squares relative to itself), or are not finite on a side (weights gone NaN or infinite: on
+    both sides too), or that one side lacks; sorted by layer."""
     out = []
     for key in set(engine) | set(trainer):
         if key not in engine or key not in trainer:
@@ -90,11 +91,18 @@ def differing_keys(engine: Mapping[str, Any], trainer: Mapping[str, Any], rtol: 
             continue
         (s1, q1, a1, *o1), (s2, q2, a2, *o2) = engine[key], trainer[key]
         scale, tiny = max(a1, a2), 1e-30
-        if abs(s1 - s2) > rtol * scale + tiny or abs(q1 - q2) > rtol * max(q1, q2) + tiny or abs(a1 - a2) > rtol * scale + tiny:
+        if not (close(s1, s2, rtol * scale + tiny) and close(q1, q2, rtol * max(q1, q2) + tiny)
+                and close(a1, a2, rtol * scale + tiny)):
             out.append(key)
         elif o1 and o2 and math.isfinite(o1[0]) and math.isfinite(o2[0]) and abs(o1[0] - o2[0]) > rtol * scale + tiny:
             out.append(key)  # the same values in another order: rows a sync permuted
     return sorted(out, key=_order)
+
+
+def close(a: float, b: float, tol: float) -> bool:
+    """|a - b| <= tol with both finite: a NaN or infinity on either side is never "close" (the
+    comparison `abs(a - b) > tol` is False for NaN, and would pass it)."""
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol
 
 
 def _order(key: str) -> tuple[int, str]:
@@ -113,7 +121,7 @@ class ProbeResult:
 
     @property
     def ok(self) -> bool:
-        return self.mean_abs <= self.tolerance
+        return math.isfinite(self.mean_abs) and math.isfinite(self.max_abs) and self.mean_abs <= self.tolerance
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,11 @@ class StepReport:
         """The step's `rlcheck.core.correction.Correction`: per token (packed like the batch) the IS
         weight and the response mask (valid tokens of kept sequences, not rejected), and verl's
         metrics. Arguments: verl's `rollout_correction` fields, with its defaults."""
-        from rlcheck.core.correction import CorrectionConfig, compute, response_mask
+        from rlcheck.core.correction import CorrectionConfig, correct
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
-        b = self._batch()
-        return compute(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep), b.cu_seqlens, cfg)
+        return correct(self._batch(), self.keep, cfg)
 
     def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,
                       rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,

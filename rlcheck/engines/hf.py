@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.model_types import is_recurrent
 from rlcheck.errors import ConfigError, InputError
-from rlcheck.modelzoo.models import is_recurrent
 
 MIN_FILL = 0.85
 """A padded batch takes no sequence shorter than this fraction of its longest (which comes first)."""

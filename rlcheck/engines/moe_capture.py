@@ -12,27 +12,29 @@ it can (one in-process V1 worker: CPU, or a hookable engine), else through vLLM'
 
 A forward hook on every MoE router (`rlcheck.engines.moe_routing.moe_gates`) reads the top-k of its
 logits (the experts the softmax-then-top-k router picks), row by row. Which row is whose comes from
-`LayerCapture`'s mechanism (`rlcheck.forensics.localize.capture`): the runner's `execute_model` and
+`LayerCapture`'s mechanism (`rlcheck.engines.layer_capture`): the runner's `execute_model` and
 `_model_forward`, the step's `query_start_loc` and positions. With `flip` the `RouteFlip` hooks run
 first, so what is recorded is the routing the engine used.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 
+from rlcheck.engines.layer_capture import LayerCapture
 from rlcheck.engines.moe_routing import (
     NEAR_TIE,
     RouteFlip,
+    experts_per_token,
     is_moe_model,
     moe_gates,
     response_rows,
     routed_experts_response,
 )
-from rlcheck.errors import ConfigError
-from rlcheck.forensics.localize.capture import LayerCapture
+from rlcheck.errors import ConfigError, InputError
 
 
 class _Everyone:
@@ -144,16 +146,34 @@ def routing_plan(cfg: Any, cuda: bool | None = None) -> str:
 
 class EngineRoutes:
     """The routing record of one `VLLMEngine` (see the module docstring): `response` gives a
-    completion's (T, L, k) experts, `clear` forgets a call's requests."""
+    completion's (T, L, k) experts, `clear` forgets a call's requests. Where a completion's routing
+    cannot be read (vLLM's `routed_experts` None or in another layout, positions the hooks did not
+    see), its experts are None, "routing not available", said in one warning per engine: a monitor
+    never fails a rollout (the loop then compares no routing for the step)."""
 
     def __init__(self, engine: Any, plan: str):
         self.plan = plan
         self.capture = RouteCapture(engine) if plan == "hooks" else None
+        self.top_k = experts_per_token(engine.cfg.model) if plan == "vllm" else None
+        self.unavailable = 0
+        """Completions whose routing could not be read."""
 
-    def response(self, completion: Any, vllm_request_id: str, prompt_len: int, num_tokens: int) -> np.ndarray:
-        if self.capture is None:
-            return routed_experts_response(completion.routed_experts, prompt_len, num_tokens)
-        return self.capture.response_experts(vllm_request_id, prompt_len, num_tokens)
+    def response(self, completion: Any, vllm_request_id: str, prompt_len: int, num_tokens: int) -> np.ndarray | None:
+        try:
+            if self.capture is None:
+                routed = getattr(completion, "routed_experts", None)
+                if routed is None:
+                    raise InputError("vLLM returned no routed_experts (enable_return_routed_experts off, or a "
+                                     "runner that does not record them)")
+                return routed_experts_response(routed, prompt_len, num_tokens, self.top_k)
+            return self.capture.response_experts(vllm_request_id, prompt_len, num_tokens)
+        except (InputError, TypeError, ValueError) as exc:
+            self.unavailable += 1
+            if self.unavailable == 1:
+                warnings.warn(f"rlcheck: MoE routing not available (request {vllm_request_id}: {exc}); the rollouts "
+                              "go on without it, and a step missing any rollout's routing compares none",
+                              RuntimeWarning, stacklevel=2)
+            return None
 
     def clear(self) -> None:
         if self.capture is not None:

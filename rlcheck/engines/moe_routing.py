@@ -45,16 +45,21 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json keys that give an MoE model's expert count (Qwen-MoE, Mixtral/gpt-oss, DeepSeek)."""
 
 
-def is_moe_model(model_dir: str) -> bool:
-    """Whether the HF model directory's config.json (or its text config) describes a mixture of experts."""
+def text_config(model_dir: str) -> dict[str, Any]:
+    """The HF model directory's config.json with its text config's fields on top ({} without one)."""
     import json
     from pathlib import Path
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        return False
+        return {}
     config = json.loads(path.read_text())
-    config = {**config, **config.get("text_config", {})}
+    return {**config, **config.get("text_config", {})}
+
+
+def is_moe_model(model_dir: str) -> bool:
+    """Whether the HF model directory's config.json (or its text config) describes a mixture of experts."""
+    config = text_config(model_dir)
     return any(int(config.get(key) or 0) > 1 for key in EXPERT_COUNT_KEYS)
 
 
@@ -84,13 +89,21 @@ def response_rows(experts: np.ndarray, positions: np.ndarray, prompt_len: int, n
     return experts[at]
 
 
-def routed_experts_response(routed: Any, prompt_len: int, num_tokens: int) -> np.ndarray:
+def routed_experts_response(routed: Any, prompt_len: int, num_tokens: int, top_k: int | None = None) -> np.ndarray:
     """(num_tokens, L, k) int64 of vLLM's `CompletionOutput.routed_experts` ([positions, L, k]; CUDA,
-    V2 runner, `enable_return_routed_experts=True`): the rows that routed the response tokens."""
+    V2 runner, `enable_return_routed_experts=True`): the rows that routed the response tokens; `top_k`:
+    the model's experts per token, which the last axis must hold (InputError for another layout)."""
     arr = np.asarray(routed, dtype=np.int64)
-    if arr.ndim != 3:
-        raise InputError(f"routed_experts has shape {arr.shape}; vLLM returns [positions, layers, top_k]")
+    if arr.ndim != 3 or (top_k is not None and arr.shape[2] != top_k):
+        raise InputError(f"routed_experts has shape {arr.shape}; vLLM returns [positions, layers, top_k]"
+                         + (f" with top_k {top_k}" if top_k is not None else ""))
     return response_rows(arr, np.arange(arr.shape[0]), prompt_len, num_tokens)
+
+
+def experts_per_token(model_dir: str) -> int | None:
+    """The HF model directory's `num_experts_per_tok` (or its text config's), None where it has none."""
+    value = text_config(model_dir).get("num_experts_per_tok")
+    return int(value) if value else None
 
 
 class RouteFlip:

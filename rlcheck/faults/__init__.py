@@ -10,6 +10,7 @@ A fault is written `NAME[=VALUE][@START]`, e.g. `skip-sync-every=4`, `stale-weig
 | temperature-mismatch=F  | factor != 1  | d follows logp_rollout (systematic slope)              | logit_processing     |
 | top-p=P                 | P in (0, 1)  | engine samples top-p, trainer does not: d < 0 (nucleus) | logit_processing    |
 | off-by-one              | -            | logp_train[t] ~ logp_rollout[t+1], token ids differ    | token_misalignment   |
+| off-by-one-early        | -            | logp_train[t] ~ logp_rollout[t-1], token ids differ    | token_misalignment   |
 | bf16-noise=X            | scale > 0    | small symmetric noise everywhere, larger when surprising | numeric_noise      |
 | corrupt-seqs=R          | rate in (0,1]| a few sequences far off from their first tokens        | stale_state          |
 | drop-sync=PATTERN       | name part    | syncs leave out tensors named *PATTERN*; sync check names their layers | weights_out_of_sync |
@@ -51,6 +52,7 @@ from rlcheck.faults.zoo import (
     CorruptSequences,
     DropSync,
     OffByOne,
+    OffByOneEarly,
     PermuteSync,
     SkipSync,
     StaleBuffer,
@@ -66,6 +68,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     TemperatureMismatch.name: (TemperatureMismatch, "factor", float),
     TopP.name: (TopP, "p", float),
     OffByOne.name: (OffByOne, None, int),
+    OffByOneEarly.name: (OffByOneEarly, None, int),
     Bf16Noise.name: (Bf16Noise, "scale", float),
     CorruptSequences.name: (CorruptSequences, "rate", float),
     DropSync.name: (DropSync, "pattern", str),
@@ -113,6 +116,6 @@ def _number(text: str, kind: type, message: str):
 
 
 __all__ = ["FAULTS", "Bf16Noise", "CorruptSequences", "DoubleBos", "DropSync", "Fault", "IndexWrap", "LeftPadPositions",
-           "MoeRouteFlip", "OffByOne", "PerturbLayer", "RawLogprobs", "Retokenize", "RopeMismatch", "SkipSync",
+           "MoeRouteFlip", "OffByOne", "OffByOneEarly", "PerturbLayer", "RawLogprobs", "Retokenize", "RopeMismatch", "SkipSync",
            "StaleBuffer", "StalePrefixCache", "StaleState", "StaleWeights", "StopToken", "TemperatureMismatch", "TopP",
            "TrainerInputs", "parse_inject"]

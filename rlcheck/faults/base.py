@@ -119,12 +119,6 @@ def all_ids(batch: StepBatch) -> list[str]:
     return list(batch.request_ids)
 
 
-def per_sequence(batch: StepBatch):
-    """(start, stop) token offsets of every sequence."""
-    cu = batch.cu_seqlens
-    return zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
-
-
 PERMUTE = "permute:"
 
 

@@ -127,7 +127,7 @@ def model_config(model: str, fault: str) -> dict[str, Any]:
 def attention_only(config: dict[str, Any], fault: str) -> None:
     """ConfigError for a model with Mamba layers: the fault's 320-token prompts fail vLLM 0.32's CPU
     prefill of a hybrid (an IndexError in the Mamba mixer's chunked prefill)."""
-    from rlcheck.modelzoo.models import RECURRENT_MODEL_TYPES
+    from rlcheck.core.model_types import RECURRENT_MODEL_TYPES
 
     if config.get("model_type") in RECURRENT_MODEL_TYPES:
         raise ConfigError(f"{fault} needs an attention-only model (its long prompts fail vLLM 0.32's CPU prefill of "

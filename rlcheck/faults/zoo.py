@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.stats.twins import context_keys
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor, per_sequence
+from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor
+from rlcheck.synthetic.basic import read_shifted
 
 BF16_EPS = 2.0**-8
 """Relative precision of bfloat16 (8 significant bits)."""
@@ -182,21 +184,22 @@ class OffByOne(Fault):
     name = "off-by-one"
     cause = "token_misalignment"
     shape = "logp_train[t] matches logp_rollout[t+1]; token ids differ"
+    late: ClassVar[bool] = True
+    """Read one token late (position t holds t + 1's); False: one token early (t holds t - 1's)."""
 
     def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
-        if not self.active(step):
-            return batch, []
-        lt = batch.logp_train.copy()
-        tokens = batch.tokens_train if batch.tokens_train is not None else batch.tokens
-        tt = None if tokens is None else tokens.copy()
-        hit = []
-        for i, (a, b) in enumerate(per_sequence(batch)):
-            if b - a >= 2:
-                lt[a : b - 1] = batch.logp_train[a + 1 : b]
-                if tt is not None:
-                    tt[a : b - 1] = tokens[a + 1 : b]
-                hit.append(batch.request_ids[i])
-        return dataclasses.replace(batch, logp_train=lt, tokens_train=tt), hit
+        return read_shifted(batch, self.late) if self.active(step) else (batch, [])
+
+
+@dataclass(frozen=True)
+class OffByOneEarly(OffByOne):
+    """The trainer's logprobs (and the ids it scored) are read one token early, as with a prompt length
+    counted one short: position t holds what belongs to t - 1 (the first token keeps its own).
+    Shape: logp_train[t] matches logp_rollout[t-1]; token ids differ."""
+
+    name = "off-by-one-early"
+    shape = "logp_train[t] matches logp_rollout[t-1]; token ids differ"
+    late = False
 
 
 @dataclass(frozen=True)

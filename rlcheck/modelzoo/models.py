@@ -1,11 +1,12 @@
 """Hugging Face configs of the tiny models, one function per architecture, and their random init;
-and which model types carry recurrent (state-space) layers, `is_recurrent`, which decides how the
-trainer and the HF reference scorer batch a model (packed rows or right padding)."""
+and (re-exported from `rlcheck.core.model_types`) which model types carry recurrent (state-space) layers,
+`is_recurrent`."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from rlcheck.core.model_types import RECURRENT_MODEL_TYPES, is_recurrent  # noqa: F401 - re-exported here
 
 HIDDEN = 128
 HEAD_DIM = 64  # the vLLM CPU attention kernels support head sizes 32..256 (16 fails)
@@ -20,13 +21,6 @@ MOE_INTERMEDIATE = 128
 ARCHS = ("llama", "mamba2", "hybrid", "moe")
 DEFAULT_LAYERS = {"llama": 4, "mamba2": 4, "hybrid": 4, "moe": 2}
 """Decoder layers when the spec does not say: the moe's 2 layers already hold 16 experts."""
-RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "granitemoehybrid", "jamba", "falcon_h1", "bamba", "nemotron_h", "zamba2")
-"""HF `model_type`s with state-space (Mamba) layers: HF cannot reset their state inside a packed row."""
-
-
-def is_recurrent(config: Any) -> bool:
-    """True when the model has state-space (Mamba) layers, which HF cannot pack on CPU."""
-    return getattr(config, "model_type", "") in RECURRENT_MODEL_TYPES
 
 
 def llama_config(max_positions: int = MAX_POSITIONS, **common):

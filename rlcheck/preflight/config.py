@@ -7,6 +7,7 @@ names it accepts for vLLM's logprobs modes and for dtypes.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from rlcheck.errors import ConfigError
@@ -17,6 +18,7 @@ SHORT_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 """Spellings of a dtype (vLLM's, torch's, verl's) -> the torch name."""
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def canonical_dtype(name: str | None, what: str = "dtype") -> str | None:
@@ -72,6 +74,9 @@ class PreflightConfig:
     """The dynamic probe: greedy tokens appended to each probe prompt, then scored by both sides."""
     kv_cache_bytes: int | None = None
     """The probe engine's KV cache; None: 256 MiB on CPU, vLLM's default on a GPU."""
+    trainer_device: str | None = None
+    """Where the probe's trainer side scores: the trainer's device ("cuda", "cuda:1", "cpu"); None: where
+    a trainer runs, the GPU when there is one, else the CPU (`rlcheck.preflight.dynamic.probe_device`)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -92,6 +97,8 @@ class PreflightConfig:
             raise ConfigError(f"top_k must be an integer >= -1 (0 and -1: off), got {self.top_k!r}")
         if self.probe_tokens < 1:
             raise ConfigError(f"probe_tokens must be >= 1, got {self.probe_tokens}")
+        if self.trainer_device is not None and not DEVICE.fullmatch(str(self.trainer_device)):
+            raise ConfigError(f"trainer_device must be cpu, cuda or cuda:N, got {self.trainer_device!r}")
 
     @property
     def engine_path(self) -> str:

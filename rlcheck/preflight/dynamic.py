@@ -1,6 +1,6 @@
 """The dynamic preflight: one fixed teacher-forced probe batch, scored by the engine (vLLM's prompt
-logprobs, a fresh prefill) and by the trainer side (a plain Hugging Face forward, `rlcheck.engines.hf`),
-both at temperature 1; their mean |d| is judged against the dtype's tolerance, the one the loop's sync
+logprobs, a fresh prefill) and by the trainer side (a plain Hugging Face forward, `rlcheck.engines.hf`, on
+the trainer's device: `probe_device`), both at temperature 1; their mean |d| is judged against the dtype's tolerance, the one the loop's sync
 check uses (`rlcheck.core.sync_check.PROBE_TOLERANCE`, the coarser of the two sides' dtypes), and max |d|
 is reported beside it.
 
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult
+from rlcheck.errors import ConfigError
 from rlcheck.preflight.config import PreflightConfig, canonical_dtype
 from rlcheck.preflight.findings import Finding, Preflight, worst_first
 from rlcheck.preflight.sides import Side, config_dtype, load_side
@@ -55,6 +56,21 @@ def open_engine(cfg: PreflightConfig, dtype: str, engine_config: dict[str, Any] 
                                  max_model_len=min(MAX_MODEL_LEN, positions)))
 
 
+def probe_device(cfg: PreflightConfig, cuda: bool | None = None) -> str:
+    """Where the probe's trainer side scores: `cfg.trainer_device`, else where a trainer runs (the GPU
+    when there is one: a 7B in float32 is 28 GB of host memory on the CPU). `cuda` None: ask torch. A
+    CUDA device on a machine without one is a ConfigError naming the setting."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    device = cfg.trainer_device or ("cuda" if cuda else "cpu")
+    if device.startswith("cuda") and not cuda:
+        raise ConfigError(f"trainer_device={device!r}, but this machine has no CUDA device: score the probe where "
+                          "the trainer runs, or pass trainer_device='cpu' (--trainer-device cpu)")
+    return device
+
+
 def run_probe(cfg: PreflightConfig, trainer: Side, engine_side: Side, engine: Any = None) -> ProbeResult:
     """Score the probe batch on both sides; `engine`: a started `VLLMEngine` on the engine model to use
     (else one is started here, and closed before the trainer side loads)."""
@@ -66,6 +82,7 @@ def run_probe(cfg: PreflightConfig, trainer: Side, engine_side: Side, engine: An
     hf_logging.disable_progress_bar()  # the weight-loading bars would bury the findings
 
     t_dtype, e_dtype = side_dtypes(cfg, trainer, engine_side)
+    device = probe_device(cfg)  # before the engine starts: a device this machine lacks is refused at once
     prompts = [list(trainer.tokenizer.encode(text)) for text in PROBE_TEXTS]
     own = engine is None
     engine = engine or open_engine(cfg, e_dtype, engine_side.config)
@@ -75,7 +92,7 @@ def run_probe(cfg: PreflightConfig, trainer: Side, engine_side: Side, engine: An
     finally:
         if own:
             engine.close()
-    scorer = HFScorer(HFScorerConfig(model=cfg.model, dtype=t_dtype))
+    scorer = HFScorer(HFScorerConfig(model=cfg.model, dtype=t_dtype, device=device))
     scored_trainer = scorer.score(prompts, responses, temperature=1.0)
     d = np.abs(np.concatenate(scored_trainer).astype(np.float64) - np.concatenate(scored_engine).astype(np.float64))
     tolerance = max(PROBE_TOLERANCE.get(t_dtype, PROBE_TOLERANCE["bfloat16"]),

@@ -3,6 +3,10 @@ of the same weights, and the sampling defaults a model folder ships (generation_
 
     findings = check_configs(trainer_config, engine_config)      # dicts, as config.json holds them
 
+Both configs are read through transformers' own config class first (`normalized`), so a field it fills
+in or derives on one side (the trainer's config comes from the model in memory) is filled in on the
+other too: an identical model gives no finding.
+
 RoPE is read in either layout: transformers 4's `rope_theta` + `rope_scaling`, or transformers 5's
 `rope_parameters` ({"rope_theta": ..., "rope_type": ..., "factor": ...}, or one such dict per layer
 type); a "default" rope type with nothing else is no scaling.
@@ -86,10 +90,40 @@ def _scaling(params: dict[str, Any]) -> dict[str, Any] | None:
     return rest
 
 
+def normalized(config: dict[str, Any]) -> dict[str, Any] | None:
+    """`config` as transformers builds it: its model type's config class made from these fields, then
+    `to_dict()`, the class defaults filled in and the derived fields set (Qwen2's `sliding_window` None
+    unless `use_sliding_window`, `layer_types`, Gemma 3's RoPE per layer type, a yarn `rope_type` beside
+    its `type`), as the trainer's model and vLLM (which reads configs through transformers) both see
+    them. None when transformers, or a config class for the model type, is not there to build it."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    try:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a config's own deprecation notes are not the preflight's findings
+    try:
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        return AutoConfig.for_model(model_type, **fields).to_dict()
+    except Exception:  # noqa: BLE001 - an unknown type (remote code) or a config its class refuses: compared as written
+        return None
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def check_configs(trainer: dict[str, Any], engine: dict[str, Any]) -> list[Finding]:
-    """One finding per `FIELDS` entry the two configs disagree on (None counts as unset; a field set on one
-    side only is "warn" at most, the other side's class default may be the same value, except the
-    `OFF_WHEN_UNSET` ones)."""
+    """One finding per `FIELDS` entry the two configs disagree on, both read through the same
+    normalisation (`normalized`: the trainer's config comes from a model in memory, the engine's from
+    config.json; transformers fills and derives fields for both). Where either cannot be normalised
+    both are compared as written: None counts as unset, and a field set on one side only is "warn" at
+    most (the other side's class default may be the same value), except the `OFF_WHEN_UNSET` ones."""
+    both = normalized(trainer), normalized(engine)
+    if None not in both:
+        trainer, engine = both
     t, e = flat(trainer), flat(engine)
     out = []
     for key, (severity, why, fix) in FIELDS.items():

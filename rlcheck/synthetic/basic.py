@@ -10,10 +10,14 @@ step to step with heavy tails, as batch composition makes it. Faults are data-le
   default scale the spike moves mean |d| by a few MAD, far below any absolute threshold.
 - `corrupt_every_step=n`: n sequences per step are rescored as if from a stale state (every token
   off by 2-4 nats from its first token on).
+
+`read_shifted(batch)` is the shape of an off-by-one on any batch: the trainer's side read one token
+late (or early), which the fault zoo's `off-by-one` and the field streams inject.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,3 +79,22 @@ def synthetic_batch(cfg: SyntheticConfig, step: int) -> StepBatch:
     ids = [f"step{step}-req{i}" for i in range(n)]
     tokens = rng.integers(0, 32000, m)
     return StepBatch.from_packed(logp_rollout, logp_train, cu, ids, tokens=tokens)
+
+
+def read_shifted(batch: StepBatch, late: bool = True) -> tuple[StepBatch, list[str]]:
+    """(`batch` with the trainer's logprobs, and the ids it scored, read one token late: position t holds
+    t + 1's, the last token its own; `late` False: one early, t holds t - 1's, the first its own), the
+    request ids of the sequences it shifted (two tokens or more)."""
+    lt = batch.logp_train.copy()
+    tokens = batch.tokens_train if batch.tokens_train is not None else batch.tokens
+    tt = None if tokens is None else tokens.copy()
+    hit = []
+    cu = batch.cu_seqlens.tolist()
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if b - a >= 2:
+            to, src = (slice(a, b - 1), slice(a + 1, b)) if late else (slice(a + 1, b), slice(a, b - 1))
+            lt[to] = batch.logp_train[src]
+            if tt is not None:
+                tt[to] = tokens[src]
+            hit.append(batch.request_ids[i])
+    return dataclasses.replace(batch, logp_train=lt, tokens_train=tt), hit

@@ -34,6 +34,7 @@ import numpy as np
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
+from rlcheck.synthetic.basic import read_shifted
 
 
 @dataclass(frozen=True)
@@ -272,9 +273,7 @@ class FieldStream:
         if f.kind == "temperature":
             return dataclasses.replace(batch, logp_train=np.minimum(lr / f.value + (lt - lr), 0.0).astype(lt.dtype))
         if f.kind == "off-by-one":
-            from rlcheck.faults import OffByOne
-
-            return OffByOne().apply(i, batch)[0]
+            return read_shifted(batch)[0]
         if f.kind == "corrupt-seqs":
             picked = np.flatnonzero(rng.random(batch.num_sequences) < f.value)
             if picked.size == 0:

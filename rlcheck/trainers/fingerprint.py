@@ -58,18 +58,25 @@ def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: 
             else:
                 values = p.to_local() if hasattr(p, "to_local") else p
                 cols = values.detach()[:, probe_columns(values.shape[1])] if name in linear else None
-                rows = None if cols is None else torch.arange(cols.shape[0], device=cols.device) + _row_offset(p)
+                rows = None if cols is None else torch.arange(cols.shape[0], device=cols.device) + row_offset(p)
             _add_tensor(fp, name, values, cols, dtype, rows)
     return fp
 
 
-def _row_offset(p: torch.Tensor) -> int:
-    """The first row of this rank's part of `p` (an FSDP2 `DTensor` shard of rows; 0 for a whole tensor)."""
+def row_offset(p: torch.Tensor) -> int:
+    """The first row of this rank's part of `p` (an FSDP2 `DTensor` shard of rows; 0 for a whole tensor),
+    from the public DTensor API: each `Shard(0)` placement, in mesh-dimension order, splits the rows
+    left by the ones before it as `torch.chunk` does (`Shard.local_shard_size_and_offset`)."""
     if not hasattr(p, "device_mesh"):
         return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Shard
 
-    return int(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0])
+    mesh, rows, offset = p.device_mesh, int(p.shape[0]), 0
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard(0):
+            rows, start = Shard.local_shard_size_and_offset(rows, mesh.size(dim), mesh.get_local_rank(dim))
+            offset += int(start)
+    return offset
 
 
 def stream_fingerprint(named, dtype: torch.dtype, linear_tails: set[str]) -> dict[str, list[float]]:

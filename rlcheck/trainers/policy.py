@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlcheck.core.model_types import is_recurrent
 from rlcheck.engines.hf import right_padded
 from rlcheck.errors import InputError
-from rlcheck.modelzoo.models import is_recurrent
 from rlcheck.trainers.backends import BACKEND_TYPES, Weights
 from rlcheck.trainers.batching import MicroBatchPlan, Sequences
 from rlcheck.trainers.config import TrainerConfig

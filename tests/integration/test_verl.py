@@ -270,11 +270,16 @@ class TestHandBack:
 
     def _verl(self, batch, **cfg):
         """verl's correction of the same DataProto with the corrupted row masked by hand."""
+        return self._verl_masked(batch, [self.BAD], **cfg)
+
+    @staticmethod
+    def _verl_masked(batch, rows, **cfg):
+        """verl's correction of a copy of `batch` with `rows` masked by hand."""
         from verl.trainer.config.algorithm import RolloutCorrectionConfig
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 
         twin = copy.deepcopy(batch)
-        twin.batch["response_mask"][self.BAD] = 0
+        twin.batch["response_mask"][rows] = 0
         twin, _ = compute_rollout_correction_and_add_to_batch(twin, RolloutCorrectionConfig(**cfg))
         return twin.batch
 
@@ -319,3 +324,36 @@ class TestHandBack:
         weights = batch.batch["rollout_is_weights"].clone()
         batch, _ = compute_rollout_correction_and_add_to_batch(batch, RolloutCorrectionConfig(rollout_is=None))
         assert not batch.batch["response_mask"][self.BAD].any() and torch.equal(batch.batch["rollout_is_weights"], weights)
+
+    @pytest.mark.parametrize("correction", [None, CorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)])
+    def test_fully_async_hand_back(self, tmp_path, correction):
+        """The fully async trainer with quarantine (and correction): 40 rows, 4 generated on the previous
+        version (left out of the statistics), 1 corrupt. The corrupt row leaves response_mask; the lagged
+        rows still train, and with correction get verl's own weights (the IS ratio is what corrects an
+        off-policy row). Before, the hand-back counted the lagged rows' hidden tokens as missing and
+        raised InputError after the step was journaled."""
+        batch, _ = verl_step(num_prompts=10, n=4, seed=3)
+        rows, lagged, bad = len(batch), [5, 17, 22, 31], 12
+        first = np.array([5] * rows, dtype=object)
+        first[lagged] = 4
+        batch.non_tensor_batch["min_global_steps"] = first
+        batch.non_tensor_batch["max_global_steps"] = first.copy()
+        b = batch.batch
+        b["old_log_probs"][lagged] -= 0.3 * b["response_mask"][lagged]  # the policy moved by one version
+        b["rollout_log_probs"][bad] = torch.where(b["response_mask"][bad].bool(), -25.0, b["rollout_log_probs"][bad])
+        before = b["response_mask"].clone()
+        want = None
+        if correction is not None:
+            want = self._verl_masked(batch, [bad], rollout_is="token", rollout_is_threshold=2.0)
+        cfg = MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",), quarantine=QuarantineConfig())
+        with Monitor(cfg) as mon:
+            report = V.observe(mon, 1, batch, param_version=5, correction=correction,
+                               async_training={"staleness_threshold": 0.5, "partial_rollout": True})
+        assert [q.index for q in report.quarantined] == [bad] and report.metrics["verl_async/lagged_frac"] == pytest.approx(0.1)
+        after = b["response_mask"]
+        rest = [i for i in range(rows) if i != bad]
+        assert not after[bad].any() and torch.equal(after[rest], before[rest])
+        if correction is not None:
+            torch.testing.assert_close(b["rollout_is_weights"], want["rollout_is_weights"] * want["response_mask"],
+                                       rtol=1e-5, atol=1e-6)
+            assert b["rollout_is_weights"][lagged].lt(1.0).any()  # the lagged rows are weighted, not skipped

@@ -63,6 +63,7 @@ class TestPreflightCommand:
         (("--logprobs-mode", "logits"), "logprobs_mode must be raw, processed"),
         (("--dtype", "int4"), "int4"),
         (("--top-p", "1.5"), "top_p"),
+        (("--trainer-device", "gpu"), "trainer_device must be cpu, cuda or cuda:N"),
     ])
     def test_bad_input_exits_2(self, models, args, says):
         """A missing folder or a bad setting: one `rlcheck: error:` line, exit 2."""
@@ -70,3 +71,10 @@ class TestPreflightCommand:
         result = run(*model, *args, "--no-probe")
         assert result.exit_code == 2, result.output
         assert result.stderr.startswith("rlcheck: error:") and says in result.stderr
+
+    @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+    def test_probe_on_a_missing_gpu_is_refused_before_vllm_starts(self, models):
+        """--trainer-device cuda on a CPU machine: exit 2 naming the setting, before any engine starts."""
+        result = run("--model", models[0], "--trainer-device", "cuda", "--probe")
+        assert result.exit_code == 2, result.output
+        assert "trainer_device='cuda'" in result.stderr and "no CUDA device" in result.stderr

@@ -101,6 +101,7 @@ CASES = {
     "clean": lambda d: record(d, lambda s: synthetic_batch(data(), s)),
     "corrupt": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"corrupt-seqs=0.02@{ONSET}"),
     "off_by_one": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"off-by-one@{ONSET}"),
+    "off_by_one_early": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"off-by-one-early@{ONSET}"),
     "bf16": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"bf16-noise=2@{ONSET}"),
     "periodic": lambda d: record(d, lambda s: synthetic_batch(spikes(), s), steps=60),
     "growing": lambda d: record(d, growing),
@@ -153,9 +154,12 @@ class TestDiagnose:
         assert sorted(verdict.affected_request_ids) == sorted(rid for ids in run.far_off.values() for rid in ids)
         assert set(verdict.affected_request_ids) <= {rid for ids in run.touched.values() for rid in ids}
 
-    def test_off_by_one_is_token_misalignment(self, runs):
-        """A one-token shift is token misalignment at the step it starts, among the requests it shifted."""
-        run = runs("off_by_one")
+    @pytest.mark.parametrize("case", ["off_by_one", "off_by_one_early"])
+    def test_off_by_one_is_token_misalignment(self, runs, case):
+        """A one-token shift, read one token late or one early (a prompt length counted one short), is
+        token misalignment at the step it starts, among the requests it shifted. Before, the early one
+        read as `retokenization` (the ids part at the second token, not the first)."""
+        run = runs(case)
         verdict = diagnose(run.path).verdict
         assert verdict.cause == "token_misalignment", verdict.evidence
         assert verdict.affected_steps == [ONSET] and run.halt.report.step == ONSET

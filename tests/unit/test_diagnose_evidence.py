@@ -220,8 +220,16 @@ def sparse(step: int, off: float = 2.0) -> Step:
     return s
 
 
-CASES = {"double_bos": double_bos, "retokenized": retokenized, "stop_dropped": stop_dropped, "left_padded": left_padded,
-         "left_padded_one": left_padded_one,
+def bos_and_shift(step: int) -> Step:
+    """double_bos whose trainer also reads the response ids one token late (its prompt one longer)."""
+    s = double_bos(step)
+    if step >= ONSET:
+        s.trainer_tokens = [np.concatenate([t[1:], t[-1:]]) for t in s.tokens]
+    return s
+
+
+CASES = {"double_bos": double_bos, "bos_and_shift": bos_and_shift, "retokenized": retokenized, "stop_dropped": stop_dropped,
+         "left_padded": left_padded, "left_padded_one": left_padded_one,
          "rope": rope, "stale_prefix": stale_prefix, "hotter": hotter, "nucleus": nucleus, "sparse": sparse,
          "sparse_small": lambda s: sparse(s, 0.01),
          "clean": step_of, "clean_shared": lambda s: step_of(s, long="shared"), "clean_own": lambda s: step_of(s, long="own")}
@@ -265,6 +273,14 @@ class TestEvidenceRules:
             v = diagnose(path).verdict
             assert v.cause == "prompt_mismatch" and v.affected_steps[0] == ONSET, v.evidence
             assert "BOS" in v.evidence[0] and "2 times" in v.evidence[0] and len(v.affected_request_ids) == 32
+
+    def test_prompt_mismatch_says_what_the_response_ids_do(self, runs):
+        """The prompt-id finding checks the response ids before it says they agree: with the trainer's
+        response ids read one token late as well, it says they differ (it said "agree" unchecked)."""
+        (same,) = [f for f in diagnose(runs("double_bos")).findings if f.cause == "prompt_mismatch"]
+        assert "the response ids agree" in same.evidence[1]
+        (shifted,) = [f for f in diagnose(runs("bos_and_shift")).findings if f.cause == "prompt_mismatch"]
+        assert "agree" not in shifted.evidence[1] and "response ids differ on 32 of them too" in shifted.evidence[1]
 
     def test_retokenized_responses(self, runs):
         """A quarter of the sequences part from the engine's ids mid-sequence (a merge): retokenization,
@@ -352,3 +368,39 @@ class TestProbeOnlyWeightsAlarm:
         assert (v.cause, v.confidence) == ("weights_out_of_sync", 0.85) and "fingerprints agree" in v.evidence[-1]
         v = self.run(tmp_path / "fingerprint", ["1:linear"])
         assert (v.cause, v.confidence) == ("weights_out_of_sync", 0.99)
+
+
+class TestTokenPattern:
+    ENGINE = [11, 12, 13, 14, 15, 16, 17, 18]
+
+    @pytest.mark.parametrize("trainer, pattern, direction", [
+        ([12, 13, 14, 15, 16, 17, 18, 18], "shift", "late"),  # read one token late
+        ([11, 11, 12, 13, 14, 15, 16, 17], "shift", "early"),  # one early, the first token its own
+        ([99, 11, 12, 13, 14, 15, 16, 17], "shift", "early"),  # one early, the prompt's last token first
+        ([11, 12, 13, 14, 99, 16, 17, 18], "from", None),  # parts mid-sequence: another tokenization
+        ([11, 12, 13, 14, 15, 16, 17, 99], "last", None),
+        (ENGINE, None, None),
+    ])
+    def test_both_directions_of_a_shift(self, trainer, pattern, direction):
+        """A one-token shift either way is "shift" (and which way it goes); a later parting is "from"."""
+        from rlcheck.forensics.diagnose.rows import shift_direction, token_pattern
+
+        row = {"response_tokens": self.ENGINE, "tokens_train": trainer}
+        assert token_pattern(row) == pattern
+        engine, theirs = np.asarray(self.ENGINE), np.asarray(trainer)
+        diff = np.flatnonzero(engine != theirs)
+        assert (shift_direction(engine, theirs, int(diff[0])) if diff.size else None) == direction
+
+
+class TestSpearman:
+    def test_one_tie_rule(self):
+        """One rank correlation for every rule, ties ranked by their average: a flat series with one
+        late step up is not "rising" (ties broken by their order read it as a perfect 1.0)."""
+        from rlcheck.forensics.diagnose import queries, rows
+        from rlcheck.forensics.diagnose.rules import position
+
+        steps, flat = np.arange(6.0), np.array([1.0, 1.0, 1.0, 1.0, 1.0, 2.0])
+        assert queries.spearman(steps, flat) == pytest.approx(np.corrcoef(steps, [3, 3, 3, 3, 3, 6])[0, 1])
+        assert queries.spearman(steps, flat) < 0.8 and not queries.rising(steps, flat)
+        assert queries.spearman(steps, steps ** 2) == pytest.approx(1.0) and queries.spearman(steps, np.ones(6)) == 0.0
+        assert position.spearman is queries.spearman and not hasattr(rows, "spearman")

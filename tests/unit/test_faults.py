@@ -41,7 +41,7 @@ SPECS = [
     "stale-weights", "stale-weights@40",
     "temperature-mismatch=1.1", "temperature-mismatch=0.8",
     "top-p=0.9", "top-p=0.5",
-    "off-by-one", "off-by-one@7",
+    "off-by-one", "off-by-one@7", "off-by-one-early", "off-by-one-early@7",
     "bf16-noise=2", "bf16-noise=0.5@3",
     "corrupt-seqs=1", "corrupt-seqs=0.02@40",
 ]
@@ -296,6 +296,18 @@ class TestOffByOne:
         batch = StepBatch.from_ragged([[-1.0, -2.0, -3.0]], [[-1.0, -2.0, -3.0]], ["a"])
         out, hit = OffByOne().apply(0, batch)
         assert out.logp_train.tolist() == [-2.0, -3.0, -3.0] and out.tokens_train is None and hit == ["a"]
+
+    def test_early_shifts_the_other_way(self):
+        """off-by-one-early: position t holds the trainer's logprob and token id of t - 1 (a prompt length
+        counted one short); the first token keeps its own."""
+        batch = ragged_with_tokens([5, 1, 2, 0, 7])
+        out, hit = parse_inject("off-by-one-early").apply(0, batch)
+        for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True):
+            if b - a >= 2:
+                np.testing.assert_array_equal(out.logp_train[a + 1 : b], batch.logp_train[a : b - 1])
+                np.testing.assert_array_equal(out.tokens_train[a + 1 : b], batch.tokens[a : b - 1])
+                assert out.logp_train[a] == batch.logp_train[a] and out.tokens_train[a] == batch.tokens[a]
+        assert hit == ["r0", "r2", "r4"] and parse_inject("off-by-one-early").cause == "token_misalignment"
 
 
 class TestBf16Noise:

@@ -634,7 +634,7 @@ class TestTopKThroughTheHook:
         trainer.model, trainer.temperature = model, temperature
         trainer.args.per_device_train_batch_size = 2  # two chunks of rows
         trainer.accelerator.autocast = nullcontext
-        monkeypatch.setattr(trl, "trl_context", lambda trainer: {})  # the stand-in has no GRPOConfig
+        monkeypatch.setattr(trl.hook, "trl_context", lambda trainer: {})  # the stand-in has no GRPOConfig
         h = trl.RLCheckHook(trainer, MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",)), TRLOptions(top_logprobs=k))
         try:
             _, _, lps, _ = trainer.vllm_generation.generate()

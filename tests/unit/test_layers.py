@@ -1,6 +1,6 @@
-"""The package's layering (ARCHITECTURE.md): no import circle anywhere in rlcheck/, `import rlcheck`
-and its numpy-only core load no torch, vLLM or Ray, no module over ~300 lines, and no private module
-(`_name`) imported from outside its own package."""
+"""The package's layering (ARCHITECTURE.md): every import points down the layer table (`LAYERS`), no
+import circle anywhere in rlcheck/, `import rlcheck` and its numpy-only core load no torch, vLLM or Ray,
+no module over ~300 lines, and no private module (`_name`) imported from outside its own package."""
 
 from __future__ import annotations
 
@@ -17,6 +17,50 @@ HEAVY = ("torch", "vllm", "ray", "transformers", "deepspeed", "wandb", "trl")
 CORE = ("rlcheck", "rlcheck.core", "rlcheck.core.monitor", "rlcheck.core.run", "rlcheck.core.stats",
         "rlcheck.core.detect", "rlcheck.errors", "rlcheck.sinks", "rlcheck.synthetic", "rlcheck.report.summary",
         "rlcheck.forensics.diagnose", "rlcheck.versions")
+
+
+LAYERS = (
+    ("rlcheck.errors",),
+    ("rlcheck.versions",),
+    ("rlcheck.core",),
+    ("rlcheck.sinks",),  # views of the journal's records: core's types and metric names
+    ("rlcheck.core.monitor",),  # composes the core and the sinks (`MonitorConfig.sinks`)
+    ("rlcheck",),  # the package's public names
+    ("rlcheck.synthetic",),
+    ("rlcheck.faults",),
+    ("rlcheck.engines",),
+    ("rlcheck.trainers",),
+    ("rlcheck.preflight",),
+    ("rlcheck.loop",),
+    ("rlcheck.modelzoo",),  # builds and trains the tiny models, on the loop's task
+    ("rlcheck.distributed",),
+    ("rlcheck.integrations",),
+    ("rlcheck.forensics",),
+    ("rlcheck.report",),
+    ("rlcheck.demo",),
+    ("rlcheck.cli",),
+)
+"""The layers, lowest first (ARCHITECTURE.md's four, in the order their packages import each other): a
+module imports only from its own layer or lower ones. A module is in the layer of the longest prefix
+that names it (a package, or one module of it)."""
+
+
+def layer_of(module: str) -> int:
+    """The index in `LAYERS` of the longest prefix naming `module`."""
+    best, where = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, where = len(prefix), i
+    if where is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add its package")
+    return where
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a higher layer than its own, as "module -> import (layer, layer)"."""
+    return sorted(f"{name} -> {dep} ({LAYERS[layer_of(name)][0]} < {LAYERS[layer_of(dep)][0]})"
+                  for name, deps in graph.items() for dep in deps if layer_of(dep) > layer_of(name))
 
 
 def modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -113,6 +157,22 @@ class TestImportGraph:
         (pkg / "b.py").write_text("def f():\n    from rlcheck import a\n")
         (pkg / "c.py").write_text("import rlcheck.a\n")
         assert cycles(import_graph(pkg)) == [["rlcheck.a", "rlcheck.b"]]
+
+    def test_imports_point_down_the_layers(self):
+        """Every rlcheck import points to the module's own layer or a lower one (`LAYERS`): the core never
+        imports the runtime, the runtime never the tools; within the runtime, its order."""
+        assert upward(import_graph()) == []
+
+    def test_the_check_finds_an_upward_import(self, tmp_path):
+        """A core module importing the runtime (inside a function too) is reported; the reverse is not."""
+        pkg = tmp_path / "rlcheck"
+        for sub in ("core", "engines"):
+            (pkg / sub).mkdir(parents=True)
+            (pkg / sub / "__init__.py").write_text("")
+        (pkg / "__init__.py").write_text("")
+        (pkg / "core" / "a.py").write_text("def f():\n    from rlcheck.engines import b\n")
+        (pkg / "engines" / "b.py").write_text("from rlcheck.core import a\n")
+        assert upward(import_graph(pkg)) == ["rlcheck.core.a -> rlcheck.engines.b (rlcheck.core < rlcheck.engines)"]
 
     def test_no_private_module_imported_from_another_package(self):
         """`rlcheck.x._y` is imported only by modules of `rlcheck.x`."""

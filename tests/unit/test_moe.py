@@ -113,6 +113,58 @@ class TestMonitorRouting:
         assert K.MOE_ROUTE_AGREE_FRAC not in plain
 
 
+class TestRoutingKeepsTheEvidence:
+    def test_mask_not_changed_in_place(self):
+        """`routing_stats` leaves the caller's mask as it was (it used to `&=` the finite tokens into it)."""
+        mask = np.ones(4, dtype=bool)
+        routing_stats(Routing(ROLLOUT, TRAIN), np.array([0.1, np.nan, 0.2, 0.3]), mask)
+        assert mask.all()
+
+    def test_nonfinite_token_stays_in_the_halt_dump(self, tmp_path):
+        """A NaN logprob in a batch with routing and a mask halts; the dump still holds that token
+        masked in (the routing metrics used to mask it out of the batch before the dump was written)."""
+        from rlcheck.core.batch import StepBatch
+        from rlcheck.core.monitor import Monitor, MonitorConfig
+        from rlcheck.core.run.dump import read_dump
+        from rlcheck.errors import MismatchHalt
+
+        lr = np.log(np.array([0.5, 0.4, 0.3, 0.2]))
+        lt = lr + ABS_DIFF
+        lt[2] = np.nan
+        batch = StepBatch.from_packed(lr, lt, [0, 1, 4], ["a", "b"], mask=np.ones(4, dtype=bool),
+                                      routing=Routing(ROLLOUT, TRAIN))
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=())) as mon, pytest.raises(MismatchHalt) as exc:
+            mon.observe(0, batch)
+        assert batch.mask.all()
+        rows, _ = read_dump(exc.value.dump_dir)
+        (b,) = [r for r in rows if r["request_id"] == "b"]
+        assert list(b["mask"]) == [True, True, True] and np.isnan(b["logp_train"][1])
+
+    def test_quarantined_sequences_leave_the_routing_metrics(self, tmp_path):
+        """The routing metrics, alarm and diagnose rule see the kept tokens: a quarantined corrupt
+        sequence, routed differently on every token, does not count (RoutingStats: "over the kept tokens")."""
+        from rlcheck.core.batch import StepBatch
+        from rlcheck.core.monitor import Monitor, MonitorConfig
+        from rlcheck.core.quarantine import QuarantineConfig
+
+        rng = np.random.default_rng(0)
+        lens = [16] * 20
+        lr = [-rng.exponential(1.0, n) for n in lens]
+        lt = [x + rng.normal(0, 1e-3, x.shape) for x in lr]
+        lt[3] = lr[3] - 12.0  # corrupt: quarantined as catastrophic (1 of 20, within max_frac)
+        train = [np.tile([[0, 1], [2, 3]], (n, 1, 1)) for n in lens]
+        engine = [t.copy() for t in train]
+        engine[3][:, 1] = [4, 5]  # every token of the corrupt sequence routed elsewhere at layer 1
+        batch = StepBatch.from_ragged(lr, lt, [f"r{i}" for i in range(20)],
+                                      routing=Routing.from_sequences(engine, train))
+        cfg = MonitorConfig(run_dir=tmp_path / "run", sinks=(), quarantine=QuarantineConfig())
+        with Monitor(cfg) as mon:
+            report = mon.observe(0, batch)
+        assert [q.index for q in report.quarantined] == [3]
+        assert report.metrics[K.MOE_TOKEN_COUNT] == 19 * 16 and report.metrics[K.MOE_ROUTE_AGREE_FRAC] == 1.0
+        assert not [a for a in report.alarms if a.metric == K.MOE_ABS_DIFF_SHARE]
+
+
 class TestRoutingAlarms:
     def test_warns_when_the_rerouted_tokens_carry_the_mismatch(self):
         """A warning when the tokens routed differently carry at least half of sum |d| and twice their

@@ -143,3 +143,65 @@ class TestRoutingPlan:
             routing_plan(VLLMConfig(model=moe, moe_routing="on", enforce_eager=False), cuda=False)
         with pytest.raises(ConfigError, match="moe_routing must be"):
             VLLMConfig(model=moe, moe_routing="yes")
+
+
+class _CudaV2LLM:
+    """Stands in for `vllm.LLM` on CUDA's V2 runner (`enable_return_routed_experts`): `generate` returns
+    vLLM's own `RequestOutput` / `CompletionOutput` objects, each completion's `routed_experts` made by
+    `routed(num_positions)`."""
+
+    def __init__(self, routed):
+        self.routed = routed
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from vllm.logprobs import Logprob
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        out = []
+        for i, p in enumerate(prompts):
+            prompt, ids = p["prompt_token_ids"], [5, 6, 7]
+            logprobs = [{t: Logprob(-0.5)} for t in ids]
+            c = CompletionOutput(0, "", ids, -1.5, logprobs, routed_experts=self.routed(len(prompt) + len(ids)),
+                                 finish_reason="length")
+            out.append(RequestOutput(str(i), None, prompt, None, [c], True))
+        return out
+
+
+class TestVllmRoutedExperts:
+    """A CUDA engine reads vLLM's `routed_experts`; where it is missing or laid out otherwise, the
+    rollouts go on without routing, said once: never a failed rollout for a monitor's sake."""
+
+    def engine(self, tiny_model, monkeypatch, routed):
+        import rlcheck.engines.vllm as V
+
+        monkeypatch.setattr(V, "build_llm", lambda cfg: _CudaV2LLM(routed))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return V.VLLMEngine(V.VLLMConfig(model=str(tiny_model("moe"))))
+
+    def test_vllms_layout_is_read(self, tiny_model, monkeypatch):
+        """[positions, layers, top_k]: each rollout's experts are the rows that routed its tokens."""
+        engine = self.engine(tiny_model, monkeypatch, lambda n: np.arange(n * 4).reshape(n, 2, 2))
+        assert engine.routes.plan == "vllm"
+        (r,) = engine.generate([[1, 2, 3, 4]], step=0)
+        np.testing.assert_array_equal(r.experts, np.arange(7 * 4).reshape(7, 2, 2)[3:6])
+
+    @pytest.mark.parametrize("routed", [
+        lambda n: None,  # the runner did not record them
+        lambda n: np.zeros((n, 4), np.int64),  # flattened layers x top_k
+        lambda n: np.zeros((2, n, 2), np.int64),  # layer-major
+        lambda n: np.zeros((n, 2, 3), np.int64),  # top_k axis of another size
+        lambda n: [[[0, 1]]] * 2,  # too few positions
+    ], ids=["none", "flat", "layer_major", "top_k", "short"])
+    def test_missing_or_other_layout_degrades(self, tiny_model, monkeypatch, routed):
+        """The rollouts come back whole with experts None, one warning for the engine (none the next call);
+        before, every rollout raised TypeError or InputError."""
+        engine = self.engine(tiny_model, monkeypatch, routed)
+        with pytest.warns(RuntimeWarning, match="MoE routing not available") as said:
+            rollouts = engine.generate([[1, 2, 3, 4], [1, 2]], step=0)
+        assert len(said) == 1 and [len(r.token_ids) for r in rollouts] == [3, 3]
+        assert all(r.experts is None for r in rollouts) and engine.routes.unavailable == 2
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert engine.generate([[1, 2, 3]], step=1)[0].experts is None

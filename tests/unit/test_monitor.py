@@ -316,6 +316,15 @@ class TestNonfiniteAlwaysAlarms:
         assert [a["metric"] for a in logged[0]["alarms"]] == []
         assert [a["metric"] for a in logged[1]["alarms"]].count(K.NONFINITE_COUNT) == 1
 
+    @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+    def test_non_finite_metric_is_past_its_hard_limit(self, tmp_path, value):
+        """A hard-limited metric that is NaN (or infinite) is past its limit: `value > limit` read NaN as within."""
+        halt = HaltConfig(enabled=False, hard_limits={"sync/probe_mean_abs": 0.1})
+        with monitor(tmp_path, halt=halt) as mon:
+            report = mon.observe(0, ragged(np.random.default_rng(1)), extra={"sync/probe_mean_abs": value})
+        (alarm,) = [a for a in report.alarms if a.metric == "sync/probe_mean_abs"]
+        assert alarm.severity == "critical" and alarm.details["hard_limit"]
+
     def test_negative_limit_keeps_its_meaning(self, tmp_path):
         """A hard limit below 0 on the count still fires on a clean step, as any hard-limit entry does."""
         halt = HaltConfig(enabled=False, hard_limits={K.NONFINITE_COUNT: -1.0})

@@ -104,13 +104,23 @@ class TestModelConfigs:
         assert f.trainer == LLAMA.get(field) and f.fix.endswith(".")  # sliding_window: None, no window
 
     def test_set_on_one_side_only_is_a_warning(self):
-        """A field one config sets and the other leaves unset is at most a warning."""
-        (f,) = check_configs(LLAMA, {k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"})
+        """Where transformers has no config class to normalise with (a remote-code model type), a field
+        one config sets and the other leaves unset is at most a warning."""
+        custom = edited(LLAMA, model_type="not_in_transformers")
+        (f,) = check_configs(custom, {k: v for k, v in custom.items() if k != "tie_word_embeddings"})
         assert (f.key, f.severity, f.engine) == ("tie_word_embeddings", "warn", "(unset)")
+
+    def test_unset_is_the_class_default(self):
+        """A field left unset on one side is its config class's default there (transformers fills it
+        in for both the trainer and vLLM): unset vs that default is no finding, vs another value one."""
+        unset = {k: v for k, v in LLAMA.items() if k not in ("tie_word_embeddings", "rms_norm_eps")}
+        assert check_configs(LLAMA, unset) == []
+        (f,) = check_configs(unset, edited(unset, rms_norm_eps=1e-5))
+        assert (f.key, f.severity, f.trainer, f.engine) == ("rms_norm_eps", "error", 1e-6, 1e-5)
 
     def test_text_config_is_read(self):
         """A multimodal config's text_config fields count as the model's."""
-        nested = {"model_type": "llama", "text_config": {**LLAMA, "rope_parameters": {"rope_theta": 1e6}}}
+        nested = {"model_type": "llava", "text_config": {**LLAMA, "rope_parameters": {"rope_theta": 1e6}}}
         assert "rope_theta" in keys(check_configs(edited(nested, text_config=LLAMA), nested))
 
     def test_generation_defaults(self):
@@ -179,6 +189,27 @@ class TestSampling:
         assert [(f.key, f.severity) for f in check_prefix_cache(cfg)] == want
 
 
+class TestProbeDevice:
+    @pytest.mark.parametrize("device, cuda, want", [
+        (None, True, "cuda"), (None, False, "cpu"), ("cpu", True, "cpu"), ("cuda:1", True, "cuda:1"),
+    ])
+    def test_scores_where_the_trainer_runs(self, device, cuda, want):
+        """The probe's HF forward runs on the trainer's device: the GPU by default where there is one
+        (before, always the CPU: a 7B in float32 is 28 GB of host memory), the CPU where asked."""
+        from rlcheck.preflight.dynamic import probe_device
+
+        assert probe_device(PreflightConfig(model="m", trainer_device=device), cuda=cuda) == want
+
+    def test_a_missing_gpu_and_a_bad_name_are_refused(self):
+        """A CUDA device on a machine without one, or a device rlcheck does not know, is a ConfigError."""
+        from rlcheck.preflight.dynamic import probe_device
+
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            probe_device(PreflightConfig(model="m", trainer_device="cuda:0"), cuda=False)
+        with pytest.raises(ConfigError, match="trainer_device"):
+            PreflightConfig(model="m", trainer_device="tpu")
+
+
 class TestDtype:
     @pytest.mark.parametrize("dtype, trainer_dtype, want", [
         (None, None, None), ("auto", None, ("float32", "bfloat16")), ("auto", "bfloat16", None),
@@ -200,7 +231,8 @@ class TestRunStatic:
 
     def test_two_folders_worst_first(self, llama, variant):
         """Another RoPE base and raw logprobs at T=0.7: errors first, with keys and fixes in the JSON."""
-        result = run_static(PreflightConfig(model=str(llama), engine_model=str(variant(rope_theta=5e5)),
+        other = variant(rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+        result = run_static(PreflightConfig(model=str(llama), engine_model=str(other),
                                             temperature=0.7, logprobs_mode="raw", resets_prefix_cache=True))
         assert result.differs and result.keys() == ["rope_theta", "logprobs_mode"]
         data = json.loads(json.dumps(result.to_dict()))

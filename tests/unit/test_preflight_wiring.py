@@ -125,14 +125,16 @@ class TestVerl:
             assert preflight(self.config(llama)) == ()
 
     def test_override_config_is_the_trainers_alone(self, llama):
-        """model.override_config changes the actor's config, not vLLM's: a rope_theta error; raw
-        logprobs at T=0.6 too."""
+        """model.override_config changes the actor's config, not vLLM's: an rms_norm_eps error; raw
+        logprobs at T=0.6 too. An override the config class does not read is none: verl sets
+        `rope_theta` on a transformers 5 config whose model reads `rope_parameters`."""
         from rlcheck.integrations.verl import preflight
 
-        cfg = self.config(llama, override_config={"rope_theta": 1e6}, temperature=0.6, logprobs_mode="raw_logprobs")
+        cfg = self.config(llama, override_config={"rms_norm_eps": 1e-3}, temperature=0.6, logprobs_mode="raw_logprobs")
         with pytest.warns(RuntimeWarning, match=r"rlcheck preflight \(verl"):
             found = preflight(cfg)
-        assert [(f.key, f.trainer) for f in found] == [("rope_theta", 1e6), ("logprobs_mode", "T=0.6")]
+        assert [(f.key, f.trainer) for f in found] == [("rms_norm_eps", 1e-3), ("logprobs_mode", "T=0.6")]
+        assert preflight(self.config(llama, override_config={"rope_theta": 1e6})) == ()
 
     def test_logits_mode_is_refused(self, llama):
         """A *_logits mode leaves nothing to compare: ConfigError before verl starts."""

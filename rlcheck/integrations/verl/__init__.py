@@ -49,7 +49,9 @@ Handing the verdict back: `observe` then updates `data` in place, as verl's own
                                       # the policy loss by it (only with correction.rollout_is set)
 
 `correction=monitor.cfg.correction` hands back the correction whose metrics the Monitor logs
-(`rlcheck/corr/...`). Without quarantine and correction nothing is written; where `observe` halts,
+(`rlcheck/corr/...`). The hand-back covers every row verl trains on: with the fully async trainer the
+lagged rows, left out of the statistics, keep their `response_mask` and get the correction's weights
+as verl's own correction would give them (the metrics are those of the compared rows). Without quarantine and correction nothing is written; where `observe` halts,
 nothing either. Give `correction` only with verl's own `algorithm.rollout_correction.rollout_is`
 unset: verl refuses to union a second `rollout_is_weights` (its rejection may stay on: it then runs
 on the mask rlcheck handed back).

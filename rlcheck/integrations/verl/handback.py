@@ -4,12 +4,14 @@ written into the step's `DataProto` as verl's own rollout correction writes them
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from rlcheck.core.batch import to_numpy
-from rlcheck.core.correction import CorrectionConfig
+from rlcheck.core.batch_build import padded_spans
+from rlcheck.core.correction import CorrectionConfig, correct
 from rlcheck.core.types import StepReport
 from rlcheck.errors import InputError
 from rlcheck.integrations.verl.fields import (
@@ -29,7 +31,11 @@ def update_batch(data: Any, report: StepReport, correction: CorrectionConfig | N
     0 on the rows `report.keep` drops and, with `correction`, on the tokens outside its mask (rejected,
     or non-finite); with `correction.rollout_is`, `rollout_is_weights` (B, R) in the dtype and device
     of `old_log_probs` (or `logp_train`), 0 off the new mask. Nothing is written when every row is
-    kept and `correction` is off."""
+    kept and `correction` is off.
+
+    The verdict covers every token verl trains on (`response_mask`), also those the report left out
+    of its statistics (the fully async trainer's lagged rows): the correction is computed over them
+    as verl's own would be, and a row the quarantine did not judge is kept."""
     enabled = correction is not None and correction.enabled
     if report.keep is None or (report.keep.all() and not enabled):
         return
@@ -38,29 +44,35 @@ def update_batch(data: Any, report: StepReport, correction: CorrectionConfig | N
     tensors, _ = fields_of(data)
     rollout, train = logprobs_of(tensors, logp_train)
     valid = to_numpy(response_mask_of(tensors, rollout.shape[-1]), MASK_KEY).astype(bool)  # (B, R)
+    spans = _spans(report, valid)  # (B, R): where the report's packed tokens lie
+    trained = valid[spans]  # (M,) the tokens verl trains on, packed as the report's batch
     if not enabled:
-        kept = np.repeat(report.keep, np.diff(report.batch.cu_seqlens))  # (M,)
-        tensors[MASK_KEY] = _like(_padded(kept, report, valid), _mask_like(tensors))
+        kept = np.repeat(report.keep, np.diff(report.batch.cu_seqlens)) & trained  # (M,)
+        tensors[MASK_KEY] = _like(_scatter(kept, spans), _mask_like(tensors))
         return
-    c = report.correction(correction.rollout_is, correction.rollout_is_threshold, correction.rollout_rs,
-                          correction.rollout_rs_threshold, correction.rollout_is_batch_normalize)
-    tensors[MASK_KEY] = _like(_padded(c.mask, report, valid), _mask_like(tensors))
+    c = correct(dataclasses.replace(report.batch, mask=trained), report.keep, correction)
+    tensors[MASK_KEY] = _like(_scatter(c.mask, spans), _mask_like(tensors))
     if correction.rollout_is is not None:
-        tensors[WEIGHTS_KEY] = _like(_padded(c.weights, report, valid), train)
+        tensors[WEIGHTS_KEY] = _like(_scatter(c.weights, spans), train)
 
 
-def _padded(values: np.ndarray, report: StepReport, valid: np.ndarray) -> np.ndarray:
-    """(B, R) of per-token `values` (M,) packed like `report.batch`, 0 off `valid`: the packed tokens
-    of the batch's mask are verl's response tokens in row-major order (`StepBatch.from_padded`)."""
-    batch = report.batch
-    picked = values if batch.mask is None else values[batch.mask]
-    if batch.num_sequences != valid.shape[0] or picked.shape[0] != int(valid.sum()):
+def _spans(report: StepReport, valid: np.ndarray) -> np.ndarray:
+    """(B, R) bool: the positions of `valid`'s rows the report's batch packed (`StepBatch.from_padded`
+    keeps each row from its first to its last valid token), checked against the batch's rows."""
+    batch, spans = report.batch, padded_spans(valid)
+    lens = spans.sum(axis=1)  # (B,)
+    if batch.num_sequences != valid.shape[0] or not np.array_equal(lens, np.diff(batch.cu_seqlens)):
         raise InputError(
-            f"the report observed {batch.num_sequences} rows and {picked.shape[0]} response tokens, the batch "
-            f"holds {valid.shape[0]} and {int(valid.sum())}: pass update_batch the batch the report observed"
+            f"the report observed {batch.num_sequences} rows and {batch.num_tokens} response tokens, the batch "
+            f"holds {valid.shape[0]} and {int(lens.sum())}: pass update_batch the batch the report observed"
         )
-    out = np.zeros(valid.shape, dtype=values.dtype)
-    out[valid] = picked
+    return spans
+
+
+def _scatter(values: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """(B, R) of per-token `values` (M,) packed at `spans`, 0 elsewhere."""
+    out = np.zeros(spans.shape, dtype=values.dtype)
+    out[spans] = values
     return out
 
 

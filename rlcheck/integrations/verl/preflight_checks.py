@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.preflight import Finding, PreflightConfig, Side, attach_check, load_side
+from rlcheck.preflight.models import normalized
 
 WHERE = "verl, before its workers and vLLM start"
 
@@ -50,7 +51,10 @@ def trainer_side(config: Any, path: str) -> Side:
     overrides = dict(get(config, f"{model}.override_config", {}) or {})
     overrides = dict(overrides.get("model_config", overrides))
     ids = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} if tok is not None else {}
-    cfg = None if side.config is None else {**side.config, **{k: v for k, v in ids.items() if v is not None}, **overrides}
+    # verl sets each override on the config object transformers built (`update_model_config`: setattr),
+    # so they go on top of the normalised config, where a field its class does not read stays unread
+    base = None if side.config is None else normalized(side.config) or side.config
+    cfg = None if base is None else {**base, **{k: v for k, v in ids.items() if v is not None}, **overrides}
     return Side("trainer", path, cfg, side.generation, tok, side.problems)
 
 

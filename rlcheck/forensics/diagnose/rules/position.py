@@ -21,7 +21,7 @@ from rlcheck.core import metrics as K
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
 from rlcheck.forensics.diagnose.floors import clean_level, floor_level
-from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
+from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series, spearman
 from rlcheck.forensics.diagnose.rows import (
     CONTRAST,
     abs_diff,
@@ -31,7 +31,6 @@ from rlcheck.forensics.diagnose.rows import (
     row_abs,
     separated,
     shared_prefix,
-    spearman,
 )
 
 MIN_SPAN = 64

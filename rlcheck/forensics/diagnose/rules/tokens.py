@@ -60,9 +60,20 @@ def _prompt_finding(ev: Evidence, step: int, rows, theirs, differ: list[int]) ->
     evidence = [f"step {step}: {len(differ)} of {len(rows)} sequences were scored by the trainer after other prompt "
                 f"ids than the engine's; e.g. {rows[i]['request_id']}: {how}",
                 f"engine {engine[:8].tolist()}... ({engine.size} ids), trainer {trainer[:8].tolist()}... "
-                f"({trainer.size} ids); the response ids agree, their mean |d| is {off.mean():.3g}"]
+                f"({trainer.size} ids); {_responses([rows[j] for j in differ])}, their mean |d| is {off.mean():.3g}"]
     steps = sorted({step, *alarm_steps(alarms_of(ev, kind="signature", signatures=(SIGNATURE,)))})
     return Finding("prompt_mismatch", 0.97, evidence, steps, [rows[j]["request_id"] for j in differ][:MAX_IDS])
+
+
+def _responses(rows: list[dict[str, Any]]) -> str:
+    """What the two sides' response ids of `rows` do, as read from the rows (never assumed)."""
+    scored = [row for row in rows if ids(row, "tokens_train") is not None and ids(row, "response_tokens") is not None]
+    if not scored:
+        return "the trainer's response ids are not in the dump"
+    differ = sum(not np.array_equal(ids(row, "tokens_train"), ids(row, "response_tokens")) for row in scored)
+    if differ:
+        return f"the response ids differ on {differ} of them too"
+    return "the response ids agree" + (f" (on the {len(scored)} with the trainer's ids)" if len(scored) < len(rows) else "")
 
 
 def describe_prompt_difference(engine: np.ndarray, trainer: np.ndarray) -> str:
