@@ -289,30 +289,46 @@ class TestProbeRefused:
         check_probe(SyncCheckConfig(probe_prompts=4, probe_tokens=128), [[1, 2]] * 4)
 
 
+_ROW_OFFSET_CHECK = """
+import sys
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from rlcheck.trainers.fingerprint import row_offset
+
+shape, placements = tuple(int(n) for n in sys.argv[1].split("x")), sys.argv[2]
+kinds = [Shard(0) if c == "S" else Replicate() for c in placements]
+world = int(np.prod(shape))
+for rank in range(world):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", shape)
+        local, offset = compute_local_shape_and_global_offset(torch.Size([10, 3]), mesh, kinds)
+        p = DTensor.from_local(torch.zeros(local), mesh, kinds, run_check=False, shape=torch.Size([10, 3]),
+                               stride=(3, 1))
+        assert row_offset(p) == offset[0], (rank, row_offset(p), offset)
+    finally:
+        dist.destroy_process_group()
+assert row_offset(torch.zeros(10, 3)) == 0
+print("ok")
+"""
+
+
 class TestRowOffset:
     @pytest.mark.parametrize("shape, placements", [((4,), "S"), ((2, 2), "SS"), ((2, 2), "RS")])
     def test_public_api_matches_torch(self, shape, placements):
         """The first row of each rank's FSDP2 shard, from the public DTensor API, is the one torch's own
-        (private) `compute_local_shape_and_global_offset` gives, uneven shards included (10 rows over 4)."""
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        (private) `compute_local_shape_and_global_offset` gives, uneven shards included (10 rows over 4).
+        In a fresh interpreter: the fake process groups need the default group free, and an in-process
+        vLLM engine from an earlier test holds it for the whole test session."""
+        import subprocess
+        import sys
 
-        from rlcheck.trainers.fingerprint import row_offset
-
-        kinds = [Shard(0) if c == "S" else Replicate() for c in placements]
-        world = int(np.prod(shape))
-        for rank in range(world):
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-            try:
-                mesh = init_device_mesh("cpu", shape)
-                local, offset = compute_local_shape_and_global_offset(torch.Size([10, 3]), mesh, kinds)
-                p = DTensor.from_local(torch.zeros(local), mesh, kinds, run_check=False, shape=torch.Size([10, 3]),
-                                       stride=(3, 1))
-                assert row_offset(p) == offset[0]
-            finally:
-                dist.destroy_process_group()
-        assert row_offset(torch.zeros(10, 3)) == 0
+        done = subprocess.run([sys.executable, "-c", _ROW_OFFSET_CHECK, "x".join(map(str, shape)), placements],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
