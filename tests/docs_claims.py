@@ -27,6 +27,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `temperature-mismatch=F` |", (NAMED,)),
     ("docs/faults.md", "| `top-p=P` |", (SETTINGS + "test_logit_processing",)),
     ("docs/faults.md", "| `off-by-one@S` |", (NAMED,)),
+    ("docs/faults.md", "| `off-by-one-early@S` |", ("tests/unit/test_diagnose.py::TestDiagnose::test_off_by_one_is_token_misalignment",)),
     ("docs/faults.md", "| `bf16-noise=X@S` |", (NAMED,)),
     ("docs/faults.md", "| `corrupt-seqs=R@S` |", (NAMED,)),
     ("docs/faults.md", "| `stale-state` |", (STALE,)),
