@@ -12,17 +12,21 @@ A `StepBatch` holds M response tokens of N sequences back to back (flash-attn va
     topk                      TopK         optional: both sides' top-K logprobs, one row per token
                                            (`rlcheck.core.topk`; dumps do not store it)
     routing                   Routing      optional: both sides' MoE experts per token (`rlcheck.core.moe`)
+    turns                     Turns        optional: each token's model turn, tool tokens marked, and what the
+                                           engine saw per turn (`rlcheck.core.turns`: multi-turn rollouts)
     device_tensors            dict or None the packed fields as torch tensors on the caller's GPU
                                            (`rlcheck.core.batch_torch`; the statistics read them)
 
 Build one with `from_ragged` (a list per sequence), `from_padded` ([B, T] tensors and a response
-mask, as verl and TRL hold them) or `from_packed`; `StepBatch.concat` (or `concat_batches`) joins
+mask, as verl and TRL hold them) or `from_packed` (each with `turns=`), a multi-turn one with
+`from_turns` (one `Trajectory` of `Turn`s per sequence) or `with_turns`; `StepBatch.concat` (or `concat_batches`) joins
 several (the ranks' batches of one step, for its dump). Every constructor validates and raises
 `rlcheck.errors.InputError` naming the problem; offsets and counts are int64 throughout (reading and
 packing the constructors' inputs: `rlcheck.core.batch_build`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,27 +39,22 @@ from rlcheck.core.batch_build import (
     int_array,
     packed_from_padded,
     packed_from_ragged,
+    padded_spans,
     request_id_tuple,
+    segment_token_indices,  # noqa: F401 - importable from here
     to_numpy,
     version_array,
 )
+from rlcheck.core.batch_join import concat_fields, select_fields
 from rlcheck.core.batch_torch import device_packed, device_padded, host_copies
 from rlcheck.core.limits import MAX_LOGPROB
 from rlcheck.core.moe import Routing
 from rlcheck.core.topk import TopK
+from rlcheck.core.turns import JoinEdits, TurnRecord, Turns
+from rlcheck.core.turns_build import Trajectory, ragged_index, resolve, trajectories_ragged
 from rlcheck.errors import InputError
 
-__all__ = ["MAX_LOGPROB", "StepBatch", "TopK", "concat_batches", "segment_token_indices", "to_numpy"]
-
-
-def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
-    """(sum(lens),) int64 indices of the tokens of segments [starts[i], starts[i] + lens[i]), in order;
-    equal to `np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])`, without the loop.
-    All offset arithmetic is int64, so offsets past 2**32 do not wrap."""
-    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)  # (N,) each
-    offs = np.zeros(lens.shape[0] + 1, dtype=np.int64)  # (N+1,) where segment i lands in the output
-    np.cumsum(lens, out=offs[1:])
-    return np.repeat(starts - offs[:-1], lens) + np.arange(offs[-1], dtype=np.int64)
+__all__ = ["MAX_LOGPROB", "StepBatch", "TopK", "Turns", "concat_batches", "segment_token_indices", "to_numpy"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +73,7 @@ class StepBatch:
     weight_version: np.ndarray | None = None  # (N,) int64
     topk: TopK | None = None  # (M, K) per field
     routing: Routing | None = None  # (M, L, k) per side: MoE experts (rlcheck.core.moe)
+    turns: Turns | None = None  # (M,) per field: multi-turn structure (rlcheck.core.turns)
     device_tensors: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
     """The packed fields as torch tensors on the device the caller's tensors were on (a GPU), which the
     statistics read instead of the numpy fields; None for host data. Set by `from_padded` and
@@ -113,9 +113,14 @@ class StepBatch:
         weight_version: Any = None,
         topk: TopK | None = None,
         routing: Routing | None = None,
+        turns: Any = None,
+        turn_records: Sequence[TurnRecord | None] | None = None,
+        join: JoinEdits | None = None,
     ) -> StepBatch:
         """From packed 1-D arrays and sequence boundaries `cu_seqlens` (N+1 offsets); `weight_version`:
-        one int or one per sequence; `topk`, `routing`: one row per token (the module docstring)."""
+        one int or one per sequence; `topk`, `routing`: one row per token (the module docstring);
+        `turns`: a `Turns`, "mask_runs" or a (M,) turn index with negatives on tool tokens, and its
+        `turn_records` (one per sequence) and `join` edits (`rlcheck.core.turns_build.resolve`)."""
         tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
         lr = float_array(logp_rollout, "logp_rollout")
         lt = float_array(logp_train, "logp_train")
@@ -137,6 +142,7 @@ class StepBatch:
             weight_version=None if weight_version is None else version_array(weight_version, cu.shape[0] - 1),
             topk=topk,
             routing=routing,
+            turns=resolve(turns, cu, None if mask is None else bool_array(mask, "mask"), turn_records, join),
         )
         object.__setattr__(batch, "device_tensors", tensors)
         return batch
@@ -156,12 +162,37 @@ class StepBatch:
         weight_version: Any = None,
         topk: TopK | None = None,
         routing: Routing | None = None,
+        turns: Any = None,
+        turn_records: Sequence[TurnRecord | None] | None = None,
+        join: JoinEdits | None = None,
     ) -> StepBatch:
         """From one 1-D array (or list) per sequence for each per-token field (`topk`, `routing`: one row
-        per token in that order: `TopK.from_ragged`, `Routing.from_sequences`)."""
+        per token in that order: `TopK.from_ragged`, `Routing.from_sequences`; `turns`: as `from_packed`'s,
+        a turn index given per sequence too)."""
         packed = packed_from_ragged(logp_rollout, logp_train, tokens, mask, tokens_train)
         return cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
-                               weight_version=weight_version, topk=topk, routing=routing, **packed)
+                               weight_version=weight_version, topk=topk, routing=routing,
+                               turns=ragged_index(turns, len(logp_rollout)), turn_records=turn_records, join=join,
+                               **packed)
+
+    @classmethod
+    def from_turns(cls, trajectories: Sequence[Trajectory], request_ids: Sequence[str], *,
+                   join: JoinEdits | None = None, meta: Mapping[str, Sequence[Any]] | None = None,
+                   weight_version: Any = None) -> StepBatch:
+        """A multi-turn batch from one `Trajectory` of `Turn`s per sequence (`rlcheck.core.turns_build`:
+        the layout, and what is recorded for the cross-turn invariants)."""
+        r = trajectories_ragged(trajectories, join)
+        return cls.from_ragged(r["logp_rollout"], r["logp_train"], request_ids, r["tokens"], mask=r["mask"],
+                               tokens_train=r["tokens_train"], prompt_tokens=r["prompt_tokens"], meta=meta,
+                               weight_version=weight_version, turns=r["index"], turn_records=r["records"], join=join)
+
+    def with_turns(self, turns: Any = "mask_runs", records: Sequence[TurnRecord | None] | None = None,
+                   join: JoinEdits | None = None) -> StepBatch:
+        """This batch with its turn structure (`turns` as `from_packed` takes it; default: the runs of 1
+        in the mask); its device tensors, if any, kept."""
+        batch = dataclasses.replace(self, turns=resolve(turns, self.cu_seqlens, self.mask, records, join))
+        object.__setattr__(batch, "device_tensors", self.device_tensors)
+        return batch
 
     @classmethod
     def from_padded(
@@ -177,9 +208,13 @@ class StepBatch:
         meta: Mapping[str, Sequence[Any]] | None = None,
         weight_version: Any = None,
         topk: TopK | None = None,
+        turns: Any = None,
+        turn_records: Sequence[TurnRecord | None] | None = None,
+        join: JoinEdits | None = None,
     ) -> StepBatch:
         """From [B, T] tensors and a [B, T] response mask (verl `response_mask`, TRL `completion_mask`);
-        `topk` has B*T rows, row b*T + t for position (b, t) (the [B, T, K] arrays reshaped).
+        `topk` has B*T rows, row b*T + t for position (b, t) (the [B, T, K] arrays reshaped); `turns`:
+        "mask_runs" or a [B, T] turn index (negatives on tool tokens), as `from_packed`'s.
 
         Row b becomes one sequence spanning its first to its last masked-in token; masked-out tokens
         inside that span (tool output, say) stay in the sequence as masked tokens, so positions such
@@ -191,8 +226,11 @@ class StepBatch:
             packed = packed_from_padded(logp_rollout, logp_train, mask, tokens, tokens_train, topk)
         else:
             packed = host_copies(tensors)
+        if turns is not None and not isinstance(turns, (str, Turns)):
+            turns = int_array(turns, "turns")[padded_spans(bool_array(mask, "mask"))]  # (M,) as the tokens
         batch = cls.from_packed(request_ids=request_ids, prompt_tokens=prompt_tokens, meta=meta,
-                                weight_version=weight_version, **packed)
+                                weight_version=weight_version, turns=turns, turn_records=turn_records, join=join,
+                                **packed)
         object.__setattr__(batch, "device_tensors", tensors)
         return batch
 
@@ -245,35 +283,14 @@ class StepBatch:
             raise InputError(f"topk has {self.topk.num_tokens} rows for {lr.shape[0]} tokens (one row per token)")
         if self.routing is not None:
             self.routing.check_tokens(lr.shape[0])
+        if self.turns is not None:
+            self.turns.check(cu, n)
 
     # ---- slicing -------------------------------------------------------------------------------
 
     def select(self, seq_indices: Sequence[int] | np.ndarray) -> StepBatch:
         """A new batch of the given sequences, in the given order (used for splits and dumps)."""
-        idx = np.asarray(seq_indices, dtype=np.int64)
-        starts, ends = self.cu_seqlens[idx], self.cu_seqlens[idx + 1]
-        lens = ends - starts
-        cu = np.zeros(idx.shape[0] + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        tok = segment_token_indices(starts, lens)  # (M',)
-
-        def take(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else a[tok]
-
-        return StepBatch(
-            logp_rollout=self.logp_rollout[tok],
-            logp_train=self.logp_train[tok],
-            cu_seqlens=cu,
-            request_ids=tuple(self.request_ids[i] for i in idx),
-            mask=take(self.mask),
-            tokens=take(self.tokens),
-            tokens_train=take(self.tokens_train),
-            prompt_tokens=None if self.prompt_tokens is None else tuple(self.prompt_tokens[i] for i in idx),
-            meta={k: [v[i] for i in idx] for k, v in self.meta.items()},
-            weight_version=None if self.weight_version is None else self.weight_version[idx],
-            topk=None if self.topk is None else self.topk.take(tok),
-            routing=None if self.routing is None else self.routing.take(tok),
-        )
+        return StepBatch(**select_fields(self, seq_indices))
 
     # ---- joining -------------------------------------------------------------------------------
 
@@ -282,34 +299,13 @@ class StepBatch:
         """One batch of several batches' sequences, in the given order (ranks' batches in rank order, so
         indices count from the first batch's first sequence, as `rlcheck.distributed` numbers offenders).
         A batch without a mask counts all its tokens (so the joined mask is theirs and True elsewhere);
-        tokens, prompts, meta columns, weight versions, top-k and routing are kept when every batch has
-        them; request ids must stay unique across the batches. One batch is returned as it is."""
+        tokens, prompts, meta columns, weight versions, top-k, routing and turns are kept when every batch
+        has them; request ids must stay unique across the batches. One batch is returned as it is."""
         if not batches:
             raise InputError("concat_batches needs at least one batch")
         if len(batches) == 1:
             return batches[0]
-        offsets = np.cumsum([0] + [b.num_tokens for b in batches[:-1]])  # (K,) first token of each batch
-        cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=True)])
-
-        def cat(name: str) -> np.ndarray | None:
-            parts = [getattr(b, name) for b in batches]
-            return None if any(p is None for p in parts) else np.concatenate(parts)
-
-        masks = [np.ones(b.num_tokens, dtype=bool) if b.mask is None else b.mask for b in batches]
-        any_mask = any(b.mask is not None for b in batches)
-        prompts = [b.prompt_tokens for b in batches]
-        keys = set(batches[0].meta).intersection(*(b.meta for b in batches[1:]))
-        return cls.from_packed(
-            cat("logp_rollout"), cat("logp_train"), cu.astype(np.int64),
-            [r for b in batches for r in b.request_ids],
-            mask=np.concatenate(masks) if any_mask else None, tokens=cat("tokens"), tokens_train=cat("tokens_train"),
-            prompt_tokens=None if any(p is None for p in prompts) else [t for p in prompts for t in p],
-            meta={k: [v for b in batches for v in b.meta[k]] for k in sorted(keys)},
-            weight_version=cat("weight_version"),
-            topk=None if any(b.topk is None for b in batches) else TopK.concat([b.topk for b in batches]),
-            routing=None if any(b.routing is None for b in batches) else Routing.concat([b.routing for b in batches]),
-        )
-
+        return cls.from_packed(**concat_fields(batches))
 
 def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
     """`StepBatch.concat(batches)`: one batch of several batches' sequences, in the given order."""

@@ -18,6 +18,16 @@ import numpy as np
 from rlcheck.errors import InputError
 
 
+def segment_token_indices(starts: Any, lens: Any) -> np.ndarray:
+    """(sum(lens),) int64 indices of the tokens of segments [starts[i], starts[i] + lens[i]), in order;
+    equal to `np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])`, without the loop.
+    All offset arithmetic is int64, so offsets past 2**32 do not wrap."""
+    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)  # (N,) each
+    offs = np.zeros(lens.shape[0] + 1, dtype=np.int64)  # (N+1,) where segment i lands in the output
+    np.cumsum(lens, out=offs[1:])
+    return np.repeat(starts - offs[:-1], lens) + np.arange(offs[-1], dtype=np.int64)
+
+
 def to_numpy(x: Any, name: str) -> np.ndarray:
     """Any array-like (numpy, torch on any device, list) as a numpy array, without copying numpy."""
     if isinstance(x, np.ndarray):

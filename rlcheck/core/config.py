@@ -15,6 +15,7 @@ from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
 from rlcheck.core.floors import Floor, Precision  # noqa: F401 - Floor: the Monitor's, from its config
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
+from rlcheck.core.turn_checks import TurnCheckConfig
 from rlcheck.errors import ConfigError
 
 DEFAULT_HARD_LIMITS = {
@@ -90,6 +91,10 @@ class MonitorConfig:
     """The dtypes the engine and the trainer compute their logprobs in: what a healthy run's floor is,
     which the detectors' gates and diagnose's "clean" are relative to (`rlcheck.core.floors`). None: read
     from `context` (the loop's and TRL's name them), else the run calibrates on its first steps."""
+    turn_checks: TurnCheckConfig | None = field(default_factory=TurnCheckConfig)
+    """The cross-turn invariants of multi-turn batches (`StepBatch.turns`; `rlcheck.core.turn_checks`):
+    each breach an alarm with its evidence, its sequences quarantined (reason `turn_invariant`) or, with
+    quarantine off, a critical alarm; stale turns' tokens masked. None: off. Batches without turns: no cost."""
     correction: CorrectionConfig | None = None
     """Log the metrics of this importance-sampling correction each step (`rlcheck/corr/...`, verl's
     names; needs the batch, so `observe`, not `observe_partial`); the weights themselves come from
@@ -106,5 +111,7 @@ class MonitorConfig:
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise ConfigError(f"precision must be a rlcheck.core.floors.Precision or None, got {type(self.precision).__name__}")
+        if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):
+            raise ConfigError(f"turn_checks must be a TurnCheckConfig or None, got {type(self.turn_checks).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")

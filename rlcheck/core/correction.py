@@ -45,6 +45,7 @@ from rlcheck.core.rejection import (
     seg_sum,
     seq_mean,
 )
+from rlcheck.core.turn_correction import episode_d
 from rlcheck.errors import ConfigError
 
 PREFIX = "rlcheck/corr/"
@@ -210,8 +211,10 @@ def _is_metrics(w, raw, log_for_metrics, m, cu, level, upper, lower) -> dict[str
 
 def correct(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> Correction:
     """`cfg`'s correction of a StepBatch's tokens `response_mask(batch, keep)` counts."""
+    mask = response_mask(batch, keep)
     d = batch.logp_train.astype(np.float64) - batch.logp_rollout
-    return compute(d, response_mask(batch, keep), batch.cu_seqlens, cfg)
+    d = episode_d(batch, d, mask, cfg.rollout_is)  # multi-turn: the sequence level is the per-token mean
+    return compute(d, mask, batch.cu_seqlens, cfg)
 
 
 def batch_metrics(batch: Any, keep: np.ndarray | None, cfg: CorrectionConfig) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 Groups: `token/` (per-token d = logp_train - logp_rollout), `ratio/` (importance ratio r = exp(d),
 raw, before any clipping), `seq/` (per-sequence reductions), `sig/` (statistics the signature
-detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`).
+detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`),
+`turn/` (multi-turn rollouts: per turn, head vs body, the cross-turn invariants).
 """
 
 from __future__ import annotations
@@ -105,6 +106,48 @@ def moe_layer_agree(layer: int) -> str:
 def moe_first_diff(layer: int) -> str:
     """Key of the count of tokens whose routing first differs at MoE layer `layer`."""
     return f"rlcheck/moe/layer{layer}_first_diff_count"
+
+
+# multi-turn rollouts (batches that carry `StepBatch.turns`; rlcheck.core.stats.turns, rlcheck.core.turn_checks):
+# per turn slot the token statistics, `rlcheck/turn/<slot>/<stat>`; nothing without turns
+TURN_PREFIX = "rlcheck/turn/"
+TURN_MAX_INDEX = 7  # turns 0..7 get their own slot; every turn is in "last" (its sequence's last) or "later" (>= 1)
+TURN_SLOTS = (*(str(t) for t in range(TURN_MAX_INDEX + 1)), "last", "later", "head", "body")
+"""Slots: turn t (0..7), the last turn of each sequence, every turn from the second on ("later"), and the
+first `TurnConfig.head_tokens` tokens of each turn from the second on ("head": right after an observation)
+against the rest of those turns ("body")."""
+TURN_STATS = ("tokens", "turns", "abs_diff_mean", "abs_diff_clipped_mean", "abs_diff_max", "diff_mean", "kl_k1",
+              "kl_k3", "prob_abs_diff_mean", "catastrophic_frac")
+TURN_COUNT = "rlcheck/turn/count"  # model turns in the step
+TURN_PER_SEQ_MEAN = "rlcheck/turn/per_seq_mean"
+TURN_PER_SEQ_MAX = "rlcheck/turn/per_seq_max"
+TURN_TOOL_TOKENS = "rlcheck/turn/tool_tokens"  # tool / observation tokens (not the model's)
+TURN_ZERO_LP_COUNT = "rlcheck/turn/zero_lp_count"  # compared tokens, engine logprob exactly 0.0, trainer's <= -1e-3
+TURN_WORST = "rlcheck/turn/worst"  # the turn (0..7) of the largest clipped mean |d|
+TURN_WORST_LEVEL = "rlcheck/turn/worst_abs_diff_clipped_mean"
+TURN_SLOPE = "rlcheck/turn/slope"  # least squares of the turns' clipped mean |d| on the turn (0..7), per turn
+TURN_LATER_RATIO = "rlcheck/turn/later_ratio"  # clipped mean |d| of turns >= 1 over turn 0's
+TURN_HEAD_BODY_RATIO = "rlcheck/turn/head_body_ratio"  # clipped mean |d| of the turns' heads over their bodies
+TURN_INVARIANTS = ("prefix_break", "zero_logprobs", "logprob_count", "turn_count", "stale_turn", "tool_in_loss")
+"""The cross-turn invariants (`rlcheck.core.turn_checks`): `rlcheck/turn/inv/<name>_count` sequences break each."""
+TURN_MASKED_TOKENS = "rlcheck/turn/inv/masked_tokens"  # tokens of stale turns masked out of the step
+
+
+def turn_metric(slot: str | int, stat: str) -> str:
+    """Key of statistic `stat` (`TURN_STATS`) of turn slot `slot` (`TURN_SLOTS`)."""
+    return f"{TURN_PREFIX}{slot}/{stat}"
+
+
+def turn_invariant(name: str) -> str:
+    """Key of the count of sequences that break invariant `name` (`TURN_INVARIANTS`)."""
+    return f"{TURN_PREFIX}inv/{name}_count"
+
+
+TURN_KEYS = (*(turn_metric(slot, stat) for slot in TURN_SLOTS for stat in TURN_STATS),
+             TURN_COUNT, TURN_PER_SEQ_MEAN, TURN_PER_SEQ_MAX, TURN_TOOL_TOKENS, TURN_ZERO_LP_COUNT, TURN_WORST,
+             TURN_WORST_LEVEL, TURN_SLOPE, TURN_LATER_RATIO, TURN_HEAD_BODY_RATIO,
+             *(turn_invariant(name) for name in TURN_INVARIANTS), TURN_MASKED_TOKENS)
+"""Every `rlcheck/turn/*` key a multi-turn step may log (a step without turns logs none)."""
 
 
 # monitor bookkeeping

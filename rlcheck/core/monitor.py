@@ -51,9 +51,10 @@ from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
 from rlcheck.core.stats import PartialStats, finalize, levels
+from rlcheck.core.turn_alarms import turn_step
 from rlcheck.core.types import StepReport
 from rlcheck.core.weights import check_versions
-from rlcheck.errors import InputError, MismatchHalt, RecordWriteError, RunDirError
+from rlcheck.errors import MismatchHalt, RecordWriteError, RunDirError
 
 __all__ = ["DEFAULT_HARD_LIMITS", "STATE_FILE", "HaltConfig", "Monitor", "MonitorConfig", "StepReport"]
 
@@ -100,18 +101,17 @@ class Monitor:
         engine guard's), judged by the halt policy like the detectors' own. `trainer_version`: the
         trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`).
         `probe`: the sync check's fixed probe batch scored this step, the drift detectors' control."""
-        if not isinstance(batch, StepBatch):
-            raise InputError(f"observe takes a StepBatch, got {type(batch).__name__}; build one with "
-                             "StepBatch.from_ragged, from_padded or from_packed")
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
+        batch = (turned := turn_step(batch, self.cfg.turn_checks, trainer_version, self.cfg.max_weight_lag)).batch
         partial, verdict = Q.step_partial(batch, self.floor.stats(self.cfg.stats), self.cfg.quarantine,
                                           trainer_version, self.cfg.max_weight_lag, check_alarms(alarms, step),
-                                          self.cfg.detectors.signature)
+                                          self.cfg.detectors.signature, turned.condemned)
         own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
-               **levels.probe_level(probe, self.cfg.stats.clip)}
-        return self._observe(step, partial, batch, t0, extra, alarms, trainer_version, verdict=verdict,
-                             quarantine_batch=batch, own=own, keep=None if verdict is None else verdict.keep)
+               **levels.probe_level(probe, self.cfg.stats.clip), **turned.metrics()}
+        return self._observe(step, partial, batch, t0, extra, [*alarms, *turned.alarms(step, verdict, self.cfg.quarantine)],
+                             trainer_version, verdict=verdict, quarantine_batch=batch, own=own,
+                             keep=None if verdict is None else verdict.keep)
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,

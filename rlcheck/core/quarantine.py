@@ -1,7 +1,6 @@
 """Quarantine: take the few sequences the evidence condemns out of the step, instead of halting the run.
 
-    mon = Monitor(MonitorConfig(run_dir, quarantine=QuarantineConfig()))
-    report = mon.observe(step, batch)
+    report = Monitor(MonitorConfig(run_dir, quarantine=QuarantineConfig())).observe(step, batch)
     report.keep            # (N,) bool, batch order: False for a quarantined sequence
     report.quarantined     # (Quarantined(request_id, index, reason, ...), ...)
 
@@ -20,6 +19,7 @@ order; `Quarantined.reasons` lists all it breaks):
 |                   | detector's early burst (`SignatureConfig.early_*`: a stale state, step-wide)       |
 | token_mismatch    | was scored by the trainer on other token ids than the engine sampled               |
 | stale_weights     | comes from weights further behind the trainer's than `MonitorConfig.max_weight_lag`|
+| turn_invariant    | breaks a cross-turn invariant of its multi-turn batch (`rlcheck.core.turn_checks`)  |
 | prompt_mismatch,  | is named (`details["request_ids"]`) by an alarm found outside the Monitor: a       |
 | decode_prefill,   | prompt-id alarm, the decode-prefill audit's, the engine guard's, another's; each   |
 | guard, alarm      | reason says what raised it (`outside_reason`; a `weights` one: stale_weights)      |
@@ -27,14 +27,14 @@ order; `Quarantined.reasons` lists all it breaks):
 These are the statistics' and the detectors' own rules (`rlcheck.core.stats.sequences`) but one: a corrupted
 tail (`corrupt_tails`) is the quarantine's alone, not counted catastrophic in the statistics or their limits.
 
-With some sequences quarantined, the detectors, the hard limits and the weight-version check judge
-the kept sequences (what the trainer learns from); the offenders are the kept ones' worst, their
-`index` in the whole batch. Past `max_frac` of the step's sequences the step is judged whole, as if
-quarantine were off (so the alarms that name the cause fire), and a critical `quarantine` alarm
-halts the run: masking that much would hide a broken engine (a step past it only through a burst of
-early divergences halts, as the signature detector does, when the burst recurs within its
-`recur_window`; once, it warns). With `patience` set, quarantine on that many steps in a row halts
-too. The run's bookkeeping, the alarm and the dumps: `rlcheck.core.quarantine_run`.
+With some sequences quarantined, the detectors, the hard limits and the weight-version check judge the kept
+sequences (what the trainer learns from); the offenders are the kept ones' worst, their `index` in the whole
+batch. Past `max_frac` of the step's sequences the step is judged whole, as if quarantine were off (so the
+alarms that name the cause fire), and a critical `quarantine` alarm halts the run: masking that much would
+hide a broken engine (a step past it only through a burst of early divergences halts, as the signature
+detector does, when the burst recurs within its `recur_window`; once, it warns). With `patience` set,
+quarantine on that many steps in a row halts too. The run's bookkeeping, the alarm and the dumps:
+`rlcheck.core.quarantine_run`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from rlcheck.core.types import Alarm
 from rlcheck.core.weights import is_stale
 from rlcheck.errors import ConfigError
 
-REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "prompt_mismatch",
-           "decode_prefill", "guard", "alarm")
+REASONS = ("nonfinite", "catastrophic", "early_divergence", "token_mismatch", "stale_weights", "turn_invariant",
+           "prompt_mismatch", "decode_prefill", "guard", "alarm")
 OUTSIDE_REASONS = {"prompt_id_mismatch": "prompt_mismatch", "decode_prefill": "decode_prefill", "engine_guard": "guard"}
 """An outside alarm's `details["signature"]` -> the reason its sequences are quarantined for (the
 signatures of `rlcheck.core.prompt_ids`, `rlcheck.loop.audit` and `rlcheck.engines.guard`)."""
@@ -181,11 +181,11 @@ def is_burst(counts: np.ndarray, signature: SignatureConfig | None = None) -> bo
 
 def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, trainer_version: int | None = None,
           max_weight_lag: int = 0, alarms: Sequence[Alarm] = (), signature: SignatureConfig | None = None,
-          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None) -> Verdict:
+          flags: Mapping[str, np.ndarray] | None = None, burst: bool | None = None, turn_invariant=None) -> Verdict:
     """The rules of `cfg` applied to every sequence of `batch` (vectorised over tokens); `signature`:
-    the signature detector's early-burst levels (default `SignatureConfig()`). A step split over ranks
-    passes its `per_sequence_flags` and whether the whole step is a burst (`is_burst` of the summed
-    `burst_counts`), so each rank judges as one process would."""
+    the signature detector's early-burst levels (default `SignatureConfig()`); `turn_invariant`: (N,) bool, the
+    Monitor's multi-turn verdict (`rlcheck.core.turn_checks`). A step split over ranks passes its
+    `per_sequence_flags` and whether it is a burst (`is_burst` of the summed `burst_counts`), as one process."""
     cu = batch.cu_seqlens  # (N+1,)
     num = batch.num_sequences
     flags = per_sequence_flags(batch, stats) if flags is None else flags
@@ -203,7 +203,7 @@ def judge(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig, *, traine
     stale = np.zeros(num, dtype=bool)
     if trainer_version is not None and batch.weight_version is not None:
         stale = is_stale(batch.weight_version, trainer_version, max_weight_lag)  # (N,)
-    found["stale_weights"] = stale
+    found["stale_weights"], found["turn_invariant"] = stale, np.zeros(num, bool) if turn_invariant is None else turn_invariant
     for reason in ("prompt_mismatch", "decode_prefill", "guard", "alarm"):
         found[reason] = np.zeros(num, dtype=bool)
     for a in alarms:
@@ -307,14 +307,14 @@ def kept_partial(batch: StepBatch, verdict: Verdict, stats: StatsConfig) -> Part
 
 
 def step_partial(batch: StepBatch, stats: StatsConfig, cfg: QuarantineConfig | None, trainer_version: int | None,
-                 max_weight_lag: int, alarms: Sequence[Alarm],
-                 signature: SignatureConfig | None = None) -> tuple[PartialStats, Verdict | None]:
+                 max_weight_lag: int, alarms: Sequence[Alarm], signature: SignatureConfig | None = None,
+                 turn_invariant: np.ndarray | None = None) -> tuple[PartialStats, Verdict | None]:
     """The statistics the Monitor judges a step by, and the verdict (None with quarantine off): the
     kept sequences' when some are quarantined within `max_frac`, else the whole batch's."""
     if cfg is None:
         return compute_partial(batch, stats), None
     verdict = judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag, alarms=alarms,
-                    signature=signature)
+                    signature=signature, turn_invariant=turn_invariant)
     if 0 < verdict.count and verdict.frac <= cfg.max_frac:
         return kept_partial(batch, verdict, stats), verdict
     return compute_partial(batch, stats), verdict

@@ -64,6 +64,8 @@ class Offender:
     length: int
     mean_diff: float  # mean d over its valid tokens
     nonfinite: bool = False
+    turn: int | None = None  # multi-turn batches: the turn of its first divergence ...
+    turn_offset: int | None = None  # ... and that token's offset in the turn (`rlcheck.core.turns`)
 
     @property
     def score(self) -> float:
@@ -78,6 +80,8 @@ class Offender:
             "length": self.length,
             "mean_diff": self.mean_diff,
             "nonfinite": self.nonfinite,
+            "turn": self.turn,
+            "turn_offset": self.turn_offset,
         }
 
 
@@ -91,7 +95,8 @@ class StepReport:
     sequence of the observed batch (this rank's, with `observe_across_ranks`), in batch order; with
     quarantine off every sequence is kept. `correction`, `token_weights` and `sequence_weights`
     compute the importance-sampling correction of the batch (`rlcheck.core.correction`, verl's names
-    and defaults); they need the batch, which the report holds until `release()`."""
+    and defaults; on a multi-turn batch the sequence level is exp(mean d), `rlcheck.core.turn_correction`); they
+    need the batch, which the report holds until `release()`."""
 
     step: int
     metrics: dict[str, float]
@@ -133,13 +138,15 @@ class StepReport:
         """(N,) float32, one per sequence: its sequence-level IS weight (default: sequence TIS, cap 2;
         None: 1), 0 where it is quarantined or rejected by a sequence-level `rollout_rs`."""
         from rlcheck.core.correction import CorrectionConfig, response_mask, sequence_weights
+        from rlcheck.core.turn_correction import episode_d
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
         b = self._batch()
         keep = np.ones(b.num_sequences, dtype=bool) if self.keep is None else self.keep
-        return sequence_weights(b.logp_train.astype(np.float64) - b.logp_rollout, response_mask(b, self.keep),
-                                b.cu_seqlens, keep, cfg)
+        mask = response_mask(b, self.keep)
+        return sequence_weights(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is),
+                                mask, b.cu_seqlens, keep, cfg)
 
     def _batch(self) -> Any:
         if self.batch is None:

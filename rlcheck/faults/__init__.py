@@ -38,6 +38,11 @@ perturb-layer: any model):
 | index-wrap=B            | B >= 1       | more live requests than B slots: shared state          | index_aliasing       |
 | perturb-layer=K         | layer K >= 0 | one engine layer x1.01: every sequence, `localize` names K | weights_out_of_sync |
 | moe-route-flip=P        | P in (0, 1]  | near-tie tokens rerouted (MoE): they carry the mismatch | moe_routing         |
+
+Multi-turn (on any batch with `StepBatch.turns`, `rlcheck.faults.turns`: the table there):
+retokenized-history, stripped-history, missing-generation-prompt, join-token-mask, tool-tokens-in-loss,
+turn-logprobs-missing, stale-turn; diagnose names retokenized_history, stripped_history,
+missing_generation_prompt, join_token_mask, tool_tokens_in_loss, turn_logprobs_missing, stale_turn_weights.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from rlcheck.faults.base import Fault, TrainerInputs
 from rlcheck.faults.engine import IndexWrap, MoeRouteFlip, PerturbLayer, StaleState
 from rlcheck.faults.engine_settings import RawLogprobs, RopeMismatch, StalePrefixCache
 from rlcheck.faults.inputs import DoubleBos, LeftPadPositions, Retokenize, StopToken
+from rlcheck.faults.turns import TURN_FAULTS
 from rlcheck.faults.zoo import (
     Bf16Noise,
     CorruptSequences,
@@ -85,6 +91,7 @@ FAULTS: dict[str, tuple[type[Fault], str | None, type]] = {
     StalePrefixCache.name: (StalePrefixCache, None, int),
     RopeMismatch.name: (RopeMismatch, "factor", float),
     RawLogprobs.name: (RawLogprobs, None, int),
+    **{f.name: (f, None, int) for f in TURN_FAULTS},  # multi-turn batches (rlcheck.faults.turns)
 }
 
 

@@ -53,6 +53,21 @@ MOE_PANELS = (
     Panel("share of sum |d| on the tokens routed differently", (K.MOE_ABS_DIFF_SHARE,)),
 )
 """The MoE routing section's line plots (a run whose batches carried `StepBatch.routing`)."""
+TURN_PANELS = (
+    Panel("turns >= 1 over turn 0 (clipped mean |d|, ratio)", (K.TURN_LATER_RATIO,)),
+    Panel("the turns' first tokens over the rest (ratio)", (K.TURN_HEAD_BODY_RATIO,)),
+)
+"""The Turns section's line plots (a run whose batches carried `StepBatch.turns`; `rlcheck.report.turns`)."""
+
+
+def turn_keys(records: list[dict[str, Any]]) -> set[str]:
+    """The `rlcheck/turn/*` series the Turns section draws, when some record logged turns (else none)."""
+    if not any(K.TURN_COUNT in (r.get("metrics") or {}) for r in records):
+        return set()
+    slots = (*(str(t) for t in range(K.TURN_MAX_INDEX + 1)), "last")
+    return ({K.turn_metric(s, stat) for s in slots for stat in ("abs_diff_clipped_mean", "tokens")}
+            | {p.keys[0] for p in TURN_PANELS} | {K.TURN_PER_SEQ_MEAN} | {K.TURN_MASKED_TOKENS}
+            | {K.turn_invariant(n) for n in K.TURN_INVARIANTS})
 
 
 @dataclass
@@ -108,7 +123,8 @@ def collect(run: Run | str | Path) -> RunData:
     steps = np.array([int(r["step"]) for r in records], dtype=np.int64)
     watched = watched_metrics(run.state(), PeriodicConfig())
     moe = moe_layer_count(records)
-    series = _series(records, {k for p in PANELS for k in p.keys} | set(watched) | set(moe_keys(moe)))
+    series = _series(records, {k for p in PANELS for k in p.keys} | set(watched) | set(moe_keys(moe))
+                     | turn_keys(records))
     alarms = [a for r in records for a in r.get("alarms") or ()]
     worst = _worst_record(records)
     return RunData(

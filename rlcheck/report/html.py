@@ -23,6 +23,7 @@ from rlcheck.report import plots
 from rlcheck.report.data import MOE_PANELS, PANELS, Panel, RunData
 from rlcheck.report.guard import guard_section
 from rlcheck.report.localize import localize_section
+from rlcheck.report.turns import turn_section
 
 MAX_ALARM_ROWS = 500
 MAX_LIST = 20
@@ -69,7 +70,7 @@ def _capped(items: list[Any], limit: int = MAX_LIST) -> str:
 
 def render(data: RunData, out_dir: Path) -> str:
     """The whole page; links to the dumps are relative to `out_dir`."""
-    body = "\n".join((_header(data), _context(data), _alarms(data), _metrics(data), _moe(data),
+    body = "\n".join((_header(data), _context(data), _alarms(data), _metrics(data), _moe(data), turn_section(data, _panel),
                       f"<div class=\"row\"><section>{_periodic(data)}</section><section>{_histogram(data)}</section></div>",
                       _offenders(data), guard_section(data.guard, lambda p: _link(p, out_dir)),
                       localize_section(data.localizations, lambda p: _link(p, out_dir)), _dumps(data, out_dir)))
@@ -234,13 +235,17 @@ def _histogram(data: RunData) -> str:
 
 
 def _offender_table(rows: list[dict[str, Any]], with_step: bool) -> str:
+    turns = any(o.get("turn") is not None for o in rows)  # multi-turn: the turn and offset of the first divergence
     head = ("<th>step</th>" if with_step else "") + "".join(
-        f"<th>{h}</th>" for h in ("request id", "index", "max |d|", "mean d", "first divergence", "length"))
+        f"<th>{h}</th>" for h in ("request id", "index", "max |d|", "mean d", "first divergence", "length")) + (
+        "<th>turn</th><th>offset in turn</th>" if turns else "")
     body = "".join(
         "<tr>" + (f"<td class=\"num\">{_e(o.get('step'))}</td>" if with_step else "")
         + f"<td class=\"mono\">{_e(o.get('request_id'))}</td><td class=\"num\">{_e(o.get('index'))}</td>"
         f"<td class=\"num\">{_num(o.get('max_abs_diff'))}</td><td class=\"num\">{_num(o.get('mean_diff'))}</td>"
-        f"<td class=\"num\">{_num(o.get('first_divergence'))}</td><td class=\"num\">{_num(o.get('length'))}</td></tr>"
+        f"<td class=\"num\">{_num(o.get('first_divergence'))}</td><td class=\"num\">{_num(o.get('length'))}</td>"
+        + (f"<td class=\"num\">{_num(o.get('turn'))}</td><td class=\"num\">{_num(o.get('turn_offset'))}</td>"
+           if turns else "") + "</tr>"
         for o in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 

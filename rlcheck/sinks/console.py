@@ -3,6 +3,7 @@
     step 120  |d| mean 0.0031  p99 0.041  max 1.92  kl_k3 2.4e-05  mpe 1.0031  alarms 1
       CRITICAL signature rlcheck/seq/catastrophic_count: 3 sequences diverged at token 0
 
+A multi-turn step adds `turns 3.2  later/t0 1.04  head/body 0.97  worst turn 2`.
 Alarms are printed at every step; the step line every `every` steps and at any step with alarms.
 Lines are never wrapped (one line per item in a captured log).
 Alarm text goes in as plain text (never parsed as rich markup), so brackets in messages are safe.
@@ -23,6 +24,12 @@ COLUMNS = (
     ("max", K.ABS_DIFF_MAX, 4),
     ("kl_k3", K.KL_K3, 3),
     ("mpe", K.MULT_PROB_ERROR, 7),  # near 1: keep the digits that move
+)
+TURN_COLUMNS = (  # a multi-turn step's (`StepBatch.turns`): turns per sequence, later/turn 0, heads/bodies, worst turn
+    ("turns", K.TURN_PER_SEQ_MEAN, 3),
+    ("later/t0", K.TURN_LATER_RATIO, 3),
+    ("head/body", K.TURN_HEAD_BODY_RATIO, 3),
+    ("worst turn", K.TURN_WORST, 1),
 )
 SEVERITY_STYLE = {"critical": "bold red", "warn": "yellow", "info": "dim"}
 
@@ -64,6 +71,9 @@ class ConsoleSink(Sink):
 
         line = Text.assemble(("step ", "bold"), (str(step), "bold"))
         for label, key, digits in COLUMNS:
+            line.append(f"  {label} ", style="dim")
+            line.append(_fmt(metrics.get(key), digits))
+        for label, key, digits in TURN_COLUMNS if K.TURN_COUNT in metrics else ():
             line.append(f"  {label} ", style="dim")
             line.append(_fmt(metrics.get(key), digits))
         line.append("  alarms ", style="dim")

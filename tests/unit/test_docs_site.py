@@ -139,7 +139,7 @@ class TestDefaults:
         from rlcheck.core.quarantine import REASONS, QuarantineConfig
 
         text, q = page("quarantine.md"), QuarantineConfig()
-        assert q.rules == REASONS and len(REASONS) == 9 and "| `rules` | all nine |" in text
+        assert q.rules == REASONS and len(REASONS) == 10 and "| `rules` | all ten |" in text
         assert f"| `max_frac` | {q.max_frac:g} |" in text and f"| `max_dumped` | {q.max_dumped} |" in text
         assert f"| `patience` | `{q.patience}` |" in text
 

@@ -83,6 +83,10 @@ def broken(kind: str, batch: StepBatch, k: int) -> tuple[StepBatch, dict]:
         versions = batch.weight_version.copy()
         versions[k] = VERSION - 2
         return with_train(batch, lt, weight_version=versions), {"trainer_version": VERSION}
+    elif kind == "turn_invariant":  # a cross-turn invariant the Monitor found broken (`rlcheck.core.turn_checks`)
+        flags = np.zeros(batch.num_sequences, dtype=bool)
+        flags[k] = True
+        return batch, {"turn_invariant": flags}
     elif kind in OUTSIDE:
         return batch, {"alarms": OUTSIDE[kind](batch.request_ids[k])}
     assert b - a >= 30
@@ -168,11 +172,12 @@ class TestJudge:
         for k, kind in enumerate(REASONS):
             batch, more = broken(kind, batch, 3 * k)
             kw.setdefault("alarms", []).extend(more.get("alarms", ()))
+            kw.update({"turn_invariant": more["turn_invariant"]} if "turn_invariant" in more else {})
         both = corrupt(batch, [30])  # catastrophic and early
         only = judge(both, STATS, QuarantineConfig(rules=("nonfinite", "guard")), trainer_version=VERSION, **kw)
-        assert [(q.index, q.reason) for q in only.quarantined] == [(0, "nonfinite"), (21, "guard")]
+        assert [(q.index, q.reason) for q in only.quarantined] == [(0, "nonfinite"), (24, "guard")]
         every = judge(both, STATS, QuarantineConfig(), trainer_version=VERSION, **kw)
-        assert [q.index for q in every.quarantined] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 30]
+        assert [q.index for q in every.quarantined] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
         assert every.quarantined[-1].reasons == ("catastrophic", "early_divergence")
         late = judge(both, STATS, QuarantineConfig(rules=("early_divergence",)), trainer_version=VERSION, **kw)
         assert [(q.index, q.reason, q.reasons) for q in late.quarantined] == [

@@ -17,6 +17,7 @@ from rlcheck.core.detect.robust import (
 )
 from rlcheck.core.detect.signature import SignatureConfig, SignatureDetector
 from rlcheck.core.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
+from rlcheck.core.detect.turns import TURN_Z
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,14 @@ class DetectorsConfig:
     """Drift of the step's residual level (the token mix out): the engine's growth without a probe."""
     periodic: PeriodicConfig | None = field(default_factory=PeriodicConfig)
     signature: SignatureConfig | None = field(default_factory=SignatureConfig)
+    turns: RobustZConfig | None = field(default_factory=lambda: TURN_Z)
+    """Multi-turn batches: spikes of the later turns and the turns' heads against the rest of the step
+    (`rlcheck.core.detect.turns`); silent on a run without turns."""
 
 
 def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
     """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
-    control_drift, control_trend and residual_trend: drift detectors)."""
+    control_drift, control_trend and residual_trend: drift detectors; turns: a robust z)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
@@ -49,6 +53,7 @@ def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
         "residual_trend": (cfg.residual_trend, DriftDetector),
         "periodic": (cfg.periodic, PeriodicDetector),
         "signature": (cfg.signature, SignatureDetector),
+        "turns": (cfg.turns, RobustZDetector),
     }
     return {name: cls(c) for name, (c, cls) in makers.items() if c is not None}
 

@@ -40,8 +40,13 @@ class ThresholdRule:
 DEFAULT_RULES = (
     ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01, "warn", "verl's probs_diff_mean alarm level", scaled=True),
     ThresholdRule(K.ABS_DIFF_CLIPPED_MEAN, 0.05, "warn", "mean |d| (clipped) far above the precision's noise", scaled=True),
+    # multi-turn steps only (`rlcheck.core.detect.turns`): turns >= 1 diluted by turn 0 in the step's own mean
+    ThresholdRule(K.turn_metric("later", "abs_diff_clipped_mean"), 0.05, "warn", "turns >= 1 far above bf16 noise"),
+    ThresholdRule(K.TURN_LATER_RATIO, 4.0, "warn", "turns >= 1 far off where turn 0 is not"),
+    ThresholdRule(K.TURN_HEAD_BODY_RATIO, 8.0, "warn", "the turns' first tokens far off where the rest is not"),
 )
-"""Set at the bf16 floor; on a fp32/fp32 run (floor scale 1e-3) they stand at 1e-5 and 5e-5."""
+"""The first two set at the bf16 floor and scaled: on a fp32/fp32 run (floor scale 1e-3) they stand at 1e-5 and
+5e-5. The multi-turn rules are not scaled (two ratios, and a level set at bf16 by their own calibration)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ meta.json's `routing` gives `moe_layers` L and `top_k` k, and `read_dump` hands 
 `route_agree_frac` (its tokens routed alike at every MoE layer) and `first_route_diff_layer` (the first
 MoE layer where one of its tokens is routed differently; null if none), both over the tokens the mask keeps.
 
+A multi-turn batch (`StepBatch.turns`) adds its turn columns (`rlcheck.core.run.dump_turns`): `turn_index`
+per token (negative on tool tokens), `turn_count`, `first_divergence_turn` and `_turn_offset`, the recorded
+per-call versions and logprob counts; meta.json's `turns`.
+
 `redact=True` keeps text out: no token ids (prompt, response, trainer; the columns are null), no
 per-sequence meta column holding strings unless it is an id (`request_id`, `*_id`, `uid`), nor the
 trainer's prompt ids (`prompt_tokens_train`);
@@ -42,6 +46,7 @@ import numpy as np
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.moe import sequence_routing
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
+from rlcheck.core.run.dump_turns import turn_columns, turn_meta
 from rlcheck.core.run.files import fsync_dir
 from rlcheck.core.run.journal import to_jsonable
 from rlcheck.core.stats import StatsConfig, compute_partial
@@ -156,6 +161,8 @@ def write_dump(
     }
     if quarantined is not None:
         meta["quarantined"] = list(quarantined)
+    if batch.turns is not None:
+        meta["turns"] = turn_meta(batch)
     if batch.routing is not None:
         meta["routing"] = {"moe_layers": batch.routing.num_layers, "top_k": int(batch.routing.experts_rollout.shape[2])}
     _write_atomically(directory, pa.table(cols), meta)
@@ -192,6 +199,8 @@ def _columns(batch: StepBatch, tau: float, redact: bool) -> tuple[dict[str, Any]
         cols["tokens_train"] = _list_column(batch.tokens_train, cu)
     if batch.routing is not None:
         cols.update(_routing_columns(batch))
+    if batch.turns is not None:
+        cols.update(turn_columns(batch, first, _list_column))
     dropped = []
     for key, values in batch.meta.items():
         if key in cols:

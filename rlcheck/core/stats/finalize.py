@@ -13,6 +13,7 @@ import math
 from rlcheck.core import histogram as H
 from rlcheck.core import metrics as K
 from rlcheck.core.stats.distribution import distribution_metrics
+from rlcheck.core.stats.turns import turn_metrics
 from rlcheck.core.stats.types import RATIO_LOG_CAP, Offender, PartialStats, StatsConfig
 
 
@@ -63,6 +64,7 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
         if math.isfinite(mn["tw_first_pos"]):
             out[K.SIG_TWIN_FIRST_POS] = mn["tw_first_pos"]
     out.update(distribution_metrics(s, mx))
+    out.update(turn_metrics(s, mx))  # rlcheck/turn/*: multi-turn batches only
     return out, p.offenders
 
 

@@ -19,6 +19,7 @@ from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
+from rlcheck.core.stats.turns import turn_partial, turn_positions
 from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import (
     F32_SAFE,
@@ -145,14 +146,17 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     for i, t in enumerate(cfg.thresholds):
         sums[f"thr{i}"] = float(np.count_nonzero(ad > t))
     maxima = {"ad": ad_max, "d": d_max, "pdiff": float(pdiff.max()) if m_total else 0.0}
-    sums["cat_tok"] = float(np.count_nonzero(ad >= cfg.catastrophic_tau))
-    sums["ad_clip"] = sum64(np.minimum(ad, cfg.clip, out=scratch))  # pdiff (in scratch) is done with
+    turn = None if batch.turns is None else turn_partial(batch, cfg, d, ad, e, pdiff, valid, sums, maxima)
+    sums["cat_tok"] = float(np.count_nonzero(ad >= cfg.catastrophic_tau if turn is None else turn.cat))
+    # pdiff (in scratch) is done with; a multi-turn batch's turn pass computed min(|d|, clip) already
+    sums["ad_clip"] = sum64(np.minimum(ad, cfg.clip, out=scratch) if turn is None else turn.ad_clip)
     hist = H.abs_histogram(ad)
     hist[0] -= m_total - n
     hists = {"ad": hist}
     minima = {"d": d_min}
 
     offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
+    offenders = offenders if turn is None else turn_positions(offenders, batch, turn.seg)
     signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
     add_twins(batch, cfg, sums, maxima, minima)
     add_residual(batch, cfg, sums)

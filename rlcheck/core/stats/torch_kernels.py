@@ -71,7 +71,7 @@ def expm1(x):
 def token_pass(lr, lt, valid, thresholds: tuple, ratio_c: float, cat_tau: float, clip: float, div_tau: float,
                f64: bool, clipped: bool, direct_r: bool, masked: bool):
     """((S,) float64 token sums in torch_partial.TOKEN_SUMS order, then one per threshold, then
-    [div_tokens, pdiff max], d (M,), |d| (M,)) of (M,) logprobs, the numpy path's formulas and
+    [div_tokens, pdiff max], d (M,), |d| (M,), r - 1 (M,), |p_t - p_r| (M,)) of (M,) logprobs, the numpy path's formulas and
     precision: invalid tokens zeroed (`masked`), float32 worked in float32 unless `f64`, float64 sums,
     d capped at RATIO_LOG_CAP before any exponential (a no-op unless `clipped`). sum r and sum r^2 are
     NaN unless `direct_r` (then they come from the sums of e, as in partial._ratio_sums)."""
@@ -103,7 +103,7 @@ def token_pass(lr, lt, valid, thresholds: tuple, ratio_c: float, cat_tau: float,
            s(torch.clamp(ad, max=clip)), s(lr), s(lr * lr), s(d * lr)]
     out += [c(ad > t) for t in thresholds]
     out += [c(ad > div_tau), pdiff.max().double()]
-    return torch.stack(out), d, ad
+    return torch.stack(out), d, ad, e, pdiff
 
 
 def run(fn, args, kwargs, compiled: bool):

@@ -17,6 +17,8 @@ from rlcheck.core.stats import torch_kernels as TK
 from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.torch_distribution import distribution_sums
 from rlcheck.core.stats.torch_sequences import OFFENDER_FIELDS, sequence_parts, signature_sums
+from rlcheck.core.stats.torch_turns import turn_partial_torch
+from rlcheck.core.stats.turns import turn_positions
 from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import F32_SAFE, R_FROM_E, RATIO_LOG_CAP, PartialStats, StatsConfig
 from rlcheck.core.types import Offender, rank_offenders
@@ -56,8 +58,12 @@ def compute_partial_torch(batch, cfg: StatsConfig, compiled: bool, versions: dic
         # compiled for the common batches only (with or without a mask or a d below -4): a step with a
         # capped or a float32-unsafe d runs eager rather than stall compiling a variant (15-40 s here)
         common = not (flags["clipped"] or (f64 and lr.dtype != torch.float64))
-        token, d, ad = TK.run(TK.token_pass, (lr, lt, valid_arg), {**consts, **flags}, compiled and common)
+        token, d, ad, e, pdiff = TK.run(TK.token_pass, (lr, lt, valid_arg), {**consts, **flags}, compiled and common)
         hist = TK.abs_histogram(ad)
+        turn_sums: dict = {}
+        turn_max: dict = {}
+        turn_seg = None if batch.turns is None else turn_partial_torch(batch, cfg, d, ad, e, pdiff, valid,
+                                                                       turn_sums, turn_max)
         seq = sequence_parts(cfg, cu, d, ad, valid, bad, cfg.top_k)
         sig = signature_sums(batch, cfg, lr, lt, cu, valid, f64, tensor)  # its pairs skip invalid tokens
         dist = distribution_sums(batch.topk, batch.mask, lr.device) if cfg.distribution else ({}, {})
@@ -90,7 +96,11 @@ def compute_partial_torch(batch, cfg: StatsConfig, compiled: bool, versions: dic
     hist_ad = hist_v.astype(np.int64)
     hist_ad[0] -= lr.shape[0] - int(n)
     hists = {"ad": hist_ad, "first_div": pos_v.astype(np.int64)}
-    return PartialStats(sums, maxima, minima, hists, offenders(batch, off_v), batch.num_sequences,
+    sums.update(turn_sums)
+    maxima.update(turn_max)
+    found = offenders(batch, off_v)
+    found = found if turn_seg is None else turn_positions(found, batch, turn_seg)
+    return PartialStats(sums, maxima, minima, hists, found, batch.num_sequences,
                         tuple(cfg.thresholds), cfg.top_k, versions=versions)
 
 

@@ -74,6 +74,10 @@ class StatsConfig:
     `StepBatch.topk`. Costs a sort of 2K ids per token on the CPU (about 2 s per million tokens at
     K = 20), on top of the engine returning K logprobs and the trainer scoring them; off, or without
     topk, no `dist/` key is logged."""
+    turn_head_tokens: int = 4
+    """A multi-turn batch's turn head: the first this many tokens of each turn from the second on, right
+    after an observation (`rlcheck/turn/head/*` against `rlcheck/turn/body/*`): a generation prompt
+    missing from the trainer's later turns, a join token mis-masked, a retokenized junction show there."""
     backend: str = "auto"
     """Implementation of the statistics (`rlcheck.core.stats.backend`): "auto" (eager torch on a batch
     holding GPU tensors, on their device; numpy on host batches, the faster on a CPU), "numpy",
@@ -102,7 +106,8 @@ class StatsConfig:
             raise ConfigError(f"clip must be positive and finite, got {self.clip}")
         if not self.twin_tau > 0:
             raise ConfigError(f"twin_tau must be positive, got {self.twin_tau}")
-        for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens", "twin_span"):
+        for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens", "twin_span",
+                     "turn_head_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -150,10 +155,13 @@ def merge(parts: Sequence[PartialStats], top_k: int | None = None) -> PartialSta
         offenders += [replace(o, index=o.index + offset) for o in p.offenders]
         offset += p.num_sequences
     k = top_k if top_k is not None else first.top_k
+    def keys(name: str) -> list[str]:  # a part without turns lacks the "turn/..." keys: they count 0 there
+        return list(dict.fromkeys(k for p in parts for k in getattr(p, name)))
+
     return PartialStats(
-        sums={key: sum(p.sums[key] for p in parts) for key in first.sums},
-        maxima={key: max(p.maxima[key] for p in parts) for key in first.maxima},
-        minima={key: min(p.minima[key] for p in parts) for key in first.minima},
+        sums={key: sum(p.sums.get(key, 0.0) for p in parts) for key in keys("sums")},
+        maxima={key: max(p.maxima.get(key, -math.inf) for p in parts) for key in keys("maxima")},
+        minima={key: min(p.minima.get(key, math.inf) for p in parts) for key in keys("minima")},
         hists={key: np.sum([p.hists[key] for p in parts], axis=0) for key in first.hists},
         offenders=rank_offenders(offenders, k),
         num_sequences=offset,

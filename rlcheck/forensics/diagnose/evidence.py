@@ -85,6 +85,7 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
         tokens=column("response_tokens"),
         tokens_train=column("tokens_train"),
         prompt_tokens=column("prompt_tokens"),
+        turns=column("turn_index"),  # a multi-turn dump: its per-turn statistics recomputed too
     )
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))
@@ -92,6 +93,8 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     prompts, theirs = column("prompt_tokens"), column(PROMPT_TOKENS_TRAIN)
     if prompts is not None and theirs is not None:  # the two sides' prompt ids (`rlcheck.core.prompt_ids`)
         alarms += [a.to_dict() for a in prompt_alarms_of(step, prompts, theirs, batch.request_ids)]
-    # the run's other alarms of this step (periodic, drift, ...) need its history: take them as logged
-    alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"]
+    # the run's other alarms of this step (periodic, drift, ...) need its history, the cross-turn invariants the
+    # engine's per-call prompts (not dumped): take them as logged
+    alarms += [a for a in meta.get("alarms", []) if a.get("kind") != "signature"
+               or str((a.get("details") or {}).get("signature", "")).startswith("turn_")]
     return {"step": step, "metrics": metrics, "alarms": alarms, "offenders": [o.to_dict() for o in offenders]}

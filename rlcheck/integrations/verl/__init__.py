@@ -36,6 +36,10 @@ out and counted, and a row further behind than verl's settings allow is the `wei
 Where to call it: with the legacy `RayPPOTrainer`, once per step in `_compute_old_log_prob`, before the
 rollout correction rewrites `response_mask` and before the actor update (`recipes/verl_hook.py`).
 
+Agent loops (multi-turn rows, `non_tensor_batch["__num_turns__"]` of more than one model turn): the turns
+are the runs of 1 in `response_mask`, checked against verl's own count (`rlcheck.integrations.verl.turns`);
+the per-turn statistics (`rlcheck/turn/*`) and the cross-turn invariants follow (docs/multiturn.md).
+
 Before the run: `preflight(config)` (verl's config) runs rlcheck's static preflight before verl starts vLLM
 (`recipes/verl_hook.py` does it in `init_workers`); its findings go into the Monitor's context.
 
@@ -82,6 +86,7 @@ from rlcheck.integrations.verl.fields import (  # noqa: F401 - the keys are this
 )
 from rlcheck.integrations.verl.fully_async import fully_async_max_lag, on_version
 from rlcheck.integrations.verl.handback import update_batch
+from rlcheck.integrations.verl.turns import with_agent_turns
 from rlcheck.versions import check_tested
 
 META_KEYS = ("uid", "priority", "data_source")
@@ -181,7 +186,7 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
     }
     num_rows, num_cols = _check_shapes(arrays)
     ids = default_request_ids(non_tensors, num_rows) if request_ids is None else request_ids
-    return StepBatch.from_padded(
+    batch = StepBatch.from_padded(
         arrays[ROLLOUT_KEY],
         arrays[TRAIN_KEY],
         arrays[MASK_KEY],
@@ -191,6 +196,7 @@ def to_step_batch(data: Any, *, logp_train: Any = None, request_ids: Sequence[st
         weight_version=_versions(non_tensors, num_rows),
         meta=_meta(non_tensors, num_rows),
     )
+    return with_agent_turns(batch, non_tensors)  # an agent loop's multi-turn rows (`verl.turns`)
 
 
 def _versions(non_tensors: Mapping[str, Any], num_rows: int) -> list[int] | None:
