@@ -67,7 +67,8 @@ def _wrap_legacy(original):
         if hasattr(self, "current_param_version"):  # the fully async trainer: its own wrapper observes
             return old_log_prob, mfu
         rlcheck_verl.observe(monitor(), self.global_steps, batch,  # quarantined rows leave its response_mask
-                             logp_train=old_log_prob.batch["old_log_probs"], global_steps=self.global_steps)
+                             logp_train=old_log_prob.batch["old_log_probs"], global_steps=self.global_steps,
+                             config=self.config)
         return old_log_prob, mfu
     return _compute_old_log_prob
 
@@ -94,7 +95,8 @@ def _wrap_v1(original):
 
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
         rlcheck_verl.observe(monitor(), self.global_steps, DataProto(batch=data.to_padded_tensor()),
-                             metrics, request_ids=[str(k) for k in batch.keys], global_steps=self.global_steps)
+                             metrics, request_ids=[str(k) for k in batch.keys], global_steps=self.global_steps,
+                             config=self.config)
         return batch
     return _compute_old_log_prob
 

@@ -63,7 +63,7 @@ def demo(
     seed: int = typer.Option(0, help="Seed of the task, the sampling and the trainer."),
     guard: bool = typer.Option(False, "--guard", help="Run the rollout engine with the engine guard: lifecycle invariant violations become alarms."),
     quarantine: bool = typer.Option(False, "--quarantine", help="Quarantine the sequences the evidence condemns (out of the step and the loss) instead of halting; past 10%% of a step's sequences it still halts."),
-    correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2) or sequence (sequence TIS, cap 2)."),
+    correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2), sequence (sequence TIS, cap 2: the product of the token ratios, which collapses on long episodes) or geometric (exp of the mean log ratio, cap 2)."),
     topk: int = typer.Option(0, "--topk", min=0, help="Top-k distribution metrics (rlcheck/dist/*: top-k overlap, KL estimate): the engine returns K logprobs per position and the trainer scores the same ids; 0: off (20 is the usual K)."),
     audit: bool = typer.Option(False, "--audit", help="The decode-prefill audit: 8 rollouts a step re-scored by a fresh prefill of the rollout engine; a rollout whose decode logprobs differ halts the step (engine-only evidence)."),
     engine_dtype: str = typer.Option("float32", help="vLLM's dtype: float32 (both sides fp32) or bfloat16 (a bf16 engine against the fp32 trainer, the usual RL setup); the monitor judges the run at that precision's floor."),
@@ -97,8 +97,8 @@ def demo(
 
     if trainer not in BACKENDS:
         raise typer.BadParameter(f"{trainer!r} is not one of {', '.join(BACKENDS)}", param_hint="--trainer")
-    if correction not in (None, "token", "sequence"):
-        raise typer.BadParameter(f"{correction!r} is not token or sequence", param_hint="--correction")
+    if correction not in (None, "token", "sequence", "geometric"):
+        raise typer.BadParameter(f"{correction!r} is not token, sequence or geometric", param_hint="--correction")
     from rlcheck.loop.weight_sync import METHODS
 
     if engine_dtype not in ("float32", "bfloat16"):

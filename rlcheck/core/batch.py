@@ -35,7 +35,6 @@ import numpy as np
 
 from rlcheck.core.batch_build import (
     bool_array,
-    float_array,
     int_array,
     packed_from_padded,
     packed_from_ragged,
@@ -43,6 +42,7 @@ from rlcheck.core.batch_build import (
     request_id_tuple,
     segment_token_indices,  # noqa: F401 - importable from here
     to_numpy,
+    two_sides,
     version_array,
 )
 from rlcheck.core.batch_join import concat_fields, select_fields
@@ -122,8 +122,7 @@ class StepBatch:
         `turns`: a `Turns`, "mask_runs" or a (M,) turn index with negatives on tool tokens, and its
         `turn_records` (one per sequence) and `join` edits (`rlcheck.core.turns_build.resolve`)."""
         tensors = device_packed(logp_rollout, logp_train, cu_seqlens, mask, tokens, tokens_train)
-        lr = float_array(logp_rollout, "logp_rollout")
-        lt = float_array(logp_train, "logp_train")
+        lr, lt = two_sides(logp_rollout, logp_train)
         cu = int_array(cu_seqlens, "cu_seqlens")
         if cu.ndim != 1 or cu.shape[0] < 1:
             raise InputError("cu_seqlens: expected a 1-D array of N+1 sequence offsets")

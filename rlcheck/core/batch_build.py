@@ -56,6 +56,36 @@ def float_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
+def _address(x: Any) -> int | None:
+    """The first element's address of a torch tensor or a numpy array, None for anything else."""
+    if hasattr(x, "data_ptr"):
+        return int(x.data_ptr())
+    return int(x.ctypes.data) if isinstance(x, np.ndarray) else None
+
+
+def same_storage(a: Any, b: Any) -> bool:
+    """True when `a` and `b` are one buffer: the same object, arrays sharing memory, or tensors (or a
+    tensor and its numpy view) at the same address with the same shape."""
+    if a is b:
+        return True
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.size > 0 and np.shares_memory(a, b)
+    address = _address(a)
+    return address is not None and address == _address(b) and tuple(a.shape) == tuple(b.shape) and address != 0
+
+
+def two_sides(logp_rollout: Any, logp_train: Any, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Both sides' logprobs as float arrays (`float_array`); one buffer passed as both is an InputError:
+    the trainer side would be the rollout side itself (verl's bypass mode hands `old_log_probs =
+    rollout_log_probs`), and no step of it could ever show a mismatch."""
+    if same_storage(logp_rollout, logp_train):
+        raise InputError(
+            f"logp_train{where} is logp_rollout{where} itself (one buffer passed as both sides): the trainer "
+            "side must be the trainer's own recompute of the sampled tokens, or there is no mismatch to measure "
+            "(verl: turn algorithm.rollout_correction.bypass_mode off)")
+    return float_array(logp_rollout, f"logp_rollout{where}"), float_array(logp_train, f"logp_train{where}")
+
+
 def int_array(x: Any, name: str) -> np.ndarray:
     """Token ids or offsets as an int64 array."""
     a = to_numpy(x, name)
@@ -138,8 +168,9 @@ def packed_from_ragged(
         raise InputError("empty batch: no sequences to compare")
     if len(logp_train) != n:
         raise InputError(f"logp_train has {len(logp_train)} sequences, logp_rollout has {n}")
-    rollout = [float_array(x, f"logp_rollout[{i}]").reshape(-1) for i, x in enumerate(logp_rollout)]
-    train = [float_array(x, f"logp_train[{i}]").reshape(-1) for i, x in enumerate(logp_train)]
+    sides = [two_sides(a, b, f"[{i}]") for i, (a, b) in enumerate(zip(logp_rollout, logp_train, strict=True))]
+    rollout = [a.reshape(-1) for a, _ in sides]
+    train = [b.reshape(-1) for _, b in sides]
     lens = np.fromiter((x.shape[0] for x in rollout), dtype=np.int64, count=n)  # (N,)
     for i, (a, b) in enumerate(zip(rollout, train, strict=True)):
         if a.shape != b.shape:
@@ -187,8 +218,7 @@ def packed_from_padded(
     (masked-out tokens inside that span stay, as masked tokens), and their `cu_seqlens`: the keyword
     arguments of `StepBatch.from_packed`, as `packed_from_ragged` returns them (and `topk`, a
     `rlcheck.core.topk.TopK` of B*T rows, with the kept rows)."""
-    lr = float_array(logp_rollout, "logp_rollout")
-    lt = float_array(logp_train, "logp_train")
+    lr, lt = two_sides(logp_rollout, logp_train)
     m = bool_array(mask, "mask")
     if lr.ndim != 2:
         raise InputError(f"from_padded expects [B, T] arrays, logp_rollout has shape {lr.shape}")

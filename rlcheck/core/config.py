@@ -91,6 +91,11 @@ class MonitorConfig:
     """The dtypes the engine and the trainer compute their logprobs in: what a healthy run's floor is,
     which the detectors' gates and diagnose's "clean" are relative to (`rlcheck.core.floors`). None: read
     from `context` (the loop's and TRL's name them), else the run calibrates on its first steps."""
+    true_on_policy: bool = False
+    """Declare that the two sides compute bitwise the same numbers (batch-invariant kernels, deterministic
+    inference, the same weights: SGLang's deterministic mode, slime's true on-policy, verl's exact path):
+    any difference at all on a compared token is then a critical alarm that halts at once. Off, bitwise
+    equal sides read as the best possible health, with one note (`rlcheck.core.inputs.identical_sides`)."""
     turn_checks: TurnCheckConfig | None = field(default_factory=TurnCheckConfig)
     """The cross-turn invariants of multi-turn batches (`StepBatch.turns`; `rlcheck.core.turn_checks`):
     each breach an alarm with its evidence, its sequences quarantined (reason `turn_invariant`) or, with
@@ -111,7 +116,23 @@ class MonitorConfig:
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise ConfigError(f"precision must be a rlcheck.core.floors.Precision or None, got {type(self.precision).__name__}")
+        if not isinstance(self.true_on_policy, bool):
+            raise ConfigError(f"true_on_policy must be True or False, got {self.true_on_policy!r}")
         if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):
             raise ConfigError(f"turn_checks must be a TurnCheckConfig or None, got {type(self.turn_checks).__name__}")
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):
             raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(self.correction).__name__}")
+        try:
+            K.check_names(watched_metrics(self.detectors, self.halt))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def watched_metrics(detectors: DetectorsConfig, halt: HaltConfig) -> list[tuple[str, str]]:
+    """(where, metric name) of every rlcheck metric a hard limit, and of every metric a threshold rule or
+    a detector, watches (a hard limit may watch the caller's own scalars, observe's `extra`, too)."""
+    out = [("HaltConfig.hard_limits", key) for key in halt.hard_limits if key.startswith(K.PREFIX)]  # others: your own
+    for name, cfg in vars(detectors).items():
+        out += [(f"DetectorsConfig.{name} rule {i}", rule.metric) for i, rule in enumerate(getattr(cfg, "rules", ()))]
+        out += [(f"DetectorsConfig.{name}.metrics", m) for m in getattr(cfg, "metrics", ())]
+    return out

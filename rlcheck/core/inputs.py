@@ -59,28 +59,36 @@ def check_alarms(alarms: Sequence[Alarm], step: int) -> list[Alarm]:
 
 
 MIN_IDENTICAL_TOKENS = 16
-"""Below this many compared tokens, bitwise-equal sides may be legitimate (a saturated model's 0.0
-logprobs on a short step); from it on, a real recompute never matches bitwise (vLLM fp32 against HF
-fp32 differs by ~1e-6), so equal sides mean the trainer side is a copy of the rollout side."""
+"""From this many compared tokens on, bitwise-equal sides are worth a note (`identical_sides`): a
+real recompute matches bitwise only on a batch-invariant, deterministic setup (vLLM fp32 against HF
+fp32 differs by ~1e-6), and a copy of the rollout side handed as the trainer's would read the same."""
 
 
-def check_sides_differ(metrics: Mapping[str, float]) -> None:
-    """Raise when the two sides are value-equal on every compared token: the statistics would read
-    "abs_diff_max 0, healthy" while nothing was measured. An InputError rather than an alarm: no
-    step of such a run can ever be judged, so the run's setup is wrong, not the step."""
+def identical_sides(metrics: Mapping[str, float]) -> bool:
+    """True when the two sides are value-equal on every compared token (at least MIN_IDENTICAL_TOKENS
+    of them, none non-finite): the best agreement there is (a true on-policy engine: batch-invariant
+    kernels, deterministic inference), or a copy of the rollout side. rlcheck refuses the copies it can
+    see (one buffer passed as both sides: `rlcheck.core.batch_build.two_sides`; verl's bypass mode at
+    attach, `rlcheck.integrations.verl.preflight`), so the Monitor takes this as health, with one note."""
     count = metrics.get(K.TOKEN_COUNT, 0.0)
-    if count < MIN_IDENTICAL_TOKENS or metrics.get(K.NONFINITE_COUNT, 0.0) or metrics.get(K.ABS_DIFF_MAX, 1.0) != 0:
-        return
-    raise InputError(
-        f"logp_rollout and logp_train are identical on all {count:.0f} compared tokens (abs_diff_max 0): the "
-        "trainer side is a copy of the rollout side, not the trainer's own recompute, so there is no mismatch "
-        "to measure. verl bypass mode (algorithm.rollout_correction.bypass_mode=True) writes rollout_log_probs "
-        "into old_log_probs: turn it off; elsewhere pass the logprobs the trainer computed itself"
-    )
+    return (count >= MIN_IDENTICAL_TOKENS and not metrics.get(K.NONFINITE_COUNT, 0.0)
+            and metrics.get(K.ABS_DIFF_MAX, 1.0) == 0)
 
 
-def check_metrics(metrics: Mapping[str, float]) -> bool:
-    """A step's finalized metrics before the detectors see them: raises for value-equal sides
-    (`check_sides_differ`); True when the step is empty (`is_empty_step`)."""
-    check_sides_differ(metrics)
-    return is_empty_step(metrics)
+IDENTICAL_NOTE = (
+    "rlcheck: logp_rollout and logp_train agree bitwise on all {count:.0f} compared tokens of step {step}: the best "
+    "agreement there is (a true on-policy setup: batch-invariant kernels, deterministic inference). If the trainer "
+    "side is instead a copy of the rollout side (verl's bypass mode through a transfer queue, the engine's "
+    "logprobs passed twice), nothing is measured: pass the trainer's own recompute. Declare a true on-policy run "
+    "with MonitorConfig(true_on_policy=True): then any difference at all is a critical alarm. (Said once.)")
+
+
+def exact_alarms(step: int, metrics: Mapping[str, float]) -> list[Alarm]:
+    """A run declared true on-policy (`MonitorConfig.true_on_policy`): a critical alarm on any token where
+    the sides differ at all (a hard limit of 0 on `rlcheck/token/abs_diff_max`)."""
+    value = metrics.get(K.ABS_DIFF_MAX, 0.0)
+    if not value > 0:
+        return []
+    return [Alarm("threshold", K.ABS_DIFF_MAX, step, "critical",
+                  f"{K.ABS_DIFF_MAX} = {value:.4g}: the run is declared true on-policy (MonitorConfig.true_on_policy) "
+                  "and its two sides differ", {"value": value, "limit": 0.0, "hard_limit": True})]

@@ -3,10 +3,15 @@
 Groups: `token/` (per-token d = logp_train - logp_rollout), `ratio/` (importance ratio r = exp(d),
 raw, before any clipping), `seq/` (per-sequence reductions), `sig/` (statistics the signature
 detectors read), `dist/` (beyond the sampled token: top-K overlap and KL, `rlcheck.core.stats.distribution`),
-`turn/` (multi-turn rollouts: per turn, head vs body, the cross-turn invariants).
+`turn/` (multi-turn rollouts: per turn, head vs body, the cross-turn invariants), `moe/`, `quarantine/`, `weights/` and `corr/` (the correction, verl's names). The end of the module
+says which names a rule may watch (`check_names`): a new key is a constant here, a new family of
+keys one entry of `FAMILIES`.
 """
 
 from __future__ import annotations
+
+import difflib
+import re
 
 PREFIX = "rlcheck/"
 
@@ -188,3 +193,66 @@ ALWAYS = (
     SIG_SLOPE, SIG_SLOPE_CORR, SIG_SHIFT_BASE, SIG_SHIFT_GAIN, SIG_SHIFT_DIRECTION, SIG_EARLY_DIV_COUNT,
     SIG_EARLY_ANY_COUNT, SIG_EARLY_ANY_EXPECTED,
 )
+
+
+# ---- the names a rule may watch -------------------------------------------------------------------
+# Every constant above that starts with PREFIX is a known name; a key built by a function (a family:
+# its prefix, the pattern of the rest, an example) registers here, in FAMILIES. A threshold rule, a
+# hard limit or a detector watching a name that is neither is refused when the MonitorConfig is built
+# (`check_names`), with the closest known name: a typo would otherwise never fire, silently.
+
+CORR_PREFIX = "rlcheck/corr/"  # the correction's metrics, verl's names (`rlcheck.core.correction`)
+CORR_IS_STATS = ("mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",
+                 "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+                 "seq_fraction_low", "oob_ratio", "batch_norm_factor")
+CORR_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                   "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+CORR_RS_STATS = ("mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean", "seq_std", "seq_max",
+                 "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low", "masked_fraction",
+                 "seq_masked_fraction")
+
+
+def corr_names() -> tuple[str, ...]:
+    """Every `rlcheck/corr/*` key the correction can log (`MonitorConfig.correction`)."""
+    names = [f"{CORR_PREFIX}rollout_is_{s}" for s in CORR_IS_STATS]
+    names += [f"{CORR_PREFIX}rollout_rs_{s}" for s in ("masked_fraction", "seq_masked_fraction")]
+    return (*names, *(f"{CORR_PREFIX}rollout_rs_{o}_{s}" for o in CORR_RS_OPTIONS for s in CORR_RS_STATS))
+
+
+FAMILIES = (
+    ("rlcheck/token/frac_abs_diff_gt_", r"[0-9.e+-]+", frac_abs_diff_above(0.5)),
+    ("rlcheck/moe/layer", r"[0-9]+_(agree_frac|first_diff_count)", moe_layer_agree(0)),
+    ("rlcheck/quarantine/", r"[a-z_]+_count", quarantine_reason("early")),
+)
+"""(prefix, regular expression of the rest, an example) of each family of keys made by a function."""
+
+
+def known_names() -> tuple[str, ...]:
+    """Every fixed key: the constants of this module under PREFIX, the multi-turn ones and the correction's."""
+    fixed = [v for k, v in globals().items() if k.isupper() and isinstance(v, str) and v.startswith(PREFIX)
+             and not v.endswith("/")]
+    return (*dict.fromkeys([*fixed, *TURN_KEYS]), *corr_names())
+
+
+def is_known(name: str) -> bool:
+    """True for a fixed key or one of a family's."""
+    return name in known_names() or any(name.startswith(p) and re.fullmatch(rest, name[len(p):])
+                                        for p, rest, _ in FAMILIES)
+
+
+def closest(name: str) -> str | None:
+    """The known key (a family's example included) nearest to `name`, None when none is near."""
+    found = difflib.get_close_matches(name, [*known_names(), *(ex for _, _, ex in FAMILIES)], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def check_names(watched: list[tuple[str, str]]) -> None:
+    """Raise ValueError naming the first (where, name) of `watched` that no metric has, with the
+    closest known one (the caller turns it into its ConfigError)."""
+    for where, name in watched:
+        if not isinstance(name, str) or not is_known(name):
+            near = closest(name) if isinstance(name, str) else None
+            hint = f"; did you mean {near!r}?" if near else f"; metric names start with {PREFIX!r}"
+            outside = ("" if not isinstance(name, str) or name.startswith(PREFIX) else
+                       " (your own scalars, observe's `extra`, reach the hard limits only, not the detectors)")
+            raise ValueError(f"{where} watches {name!r}, which no rlcheck metric is{outside}{hint}")

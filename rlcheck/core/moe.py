@@ -22,11 +22,13 @@ import numpy as np
 
 from rlcheck.core import metrics as K
 from rlcheck.core.correction import response_mask
+from rlcheck.core.tally import Tally
 from rlcheck.core.types import Alarm
 from rlcheck.errors import InputError
 
 __all__ = ["CONCENTRATION", "MIN_SHARE", "Routing", "RoutingStats", "batch_routing_metrics", "first_diff_layer",
-           "routing_alarms", "routing_metrics", "routing_stats", "same_experts", "sequence_routing"]
+           "routing_alarms", "routing_metrics", "routing_stats", "routing_tally", "same_experts", "sequence_routing",
+           "tally_metrics"]
 
 MIN_SHARE = 0.5
 """Routing drives a step's mismatch when the tokens routed differently carry at least this share of its
@@ -164,19 +166,42 @@ def sequence_routing(routing: Routing, cu_seqlens: np.ndarray, mask: np.ndarray 
 
 def routing_metrics(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> dict[str, float]:
     """The `rlcheck/moe/*` metrics of one step (`routing_stats`); an undefined metric is left out."""
-    s = routing_stats(routing, diff, mask)
-    if s.num_tokens == 0:
+    return tally_metrics(routing_tally(routing, diff, mask))
+
+
+def routing_tally(routing: Routing, diff: np.ndarray, mask: np.ndarray | None = None) -> Tally:
+    """The counts and sums the `rlcheck/moe/*` metrics are finalized from (`tally_metrics`), over the
+    finite tokens `mask` (M,) keeps; the parts of a step held by several ranks add up."""
+    keep = np.isfinite(diff) if mask is None else np.asarray(mask, dtype=bool) & np.isfinite(diff)  # a new array
+    agree = same_experts(routing.experts_rollout, routing.experts_train)[keep]  # (n, L)
+    d = np.abs(np.asarray(diff, dtype=np.float64)[keep])  # (n,)
+    alike = agree.all(axis=1)  # (n,)
+    firsts = np.bincount(first_diff_layer(agree), minlength=routing.num_layers + 1)
+    sums = {"moe/tokens": float(agree.shape[0]), "moe/alike": float(alike.sum()), "moe/abs": float(d.sum()),
+            "moe/moved_abs": float(d[~alike].sum()), "moe/alike_abs": float(d[alike].sum())}
+    for layer in range(routing.num_layers):
+        sums[f"moe/layer{layer}/agree"] = float(agree[:, layer].sum())
+        sums[f"moe/layer{layer}/first"] = float(firsts[layer])
+    return Tally(sums, maxima={"moe/layers": float(routing.num_layers)})
+
+
+def tally_metrics(t: Tally) -> dict[str, float]:
+    """The `rlcheck/moe/*` metrics of a (merged) `routing_tally`; {} without routing, the token count
+    alone without a token."""
+    s = t.sums
+    if "moe/tokens" not in s:
+        return {}
+    n = s["moe/tokens"]
+    if n == 0:
         return {K.MOE_TOKEN_COUNT: 0.0}
-    out = {
-        K.MOE_TOKEN_COUNT: float(s.num_tokens),
-        K.MOE_ROUTE_AGREE_FRAC: s.agree_frac,
-        K.MOE_ABS_DIFF_SHARE: s.abs_diff_share,
-    }
-    for layer, (frac, count) in enumerate(zip(s.layer_agree_frac, s.first_diff_counts, strict=True)):
-        out[K.moe_layer_agree(layer)] = frac
-        out[K.moe_first_diff(layer)] = float(count)
-    if np.isfinite(s.abs_diff_lift):
-        out[K.MOE_ABS_DIFF_LIFT] = s.abs_diff_lift
+    alike, moved = s["moe/alike"], n - s["moe/alike"]
+    out = {K.MOE_TOKEN_COUNT: n, K.MOE_ROUTE_AGREE_FRAC: alike / n,
+           K.MOE_ABS_DIFF_SHARE: s["moe/moved_abs"] / s["moe/abs"] if s["moe/abs"] > 0 else 0.0}
+    for layer in range(int(t.maxima["moe/layers"])):
+        out[K.moe_layer_agree(layer)] = s[f"moe/layer{layer}/agree"] / n
+        out[K.moe_first_diff(layer)] = s[f"moe/layer{layer}/first"]
+    if moved and alike and s["moe/alike_abs"] > 0:
+        out[K.MOE_ABS_DIFF_LIFT] = (s["moe/moved_abs"] / moved) / (s["moe/alike_abs"] / alike)
     return out
 
 

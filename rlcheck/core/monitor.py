@@ -37,20 +37,23 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core import inputs
 from rlcheck.core import metrics as K
 from rlcheck.core import quarantine as Q
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.batch_tally import batch_tally, tally_metrics
 from rlcheck.core.catch_up import catch_up
 from rlcheck.core.config import DEFAULT_HARD_LIMITS, Floor, HaltConfig, MonitorConfig
-from rlcheck.core.correction import batch_metrics
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
-from rlcheck.core.inputs import check_alarms, check_extra, check_metrics, check_step, check_version
-from rlcheck.core.moe import batch_routing_metrics, routing_alarms
+from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
+from rlcheck.core.moe import routing_alarms
 from rlcheck.core.quarantine_run import Quarantine
 from rlcheck.core.run import Run
 from rlcheck.core.run.files import STATE_FILE
+from rlcheck.core.run.journal import step_record
 from rlcheck.core.stats import PartialStats, finalize, levels
+from rlcheck.core.tally import Tally
 from rlcheck.core.turn_alarms import turn_step
 from rlcheck.core.types import StepReport
 from rlcheck.core.weights import check_versions
@@ -77,8 +80,10 @@ class Monitor:
             self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
             self.resumes = 0
+            self._noted_identical = False  # bitwise-equal sides are noted once (`rlcheck.core.inputs`)
             self.quarantine = Quarantine(cfg.quarantine, cfg.detectors.signature) if cfg.quarantine else None
             self._resumed: dict[str, Any] | None = None  # goes into the first record this Monitor writes
+            self._sink_state: dict[str, Any] = {}
             if self.run.has_state():
                 if not cfg.resume:
                     raise RunDirError(f"{self.run_dir} already holds a run (state.json); pass resume=True to "
@@ -86,6 +91,7 @@ class Monitor:
                 self._load_state()
             self._has_state = self.run.has_state()
             self.sinks = make_sinks(cfg.sinks, self.run_dir, wandb_config=cfg.wandb, wandb_run=wandb_run)
+            self.sinks.load_state_dict(self._sink_state)  # a resumed run's W&B totals go on from its own
         except BaseException:
             self.run.close()
             raise
@@ -107,29 +113,39 @@ class Monitor:
         partial, verdict = Q.step_partial(batch, self.floor.stats(self.cfg.stats), self.cfg.quarantine,
                                           trainer_version, self.cfg.max_weight_lag, check_alarms(alarms, step),
                                           self.cfg.detectors.signature, turned.condemned)
-        own = {**levels.level_spread(batch, self.cfg.stats.clip, None if verdict is None else verdict.keep),
-               **levels.probe_level(probe, self.cfg.stats.clip), **turned.metrics()}
-        return self._observe(step, partial, batch, t0, extra, [*alarms, *turned.alarms(step, verdict, self.cfg.quarantine)],
-                             trainer_version, verdict=verdict, quarantine_batch=batch, own=own,
-                             keep=None if verdict is None else verdict.keep)
+        keep = None if verdict is None else verdict.keep
+        own = {**levels.level_spread(batch, self.cfg.stats.clip, keep), **levels.probe_level(probe, self.cfg.stats.clip),
+               **turned.metrics()}
+        correction, tally = batch_tally(batch, keep, self.cfg.correction)
+        report = self._observe(step, partial, batch, t0, extra, [*alarms, *turned.alarms(step, verdict, self.cfg.quarantine)],
+                               trainer_version, verdict=verdict, quarantine_batch=batch, own=own, tally=tally)
+        if correction is not None:  # the loss's `report.correction(...)` of the same settings: not computed again
+            report.corrections[self.cfg.correction] = correction
+        return report
 
     def observe_partial(self, step: int, partial: PartialStats, batch: StepBatch | None = None,
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
                         trainer_version: int | None = None, verdict: Q.Verdict | None = None,
-                        quarantine_batch: StepBatch | None = None,
-                        probe: StepBatch | None = None) -> StepReport:
+                        quarantine_batch: StepBatch | None = None, probe: StepBatch | None = None,
+                        tally: Tally | None = None) -> StepReport:
         """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
         `batch` (this rank's sequences) goes into the dump on halt when given; `verdict`: the
         quarantine verdict of every rank's sequences (in rank order), `quarantine_batch` its
-        quarantined sequences (for their dump). No `seq/level_spread` (it needs every rank's sequences)."""
+        quarantined sequences (for their dump); `tally`: the ranks' merged `batch_tally` (the
+        correction and MoE metrics; from `batch` when not given). No `seq/level_spread` (it needs every rank's sequences)."""
+        if tally is None and batch is not None:
+            _, tally = batch_tally(batch, None if verdict is None else verdict.keep, self.cfg.correction)
         return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms,
                              check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch,
-                             own=levels.probe_level(probe, self.cfg.stats.clip))
+                             own=levels.probe_level(probe, self.cfg.stats.clip), tally=tally)
 
-    def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand") -> Path:
-        """Write the forensic dump of `batch` for `step` now."""
+    def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand",
+             selected: Mapping[str, Any] | None = None) -> Path:
+        """Write the forensic dump of `batch` for `step` now; `selected`: how `batch` was chosen among the
+        step's sequences when it is not all of them (meta.json's `selected`)."""
         return self.run.write_dump(
-            step, batch, reason=reason, metrics=report.metrics if report else None,
+            step, batch, reason=reason, selected=selected,
+            metrics=report.metrics if report else None,
             alarms=[a.to_dict() for a in report.alarms] if report else (),
             offenders=[o.to_dict() for o in report.offenders] if report else (),
             context=dict(self.cfg.context), divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact)
@@ -152,8 +168,8 @@ class Monitor:
     def _observe(self, step: int, partial: PartialStats, batch: StepBatch | None, t0: float,
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
                  trainer_version: int | None = None, verdict: Q.Verdict | None = None,
-                 quarantine_batch: StepBatch | None = None,
-                 own: Mapping[str, float] | None = None, keep: np.ndarray | None = None) -> StepReport:
+                 quarantine_batch: StepBatch | None = None, own: Mapping[str, float] | None = None,
+                 tally: Tally | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -163,34 +179,35 @@ class Monitor:
             warnings.warn(f"rlcheck: step {step} comes after step {self.last_step}; observing it anyway "
                           "(a resumed trainer repeating steps?)", stacklevel=3)
         metrics, offenders = finalize(partial, self.cfg.stats)
-        empty = check_metrics(metrics)
+        empty = is_empty_step(metrics)
+        if not (self.cfg.true_on_policy or self._noted_identical) and inputs.identical_sides(metrics):
+            self._noted_identical = True
+            warnings.warn(inputs.IDENTICAL_NOTE.format(count=metrics[K.TOKEN_COUNT], step=step), stacklevel=3)
         metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
         self.floor.observe(metrics, empty)  # calibrates (unknown dtypes) and logs the floor
         if empty:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
                           f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "
                           "an empty step, skipped by the detectors", stacklevel=3)
-        alarms: list[Alarm] = []
-        for det in self.detectors.values() if not empty else ():
-            alarms += det.update(step, metrics)
-        alarms += outside
+        # every metric a rule or a hard limit may name, before they judge (`rlcheck.core.metrics.check_names`)
+        weights: list[Alarm] = []
         if trainer_version is not None:
             found, weights = check_versions(step, partial.versions, trainer_version, self.cfg.max_weight_lag)
             metrics.update(found)
-            alarms += weights
+        quarantined: list[Alarm] = []
         added: dict[str, Any] = {}
         if verdict is not None and self.quarantine is not None:
-            found, quarantine_metrics, added = self.quarantine.step(
+            quarantined, found, added = self.quarantine.step(
                 self.run, step, verdict, quarantine_batch, context=dict(self.cfg.context),
                 divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact)
-            alarms += found
-            metrics.update(quarantine_metrics)
-        if self.cfg.correction is not None and batch is not None:
-            metrics.update(batch_metrics(batch, None if verdict is None else verdict.keep, self.cfg.correction))
-        metrics.update(batch_routing_metrics(batch, keep), **extra)  # rlcheck/moe/*, if any, of the kept sequences
-        alarms += routing_alarms(step, metrics)
-        hard = self.policy.hard_limit_alarms(step, metrics)  # over every metric of the step, extra ones too
-        alarms += hard
+            metrics.update(found)
+        metrics.update(tally_metrics(tally or Tally(), self.cfg.correction))  # rlcheck/corr/*, rlcheck/moe/*
+        alarms: list[Alarm] = []
+        for det in self.detectors.values() if not empty else ():
+            alarms += det.update(step, metrics)
+        metrics.update(extra)  # the caller's own scalars: a hard limit may watch them, the detectors do not
+        hard = self.policy.hard_limit_alarms(step, metrics) + (inputs.exact_alarms(step, metrics) if self.cfg.true_on_policy else [])
+        alarms += outside + weights + hard + quarantined + routing_alarms(step, metrics)
         metrics[K.ALARM_COUNT] = float(len(alarms))
         metrics[K.MONITOR_SECONDS] = time.perf_counter() - t0
         report = StepReport(step, metrics, alarms, offenders, batch=batch)
@@ -201,7 +218,7 @@ class Monitor:
         self.advance(step, alarms, empty)
         self.policy.decide(report, hard)
 
-        write_error = self._record(report, {**self._step_record(report, partial, empty), **added})
+        write_error = self._record(report, {**step_record(report, partial.hists["ad"], empty, self._resumed), **added})
         if write_error is None:
             self._resumed = None
         if report.halted:
@@ -209,25 +226,6 @@ class Monitor:
         if write_error is not None:
             raise write_error
         return report
-
-    def _step_record(self, report: StepReport, partial: PartialStats, empty: bool) -> dict[str, Any]:
-        """The step's metrics.jsonl record; `empty` and `resumed` only where they apply, so older
-        readers see the schema they know."""
-        hist = partial.hists["ad"]
-        bins = np.flatnonzero(hist)
-        record = {
-            "step": report.step,
-            "time": time.time(),
-            "metrics": report.metrics,
-            "alarms": [a.to_dict() for a in report.alarms],
-            "offenders": [o.to_dict() for o in report.offenders],
-            "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
-        }
-        if empty:
-            record["empty"] = True
-        if self._resumed is not None:
-            record["resumed"] = self._resumed
-        return record
 
     def _record(self, report: StepReport, record: dict[str, Any]) -> RecordWriteError | None:
         """Append to the journal, show to every sink, then save the state; an I/O failure of the
@@ -294,6 +292,7 @@ class Monitor:
             "resumes": self.resumes, "floor": self.floor.state_dict(),
             **({"quarantine": self.quarantine.state_dict()} if self.quarantine is not None else {}),
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
+            "sinks": self.sinks.state_dict(),
         }
 
     def _save_state(self) -> None:
@@ -307,6 +306,7 @@ class Monitor:
         self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
         self.resumes = int(state.get("resumes", 0)) + 1
+        self._sink_state = state.get("sinks") or {}
         if self.quarantine is not None:
             self.quarantine.load_state_dict(state.get("quarantine") or {})
         self.floor.load_state_dict(state.get("floor") or {})

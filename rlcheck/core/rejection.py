@@ -8,17 +8,17 @@ config)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
+from rlcheck.core import metrics as K
+from rlcheck.core.tally import Tally
 from rlcheck.errors import ConfigError
 
 SAFETY_BOUND = 20.0  # verl's: d is clamped to +-20 before any exponential
 EPS = 1e-8  # verl's masked_mean denominator guard
 
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS = K.CORR_RS_OPTIONS
 TOKEN_RS = ("token_k1", "token_k2", "token_k3")
 
 
@@ -55,21 +55,26 @@ def parse_rs(options: str, spec: float | str | None) -> dict[str, tuple[float | 
 def rs_mask(d: np.ndarray, m: np.ndarray, cu: np.ndarray, options: str,
             threshold: float | str | None) -> tuple[np.ndarray, dict[str, float]]:
     """verl's `compute_rollout_rejection_mask` on packed tokens: (mask * keep (M,) float, metrics)."""
+    keep, tally = rs_parts(d, m, cu, options, threshold)
+    return keep, rs_metrics(tally, options, threshold)
+
+
+def rs_parts(d: np.ndarray, m: np.ndarray, cu: np.ndarray, options: str,
+             threshold: float | str | None) -> tuple[np.ndarray, Tally]:
+    """(mask * keep (M,) float, the `Tally` `rs_metrics` finalizes) of one part of a step."""
     specs = parse_rs(options, threshold)
     ls = np.clip(d, -SAFETY_BOUND, SAFETY_BOUND)
     stats = {"k1": -ls, "k2": 0.5 * ls**2, "k3": np.exp(ls) - 1.0 - ls}
     mb = m > 0
-    counts = seg_sum(m, cu)
-    seq_valid = counts > 0
+    valid = seg_sum(m, cu) > 0  # (N,) the sequences with a valid token
     combined = np.ones_like(d)
-    metrics: dict[str, float] = {}
+    t = Tally(sums={"rs/tokens": float(m.sum()), "rs/seqs": float(valid.sum())})
     for opt, (lo, up) in specs.items():
         k1 = opt.endswith("k1")
-        lo_t, up_t = (math.log(lo), math.log(up)) if k1 else (None, up)
+        lo_t, up_t = (math.log(lo), math.log(up)) if k1 else (0.0, up)
         tok = stats[opt[-2:]]
-        seq_stat = None
         if opt in TOKEN_RS:
-            stat = tok
+            stat, seq_stat = tok, None
             keep = (stat >= lo_t) & (stat <= up_t) if k1 else stat <= up_t
         else:
             if opt.startswith("seq_sum"):
@@ -79,61 +84,88 @@ def rs_mask(d: np.ndarray, m: np.ndarray, cu: np.ndarray, options: str,
             else:
                 seq_stat = seq_max(tok, mb, cu)
             seq_keep = (seq_stat >= lo_t) & (seq_stat <= up_t) if k1 else seq_stat <= up_t
-            keep = per_token(seq_keep, cu)
-            stat = per_token(seq_stat, cu)
-        metrics.update(_rs_metrics(opt, stat, m, cu, seq_valid, seq_stat, up_t, lo_t if k1 else 0.0, k1))
-        keep_f = keep.astype(np.float64)
-        combined *= keep_f
-        metrics[f"rollout_rs_{opt}_masked_fraction"] = masked_mean(1.0 - keep_f, m)
-        seq_keep_all = ~seg_any(~keep & mb, cu)
-        if seq_valid.any():
-            metrics[f"rollout_rs_{opt}_seq_masked_fraction"] = float(
-                ((~seq_keep_all) & seq_valid).sum() / seq_valid.sum())
-        else:
-            metrics[f"rollout_rs_{opt}_seq_masked_fraction"] = 0.0
-    metrics["rollout_rs_masked_fraction"] = masked_mean(1.0 - combined, m)
+            keep, stat = per_token(seq_keep, cu), per_token(seq_stat, cu)
+        t.add(_option_tally(f"rs/{opt}/", stat, seq_stat, m, cu, valid, lo_t, up_t, k1))
+        t.sums[f"rs/{opt}/masked"] = float((~keep & mb).sum())
+        t.sums[f"rs/{opt}/seq_masked"] = float((seg_any(~keep & mb, cu) & valid).sum())
+        combined *= keep
     final_keep = (combined > 0.5) & mb
-    metrics["rollout_rs_seq_masked_fraction"] = float(np.mean(seg_any(~final_keep & mb, cu)))
-    return m * combined, metrics
+    t.sums["rs/masked"] = float((~final_keep & mb).sum())
+    t.sums["rs/seq_masked"] = float((seg_any(~final_keep & mb, cu) & valid).sum())
+    return m * combined, t
 
 
 def seg_any(flags: np.ndarray, cu: np.ndarray) -> np.ndarray:
     return seg_sum(flags.astype(np.float64), cu) > 0
 
 
-def _rs_metrics(opt, stat, m, cu, seq_valid, seq_stat, upper, lower, apply_lower) -> dict[str, float]:
-    """verl's `compute_rs_metrics` for one option."""
-    p = f"rollout_rs_{opt}"
+def _option_tally(p: str, stat, seq_stat, m, cu, valid, lower, upper, k1) -> Tally:
+    """The sums, maxima and minima of one option's statistic (`stat` per token; `seq_stat` per sequence,
+    None for a token-level option): what verl's `compute_rs_metrics` reads."""
     mb = m > 0
-    seq_values = seq_stat if seq_stat is not None else seq_mean(stat, m, cu)
-    valid_vals = seq_values[seq_valid]
-    sequence = seq_stat is not None and valid_vals.size > 0
-    out: dict[str, Any] = {f"{p}_mean": masked_mean(stat, m)}
-    if sequence:
-        out[f"{p}_max"], out[f"{p}_min"] = float(valid_vals.max()), float(valid_vals.min())
-        out[f"{p}_fraction_high"] = float(np.mean(valid_vals > upper))
-        out[f"{p}_fraction_low"] = float(np.mean(valid_vals < lower)) if apply_lower else 0.0
+    t = Tally()
+    s = t.sums
+    s[p + "stat"] = float((stat * m).sum())
+    if seq_stat is not None:
+        vals = seq_stat[valid]
+        t.maxima[p + "stat"], t.minima[p + "stat"] = float(vals.max(initial=-np.inf)), float(vals.min(initial=np.inf))
+        s[p + "high"], s[p + "low"] = float((vals > upper).sum()), float((vals < lower).sum())
     else:
-        out[f"{p}_max"] = float(np.max(stat, where=mb, initial=-np.inf))
-        out[f"{p}_min"] = float(np.min(stat, where=mb, initial=np.inf))
-        out[f"{p}_fraction_high"] = masked_mean((stat > upper).astype(np.float64), m)
-        out[f"{p}_fraction_low"] = masked_mean((stat < lower).astype(np.float64), m) if apply_lower else 0.0
-    if m.sum() > 1:
-        s = np.clip(stat, lower if apply_lower else 0.0, upper)
-        out[f"{p}_std"] = math.sqrt(max(masked_mean(s**2, m) - masked_mean(s, m) ** 2, 0.0))
-    else:
-        out[f"{p}_std"] = 0.0
-    if valid_vals.size:
-        out[f"{p}_seq_mean"] = float(valid_vals.mean())
-        out[f"{p}_seq_std"] = sample_std(valid_vals)
-        out[f"{p}_seq_max"], out[f"{p}_seq_min"] = float(valid_vals.max()), float(valid_vals.min())
-        out[f"{p}_seq_max_deviation"] = float(np.abs(valid_vals).max())
-        out[f"{p}_seq_fraction_high"] = float(np.mean(valid_vals > upper))
-        if apply_lower:
-            out[f"{p}_seq_fraction_low"] = float(np.mean(valid_vals < lower))
-    else:
+        t.maxima[p + "stat"] = float(np.max(stat, where=mb, initial=-np.inf))
+        t.minima[p + "stat"] = float(np.min(stat, where=mb, initial=np.inf))
+        s[p + "high"], s[p + "low"] = float(((stat > upper) & mb).sum()), float(((stat < lower) & mb).sum())
+    clipped = np.clip(stat, lower if k1 else 0.0, upper)
+    s[p + "c"], s[p + "c2"] = float((clipped * m).sum()), float((clipped * clipped * m).sum())
+    seq_values = (seq_stat if seq_stat is not None else seq_mean(stat, m, cu))[valid]
+    s[p + "seq"], s[p + "seq2"] = float(seq_values.sum()), float((seq_values * seq_values).sum())
+    t.maxima[p + "seq"] = float(seq_values.max(initial=-np.inf))
+    t.minima[p + "seq"] = float(seq_values.min(initial=np.inf))
+    s[p + "seq_high"], s[p + "seq_low"] = float((seq_values > upper).sum()), float((seq_values < lower).sum())
+    return t
+
+
+def rs_metrics(t: Tally, options: str, threshold: float | str | None) -> dict[str, float]:
+    """verl's RS metrics of a (merged) `rs_parts` tally; the sequence fractions count the sequences
+    with a valid token."""
+    s = t.sums
+    n, num_seqs = s["rs/tokens"], s["rs/seqs"]
+    out: dict[str, float] = {}
+    for opt in parse_rs(options, threshold):
+        out.update(_option_metrics(t, opt, n, num_seqs))
+        out[f"rollout_rs_{opt}_masked_fraction"] = s[f"rs/{opt}/masked"] / (n + EPS)
+        out[f"rollout_rs_{opt}_seq_masked_fraction"] = s[f"rs/{opt}/seq_masked"] / num_seqs if num_seqs else 0.0
+    out["rollout_rs_masked_fraction"] = s["rs/masked"] / (n + EPS)
+    out["rollout_rs_seq_masked_fraction"] = s["rs/seq_masked"] / num_seqs if num_seqs else 0.0
+    return out
+
+
+def _option_metrics(t: Tally, opt: str, n: float, num_seqs: float) -> dict[str, float]:
+    """verl's `compute_rs_metrics` for one option, from its tally."""
+    p, q, s = f"rollout_rs_{opt}", f"rs/{opt}/", t.sums
+    k1, sequence = opt.endswith("k1"), opt not in TOKEN_RS and num_seqs > 0
+    mean_c = s[q + "c"] / (n + EPS)
+    out = {
+        f"{p}_mean": s[q + "stat"] / (n + EPS),
+        f"{p}_max": t.maxima[q + "stat"],
+        f"{p}_min": t.minima[q + "stat"],
+        f"{p}_fraction_high": s[q + "high"] / (num_seqs if sequence else n + EPS),
+        f"{p}_fraction_low": s[q + "low"] / (num_seqs if sequence else n + EPS) if k1 else 0.0,
+        f"{p}_std": math.sqrt(max(s[q + "c2"] / (n + EPS) - mean_c**2, 0.0)) if n > 1 else 0.0,
+    }
+    if not num_seqs:
         out.update({f"{p}_{k}": 0.0 for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
                                               "seq_fraction_high", "seq_fraction_low")})
+        return out
+    total, sq = s[q + "seq"], s[q + "seq2"]
+    var = (sq - total**2 / num_seqs) / (num_seqs - 1) if num_seqs > 1 else 0.0
+    top, bottom = t.maxima[q + "seq"], t.minima[q + "seq"]
+    out.update({
+        f"{p}_seq_mean": total / num_seqs, f"{p}_seq_std": math.sqrt(max(var, 0.0)),
+        f"{p}_seq_max": top, f"{p}_seq_min": bottom, f"{p}_seq_max_deviation": max(abs(top), abs(bottom)),
+        f"{p}_seq_fraction_high": s[q + "seq_high"] / num_seqs,
+    })
+    if k1:
+        out[f"{p}_seq_fraction_low"] = s[q + "seq_low"] / num_seqs
     return out
 
 

@@ -107,10 +107,14 @@ class StepReport:
     keep: Any = None  # (N,) bool numpy array, or None when the step's batch was not given
     quarantined: tuple[Any, ...] = ()  # `rlcheck.core.quarantine.Quarantined`, batch order
     batch: Any = field(default=None, repr=False, compare=False)  # the observed StepBatch
+    corrections: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The corrections of `batch` computed already, by `CorrectionConfig` (the Monitor's own, for its
+    `rlcheck/corr/*` metrics): `correction` with the same settings hands it out, not computed twice."""
 
     def release(self) -> None:
         """Drop the batch (a report kept for long should not hold its step's tokens)."""
         self.batch = None
+        self.corrections = {}
 
     def correction(self, rollout_is: str | None = None, rollout_is_threshold: float | str = 2.0,
                    rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
@@ -122,7 +126,10 @@ class StepReport:
 
         cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
                                rollout_is_batch_normalize)
-        return correct(self._batch(), self.keep, cfg)
+        b = self._batch()
+        if cfg not in self.corrections:
+            self.corrections[cfg] = correct(b, self.keep, cfg)
+        return self.corrections[cfg]
 
     def token_weights(self, rollout_is: str | None = "token", rollout_is_threshold: float | str = 2.0,
                       rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
@@ -137,16 +144,12 @@ class StepReport:
                          rollout_is_batch_normalize: bool = False) -> np.ndarray:
         """(N,) float32, one per sequence: its sequence-level IS weight (default: sequence TIS, cap 2;
         None: 1), 0 where it is quarantined or rejected by a sequence-level `rollout_rs`."""
-        from rlcheck.core.correction import CorrectionConfig, response_mask, sequence_weights
-        from rlcheck.core.turn_correction import episode_d
+        from rlcheck.core.correction import CorrectionConfig, sequence_weights_of
 
-        cfg = CorrectionConfig(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
-                               rollout_is_batch_normalize)
+        args = (rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, rollout_is_batch_normalize)
         b = self._batch()
         keep = np.ones(b.num_sequences, dtype=bool) if self.keep is None else self.keep
-        mask = response_mask(b, self.keep)
-        return sequence_weights(episode_d(b, b.logp_train.astype(np.float64) - b.logp_rollout, mask, rollout_is),
-                                mask, b.cu_seqlens, keep, cfg)
+        return sequence_weights_of(self.correction(*args), b.cu_seqlens, keep, CorrectionConfig(*args))
 
     def _batch(self) -> Any:
         if self.batch is None:

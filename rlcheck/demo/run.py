@@ -57,7 +57,8 @@ class DemoOptions:
     quarantine: bool = False
     """Quarantine condemned sequences instead of halting (`rlcheck.core.quarantine`, defaults)."""
     correction: str | None = None
-    """The loss's IS correction: "token" (token TIS, cap 2) or "sequence" (sequence TIS, cap 2)."""
+    """The loss's IS correction: "token" (token TIS, cap 2), "sequence" (sequence TIS, cap 2) or
+    "geometric" (exp(mean d), cap 2; `rlcheck.core.correction`)."""
     top_k: int = 0
     """Top-k distribution metrics (`rlcheck/dist/*`): the engine returns each position's top-k
     logprobs, the trainer scores the same ids and its own top-k (`rlcheck.loop.topk_wiring`); 0: off."""

@@ -25,6 +25,7 @@ from rlcheck.core.quarantine import (
 )
 from rlcheck.core.stats import PartialStats, StatsConfig, compute_partial, empty_partial
 from rlcheck.core.types import Alarm
+from rlcheck.distributed.failures import RankGuard
 from rlcheck.distributed.reduce import root
 
 _NO_COUNTS = np.zeros(5, dtype=np.float64)
@@ -43,37 +44,34 @@ def merge_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
 
 def judge_across_ranks(batch: StepBatch | None, stats: StatsConfig, cfg: QuarantineConfig, max_weight_lag: int,
                        trainer_version: int | None, alarms: Sequence[Alarm], signature: SignatureConfig | None,
-                       group: Any = None) -> tuple[PartialStats, Verdict, Verdict | None, StepBatch | None]:
+                       group: Any, guard: RankGuard) -> tuple[PartialStats, Verdict, Verdict | None, StepBatch | None]:
     """Every rank's sequences judged by `cfg` (a collective; `trainer_version` and `signature`: rank 0's,
     `alarms`: the step's, the same on every rank): (this rank's statistics, of the sequences it keeps
     when the step's quarantined fraction is within `max_frac`, else of all; its own verdict; on rank 0
-    the merged verdict and every rank's quarantined sequences in its order, else None)."""
+    the merged verdict and every rank's quarantined sequences in its order, else None). A rank's
+    failure (`guard`) is raised on every rank at the next exchange."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = None if batch is None else per_sequence_flags(batch, stats)
-    shared: list = [None] * world  # each rank's burst counts; rank 0's trainer version and signature
-    dist.all_gather_object(shared, (_NO_COUNTS if flags is None else burst_counts(flags), trainer_version, signature),
-                           group=group)
+    flags = None if batch is None else guard.call(per_sequence_flags, batch, stats)
+    # each rank's burst counts; rank 0's trainer version and signature
+    shared = guard.exchange((_NO_COUNTS if flags is None else burst_counts(flags), trainer_version, signature))
     _, trainer_version, signature = shared[0]
     burst = is_burst(np.sum([counts for counts, _, _ in shared], axis=0), signature)  # the whole step's
-    if batch is None:
-        own = Verdict(np.zeros(0, dtype=bool), (), 0, 0)
-    else:
-        own = judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag, alarms=alarms,
-                    flags=flags, burst=burst)
-    verdicts: list = [None] * world
-    dist.all_gather_object(verdicts, own, group=group)
-    merged = merge_verdicts(verdicts)
+    own = Verdict(np.zeros(0, dtype=bool), (), 0, 0)
+    if batch is not None:
+        own = guard.call(lambda: judge(batch, stats, cfg, trainer_version=trainer_version, max_weight_lag=max_weight_lag,
+                                       alarms=alarms, flags=flags, burst=burst), default=own)
+    merged = merge_verdicts(guard.exchange(own))
     if batch is None:
         partial = empty_partial(stats)
     elif own.count and merged.frac <= cfg.max_frac:
-        partial = kept_partial(batch, own, stats)
+        partial = guard.call(kept_partial, batch, own, stats, default=empty_partial(stats))
     else:
-        partial = compute_partial(batch, stats)
+        partial = guard.call(compute_partial, batch, stats, default=empty_partial(stats))
     if merged.count == 0:
         return partial, own, merged if rank == 0 else None, None
-    mine = batch.select([q.index for q in own.quarantined]) if own.count else None
+    mine = guard.call(batch.select, [q.index for q in own.quarantined]) if own.count else None
     held: list | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, held, dst=root(group), group=group)
     if rank != 0:

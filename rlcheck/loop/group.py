@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.errors import ConfigError
+from rlcheck.errors import ActorDiedError, ConfigError
 from rlcheck.loop.placement import Placement
-from rlcheck.loop.recovery import join, kill_actors, start_rollout
+from rlcheck.loop.recovery import ActorLost, join, kill_actors, start_rollout
 from rlcheck.loop.resources import wait_placed
 from rlcheck.trainers import MicroBatchPlan, Sequences, TrainerConfig, plan_micro_batches
 
@@ -50,9 +50,13 @@ class TrainerGroup:
             ).remote(cfg, r, world_size)
             for r in range(world_size)
         ]
-        try:
-            addr, port = ray.get(self.workers[0].address.remote())
-            self.describe = ray.get([w.setup.remote(addr, port, collective_timeout_s) for w in self.workers])
+        try:  # each rank loads its model and joins the group within call_timeout_s, or the run stops here
+            [(addr, port)] = join([self.workers[0].address.remote()], self.names[:1], call_timeout_s)
+            self.describe = self._all(lambda w: w.setup.remote(addr, port, collective_timeout_s))
+        except ActorLost as lost:
+            self.shutdown(graceful=False)
+            raise ActorDiedError(lost.actor, 0, "start", f"{lost.detail}; the trainer ranks did not start "
+                                 "(LoopConfig.call_timeout_s bounds their load)") from lost
         except BaseException:
             self.shutdown(graceful=False)
             raise

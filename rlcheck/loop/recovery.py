@@ -2,8 +2,10 @@
 
 Every call to an actor is joined by `join`, which fails as soon as one of the called actors is dead
 (`ray.get` of a list would wait for the others, which may sit in a collective with the dead one
-forever) or when `LoopConfig.call_timeout_s` passes without an answer; the failure is `ActorLost`,
-naming the actor. The driver then decides:
+forever), raised in the called method (an exception inside the actor: a `RayTaskError`), or when
+`LoopConfig.call_timeout_s` passes without an answer; the failure is `ActorLost`, naming the actor.
+Starting an actor is such a call too (the first rollout engine, the trainer ranks: a stalled load is
+an `ActorDiedError` after `call_timeout_s`, not a wait forever). The driver then decides:
 
 - the rollout engine: `RolloutSupervisor.restart` kills what is left of it and starts a fresh
   `RolloutWorker` (same config, same engine fault), syncs the trainer's current weights into it and
@@ -63,7 +65,7 @@ def join(refs: list, names: list[str], timeout_s: float) -> list:
     """The results of `refs` (calls to the actors `names`), in order; `ActorLost` as soon as one of
     them died, or when `timeout_s` passes with one still pending."""
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
 
     name_of = dict(zip(refs, names, strict=True))
     values, pending, deadline = {}, list(refs), time.monotonic() + timeout_s
@@ -75,6 +77,9 @@ def join(refs: list, names: list[str], timeout_s: float) -> list:
             values[ready[0]] = ray.get(ready[0])
         except RayActorError as exc:
             raise ActorLost(name_of[ready[0]], _summary(exc)) from exc
+        except RayTaskError as exc:  # raised inside the method: the actor is lost to the run all the same
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            raise ActorLost(name_of[ready[0]], f"its call raised {_summary(cause)}") from exc
     return [values[ref] for ref in refs]
 
 
@@ -109,9 +114,9 @@ def _summary(exc: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def start_rollout(cfg: VLLMConfig, placement: Placement | None = None, engine_fault=None,
-                  timeout_s: float | None = None):
-    """The rollout actor (a `RolloutWorker` with its vLLM engine loaded, and `engine_fault` injected)."""
+def start_rollout(cfg: VLLMConfig, placement: Placement | None, engine_fault, timeout_s: float):
+    """The rollout actor (a `RolloutWorker` with its vLLM engine loaded, and `engine_fault` injected);
+    `ActorLost` when it does not load within `timeout_s` (killed: it must not linger) or fails to."""
     import ray
 
     from rlcheck.loop.actors import RolloutWorker
@@ -122,9 +127,9 @@ def start_rollout(cfg: VLLMConfig, placement: Placement | None = None, engine_fa
         runtime_env={"env_vars": p.actor_env("cuda" if p.rollout_gpus else "cpu")},
     ).remote(cfg, engine_fault)
     try:
-        ray.get(actor.weight_version.remote(), timeout=timeout_s)  # raise here if the engine failed to load
+        join([actor.weight_version.remote()], [f"rollout {cfg.engine_id}"], timeout_s)  # loaded, or lost
     except BaseException:
-        ray.kill(actor)  # an engine still loading past the timeout must not linger
+        ray.kill(actor)
         raise
     return actor
 
@@ -136,7 +141,11 @@ class RolloutSupervisor:
         self.cfg, self.placement, self.engine_fault = cfg, placement, engine_fault
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.name = f"rollout {cfg.engine_id}"
-        self.actor = start_rollout(cfg, placement, engine_fault)
+        try:
+            self.actor = start_rollout(cfg, placement, engine_fault, timeout_s)
+        except ActorLost as lost:
+            raise ActorDiedError(self.name, 0, "start", f"{lost.detail}; the first rollout engine did not "
+                                 "start (LoopConfig.call_timeout_s bounds its load)") from lost
         self.num_attempts = 0
         self.restarts: list[EngineRestart] = []
 

@@ -54,6 +54,7 @@ def summarize(run: Run | str | os.PathLike[str], worst: int = 5) -> dict[str, An
         "first_step": min(steps),
         "last_step": max(steps),
         "skipped_lines": records.num_skipped,
+        "superseded_steps": list(records.superseded),
         "alarms": sorted(alarms.values(), key=lambda g: (-["info", "warn", "critical"].index(g["severity"]), g["first_step"])),
         "worst_steps": worst_steps,
         "ranges": ranges,
@@ -68,6 +69,8 @@ def render(summary: dict[str, Any], console: Any) -> None:
     console.print(
         f"[bold]{s['run_dir']}[/]: {s['num_steps']} steps ({s['first_step']}..{s['last_step']})"
         + (f", {s['skipped_lines']} unreadable lines skipped" if s["skipped_lines"] else "")
+        + (f", {len(s['superseded_steps'])} steps journaled again by a resumed trainer (the later records "
+           "count)" if s.get("superseded_steps") else "")
     )
     if s["alarms"]:
         t = Table(title="alarms", title_justify="left")

@@ -38,6 +38,13 @@ class Sink:
     def close(self) -> None:
         """Release the sink; it receives no further calls."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the sink must carry over a resume (its totals), saved in the Monitor's state.json; {}: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict` of the run's previous process."""
+
 
 class FanOut(Sink):
     """Forwards each call to every sink, in order; a failing non-essential sink is warned about once
@@ -63,6 +70,15 @@ class FanOut(Sink):
 
     def flush(self) -> None:
         self._each(lambda s: s.flush(), "flush")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each sink's non-empty `state_dict`, by its class name."""
+        return {type(s).__name__: found for s in self._sinks if (found := s.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for sink in self._sinks:
+            if isinstance(state.get(type(sink).__name__), dict):
+                sink.load_state_dict(state[type(sink).__name__])
 
     def close(self) -> None:
         dropped, self._dropped = self._dropped, []

@@ -396,3 +396,139 @@ def _records(run_dir) -> list[dict]:
 
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+# ---- the correction and MoE metrics, a rank's failure, the halt's dump (issue 42 items 4, 8, 9) ------
+
+CORRECTION = dict(rollout_is="geometric", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True,
+                  rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.002,0.8_1.25")
+FAIL, AFTER, BIG_HALT = 2, 3, 4
+"""Steps of the run below: rank 1's statistics fail (a simulated OOM); the run goes on; a halt of 30
+sequences a rank."""
+
+
+def _routed(rng, rank: int, step: int, rows: int = 6, length: int = 20) -> StepBatch:
+    """Rank `rank`'s `rows` sequences with a spread of mismatch (so the correction rejects some) and a
+    2-layer top-2 MoE routing that differs on every 5th token."""
+    lr = -rng.exponential(1.0, (rows, length))
+    lt = np.minimum(lr + rng.normal(0, 1.0, (rows, 1)) * 0.05 * rng.normal(0, 1.0, lr.shape), 0.0)
+    experts = rng.integers(0, 8, (rows * length, 2, 2))
+    moved = experts.copy()
+    moved[::5, 0, 1] = (moved[::5, 0, 1] + 3) % 8
+    from rlcheck.core.moe import Routing
+
+    return StepBatch.from_packed(lr.reshape(-1), lt.reshape(-1), np.arange(rows + 1, dtype=np.int64) * length,
+                                 [f"s{step}-r{rank}-{i}" for i in range(rows)], routing=Routing(experts, moved))
+
+
+def _extras_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
+    """One rank of the run of `extras_across_ranks`: each step's ("ok", metrics, this rank's correction
+    weights), ("error", class, message) or ("halt", reason, dump dir)."""
+    import torch.distributed as dist
+
+    import rlcheck.distributed as D
+    from rlcheck.core.correction import CorrectionConfig
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+    from rlcheck.errors import MismatchHalt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    cfg = MonitorConfig(run_dir=f"{out_dir}/run", sinks=("jsonl",), correction=CorrectionConfig(**CORRECTION))
+    monitor = Monitor(cfg) if rank == 0 else None
+    results: list = []
+    real = D.compute_partial
+    for step, batches in enumerate(steps):
+        if step == FAIL and rank == 1:
+            D.compute_partial = lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA out of memory (simulated)"))
+        try:
+            r = D.observe_across_ranks(monitor, step, batches[rank], cfg.stats, correction=cfg.correction)
+            weights = None if r.batch is None else r.correction(**CORRECTION).weights
+            results.append(("ok", r.metrics, weights))
+        except MismatchHalt as halt:
+            results.append(("halt", halt.reason, halt.dump_dir, halt.problems))
+            break
+        except Exception as exc:
+            results.append(("error", type(exc).__name__, str(exc)))
+        finally:
+            D.compute_partial = real
+    dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def extras_across_ranks(tmp_path_factory):
+    """Five steps at world size 2 with the correction on and MoE routing: a whole step; rank 1 with
+    nothing; rank 1's statistics failing; a clean step after; rank 0's 30 sequences 3 nats off (a halt)."""
+    out = tmp_path_factory.mktemp("extras-across-ranks")
+    rng = np.random.default_rng(7)
+    steps = [[_routed(rng, r, s) for r in range(WORLD_SIZE)] for s in range(AFTER + 1)]
+    steps[1][1] = None
+    big = [_routed(rng, r, BIG_HALT, rows=30) for r in range(WORLD_SIZE)]
+    big[0] = StepBatch.from_packed(big[0].logp_rollout, big[0].logp_train - 3.0, big[0].cu_seqlens,
+                                   big[0].request_ids, routing=big[0].routing)
+    steps.append(big)
+    results = _run_bounded(_extras_rank_main, (_free_port(), steps, str(out)), out)
+    return steps, out / "run", results
+
+
+def _one_process(batch: StepBatch, tmp_path) -> tuple[dict, np.ndarray]:
+    """The metrics and correction weights one Monitor gives `batch` (the ranks' batches joined)."""
+    from rlcheck.core.correction import CorrectionConfig
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), correction=CorrectionConfig(**CORRECTION))) as mon:
+        report = mon.observe(0, batch)
+    return report.metrics, report.correction(**CORRECTION).weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+class TestExtrasAcrossRanks:
+    def test_correction_and_moe_metrics_equal_one_process(self, extras_across_ranks, tmp_path):
+        """Every rlcheck/corr/* and rlcheck/moe/* metric of both ranks equals one process's of the joined
+        batch (absent before: the Monitor got no batch across ranks), with rank 1 holding nothing too."""
+        steps, _, results = extras_across_ranks
+        for step, batch in ((0, StepBatch.concat(steps[0])), (1, steps[1][0])):
+            want, _ = _one_process(batch, tmp_path / f"one-{step}")
+            keys = [k for k in want if k.startswith(("rlcheck/corr/", "rlcheck/moe/"))]
+            assert any(k.startswith("rlcheck/corr/rollout_rs_token_k1") for k in keys) and "rlcheck/moe/num_tokens" in keys
+            for rank in range(WORLD_SIZE):
+                kind, got, _ = results[rank][step]
+                assert kind == "ok" and set(keys) <= set(got)
+                for key in keys:
+                    assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (step, rank, key)
+
+    def test_each_ranks_weights_are_its_share_of_one_process(self, extras_across_ranks, tmp_path):
+        """Each rank's report.correction() weights (normalized by the whole step's mean, as verl's
+        distributed mean) are its rows of one process's weights."""
+        steps, _, results = extras_across_ranks
+        _, want = _one_process(StepBatch.concat(steps[0]), tmp_path / "one")
+        split = steps[0][0].num_tokens
+        np.testing.assert_allclose(results[0][0][2], want[:split], rtol=1e-6)
+        np.testing.assert_allclose(results[1][0][2], want[split:], rtol=1e-6)
+
+    def test_a_failure_on_rank_1_reaches_every_rank(self, extras_across_ranks):
+        """Rank 1's statistics raising (an OOM) is raised on rank 1 and, naming rank 1 and the error, on
+        rank 0: nobody waits for the process-group timeout; the next step runs on both."""
+        _, _, results = extras_across_ranks
+        assert results[1][FAIL][:2] == ("error", "RuntimeError")
+        assert results[0][FAIL][:2] == ("error", "RLCheckError")
+        assert "rank 1" in results[0][FAIL][2] and "CUDA out of memory" in results[0][FAIL][2]
+        assert results[0][AFTER][0] == results[1][AFTER][0] == "ok"
+
+    def test_the_halt_dumps_each_ranks_worst_sequences(self, extras_across_ranks):
+        """The halt's dump holds each rank's worst sequences (its top_k offenders: 20 of the step's 60),
+        the step's own offenders among them; meta.json says so, with the whole step's metrics."""
+        import json
+
+        import pyarrow.parquet as pq
+
+        steps, run_dir, results = extras_across_ranks
+        halts = [r[-1] for r in results]
+        assert halts[0][0] == "halt" and halts[0][2] == halts[1][2] and halts[0][3] == ()
+        dump = halts[0][2]
+        ids = pq.read_table(os.path.join(dump, "sequences.parquet")).column("request_id").to_pylist()
+        meta = json.loads(open(os.path.join(dump, "meta.json")).read())
+        assert len(ids) == 2 * 10 and meta["selected"]["of_sequences"] == 60 and meta["num_sequences"] == 20
+        assert {o["request_id"] for o in meta["offenders"]} <= set(ids)
+        assert meta["metrics"][K.SEQ_COUNT] == 60

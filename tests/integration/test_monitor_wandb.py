@@ -11,9 +11,16 @@ from rlcheck import HaltConfig, MismatchHalt, Monitor, MonitorConfig, StepBatch
 from rlcheck.core import metrics as K
 from rlcheck.core.run.dump import read_dump
 from rlcheck.core.run.journal import read_jsonl
-from rlcheck.sinks import SinkWarning, WandbSink
+from rlcheck.sinks import SinkWarning, WandbConfig, WandbSink
 from rlcheck.sinks.testing import RecordingSink, read_offline_run
-from rlcheck.sinks.wandb import OFFENDER_COLUMNS, OFFENDERS_KEY
+from rlcheck.sinks.wandb import (
+    OFFENDER_COLUMNS,
+    OFFENDERS_KEY,
+    RUN_ID_FILE,
+    SUMMARY_ALARMS_TOTAL,
+    SUMMARY_SKIPPED,
+    SUMMARY_WORST_STEP,
+)
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 SMALL = SyntheticConfig(num_sequences=400, mean_length=20, corrupt_every_step=1)
@@ -32,9 +39,10 @@ def offline(tmp_path, monkeypatch):
     return wandb
 
 
-def history(run_dir) -> dict[int, dict]:
-    """step -> logged row of the single offline run under run_dir/wandb."""
-    (offline_dir,) = list((run_dir / "wandb").glob("offline-run-*"))
+def history(run_dir, offline_dir=None) -> dict[int, dict]:
+    """step -> logged row of the single offline run under run_dir/wandb (or of `offline_dir`)."""
+    if offline_dir is None:
+        (offline_dir,) = list((run_dir / "wandb").glob("offline-run-*"))
     records = read_offline_run(offline_dir)
     assert [r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"] == [0]  # finished
     return {r["history"]["step"].get("num", 0): r["history"]["item"] for r in records if r["type"] == "history"}
@@ -89,8 +97,9 @@ class TestMonitorWandbFailures:
         assert not (tmp_path / "run" / "wandb").exists()
 
     def test_log_fails_mid_run(self, tmp_path, offline, monkeypatch, capsys):
-        """The real offline run's log raising from step 3 of 6: one SinkWarning, all 6 steps in JSONL and
-        on the console, and the W&B run is still finished at close, holding steps 0-2."""
+        """The real offline run's log raising from step 3 of 6: one SinkWarning (after its retries), all 6
+        steps in JSONL and on the console, and the W&B run is still finished at close, holding steps 0-2
+        and the count of the steps it missed in its summary."""
 
         def break_log_at_step_3(mon):
             (sink,) = [s for s in mon.sinks.sinks if isinstance(s, WandbSink)]
@@ -104,8 +113,70 @@ class TestMonitorWandbFailures:
             monkeypatch.setattr(sink.run, "log", log)
 
         message = six_steps(tmp_path / "run", capsys, break_log_at_step_3)
-        assert "WandbSink failed in log()" in message and "W&B backend gone" in message
+        assert "did not take step 3's row after 4 tries" in message and "W&B backend gone" in message
         assert sorted(history(tmp_path / "run")) == [0, 1, 2]
+        assert summary(tmp_path / "run")[SUMMARY_SKIPPED] == 3
+
+    def test_transient_log_failure_is_retried(self, tmp_path, offline, monkeypatch, recwarn):
+        """log() raising once at step 3 (a network blip) is tried again: every step reaches the W&B run,
+        no warning, the sink stays (it was dropped for the rest of the run before)."""
+        run_dir = tmp_path / "run"
+        cfg = MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), halt=NO_HALT, wandb=WandbConfig(retry_wait_s=0.0))
+        with Monitor(cfg) as mon:
+            (sink,) = [s for s in mon.sinks.sinks if isinstance(s, WandbSink)]
+            real_log, failed = sink.run.log, []
+
+            def log(row, step=None, **kwargs):
+                if step == 3 and not failed:
+                    failed.append(step)
+                    raise ConnectionError("W&B: connection reset")
+                return real_log(row, step=step, **kwargs)
+
+            monkeypatch.setattr(sink.run, "log", log)
+            for step in range(6):
+                mon.observe(step, synthetic_batch(CLEAN, step))
+            assert sink in mon.sinks.sinks
+        assert failed == [3] and sorted(history(run_dir)) == list(range(6))
+        assert not [w for w in recwarn if issubclass(w.category, SinkWarning)]
+
+
+@pytest.mark.slow
+class TestMonitorWandbResume:
+    def test_resume_continues_the_same_run_and_its_totals(self, tmp_path, offline):
+        """A Monitor resuming the run dir logs to the same W&B run id (offline: a second part of it), and
+        its summary's alarms_total and worst step count both processes' steps (the new process's
+        alone before, from 0)."""
+        run_dir = tmp_path / "run"
+        for steps in (range(0, 3), range(3, 5)):
+            with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), halt=NO_HALT)) as mon:
+                for step in steps:
+                    b = synthetic_batch(CLEAN, step)
+                    if step in (1, 3):  # every token 2 nats off: a hard-limit alarm (halting off)
+                        b = StepBatch.from_packed(b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens, b.request_ids)
+                    mon.observe(step, b)
+        parts = sorted((run_dir / "wandb").glob("offline-run-*"))
+        # offline-run-<time>-<id>, "-1" appended to the second when both started within the same second
+        run_id = (run_dir / "wandb" / RUN_ID_FILE).read_text().strip()
+        assert len(parts) == 2 and [p.name.split("-")[3] for p in parts] == [run_id, run_id]  # one run id
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        alarms = sum(len(r["alarms"]) for r in records)
+        worst = max(records, key=lambda r: r["metrics"][K.ABS_DIFF_MEAN])
+        assert alarms > len(records[3]["alarms"]) > 0  # both processes alarmed
+        last = summary(run_dir, parts[1])
+        assert last[SUMMARY_ALARMS_TOTAL] == alarms
+        assert last.get(SUMMARY_WORST_STEP, worst["step"]) == worst["step"]
+        assert sorted(history(run_dir, parts[1])) == [3, 4]
+
+
+def summary(run_dir, offline_dir=None) -> dict:
+    """The last value of each summary key of an offline run under run_dir/wandb (the only one by default)."""
+    if offline_dir is None:
+        (offline_dir,) = list((run_dir / "wandb").glob("offline-run-*"))
+    out: dict = {}
+    for r in read_offline_run(offline_dir):
+        if r["type"] == "summary":
+            out.update(r["summary"].get("update") or {})
+    return out
 
 
 def six_steps(run_dir, capsys, on_start=None) -> str:
@@ -161,5 +232,5 @@ class TestMonitorWandbRedact:
         assert not [c for c in table["columns"] if any(w in c for w in ("token", "text", "prompt", "response"))]
 
         rows, _ = read_dump(self._run(tmp_path / "plain", redact=False))
-        assert rows[0]["prompt_text"] == f"{self.SECRET}-0" and rows[0]["prompt_tokens"] == [1, 2, 3]
+        assert rows[0]["prompt_text"] == f"{self.SECRET}-0" and rows[0]["prompt_tokens"].tolist() == [1, 2, 3]
         assert any(self.SECRET.encode() in p.read_bytes() for p in (tmp_path / "plain" / "dumps").rglob("*.parquet"))

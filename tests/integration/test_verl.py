@@ -207,15 +207,19 @@ class TestVerlDataProto:
             V.to_step_batch(batch)
 
     @pytest.mark.supports("verl", "trainer", "bypass mode",
-                          status="refused: InputError, the two sides are the same values (bypass mode)")
+                          status="refused: ConfigError at attach (preflight) and in observe(config=), bypass_mode")
     def test_bypass_mode_value_equal_copy(self, tmp_path):
         """v1 bypass mode through the transfer queue: old_log_probs a value-equal copy (another buffer) of
-        rollout_log_probs is an InputError saying the sides are identical, never "abs_diff_max 0, healthy"."""
+        rollout_log_probs is refused from verl's config, at attach (the preflight) and in observe(config=),
+        never "abs_diff_max 0, healthy"."""
         batch, _ = verl_step()
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+        config = {"algorithm": {"rollout_correction": {"bypass_mode": True}}}
+        with pytest.raises(ConfigError, match="bypass_mode"):
+            V.preflight(config)
         with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",))) as mon:
-            with pytest.raises(InputError, match="identical.*bypass_mode"):
-                V.observe(mon, 1, batch)
+            with pytest.raises(ConfigError, match="bypass_mode"):
+                V.observe(mon, 1, batch, config=config)
 
     @pytest.mark.supports("verl", "trainer", "legacy RayPPOTrainer", "v1")
     def test_global_steps_convention(self, tmp_path):

@@ -292,7 +292,7 @@ class TestValidation:
     def test_empty_batch_padded(self):
         """from_padded with zero rows is rejected."""
         z = np.zeros((0, 5))
-        _expect_error(lambda: StepBatch.from_padded(z, z, z.astype(bool), []), "empty batch")
+        _expect_error(lambda: StepBatch.from_padded(z, z.copy(), z.astype(bool), []), "empty batch")
 
     def test_every_token_masked(self):
         """A mask that excludes every token is a valid batch (the Monitor logs the step as empty)."""
@@ -306,7 +306,7 @@ class TestValidation:
     def test_every_row_masked_padded(self):
         """from_padded with an all-zero mask (TRL's mask_truncated_completions) gives empty sequences."""
         z = -np.ones((2, 3))
-        b = StepBatch.from_padded(z, z, np.zeros((2, 3), dtype=bool), ["a", "b"])
+        b = StepBatch.from_padded(z, z.copy(), np.zeros((2, 3), dtype=bool), ["a", "b"])
         assert (b.num_sequences, b.num_tokens) == (2, 0)
 
     def test_every_sequence_empty(self):
@@ -404,7 +404,7 @@ class TestValidation:
     def test_padded_one_dimensional(self):
         """1-D input to from_padded is rejected with a pointer to [B, T]."""
         x = np.array([-1.0, -2.0])
-        _expect_error(lambda: StepBatch.from_padded(x, x, np.ones(2, dtype=bool), ["a"]), "[B, T]")
+        _expect_error(lambda: StepBatch.from_padded(x, x.copy(), np.ones(2, dtype=bool), ["a"]), "[B, T]")
 
     def test_ragged_rejects_packed_array(self):
         """from_ragged given one packed array (not a list per sequence) points to the right constructor."""
@@ -468,7 +468,7 @@ def test_from_padded_needs_no_torch_for_host_arrays():
     code = ("import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
             "import numpy as np\nfrom rlcheck.core.batch import StepBatch\nfrom rlcheck.core.stats import compute\n"
             "lp = -np.ones((2, 3), np.float32); mask = np.array([[1, 1, 0], [0, 1, 1]], bool)\n"
-            "b = StepBatch.from_padded(lp, lp, mask, request_ids=['a', 'b'])\n"
+            "b = StepBatch.from_padded(lp, lp.copy(), mask, request_ids=['a', 'b'])\n"
             "assert b.num_tokens == 4 and b.device_tensors is None\n"
             "compute(b)\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -93,6 +93,14 @@ def verl_inputs(p: dict[str, np.ndarray]):
     return torch.from_numpy(p["old"]), torch.from_numpy(p["rollout"]), torch.from_numpy(p["mask"])
 
 
+def nonempty(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`p` without its fully masked rows: verl's metrics of these equal rlcheck's of the whole batch, whose
+    per-sequence metrics count only the sequences with a valid token (verl counts an empty row as a
+    sequence of weight 0; issue 42 item 3)."""
+    rows = p["mask"].sum(axis=1) > 0
+    return {k: v[rows] for k, v in p.items()}
+
+
 def assert_metrics_equal(ours: dict[str, float], theirs: dict[str, float]) -> None:
     """Same keys (verl's IS and RS metrics), same values to float32 tolerance."""
     theirs = {k.removeprefix("rollout_corr/"): v for k, v in theirs.items()}
@@ -118,11 +126,14 @@ LAYOUTS = ("valid", "rows")
 
 def both_sides(layout: str):
     """(log_ratio (B, T), response_mask (B, T)) for verl; (d (M,) zeroed off the mask, mask (M,)
-    float, cu, take) for rlcheck's `is_weights` / `rs_mask`, from `padded()`."""
+    float, cu, take) for rlcheck's `is_weights` / `rs_mask`, from `padded()`; and verl's
+    (log_ratio, response_mask) of its non-empty rows (`nonempty`), for the metrics."""
     p = padded()
     old, rollout, mask = verl_inputs(p)
     d, m, cu, take = packed(p, layout)
-    return old - rollout, mask, np.where(m, d, 0.0).astype(np.float64), m.astype(np.float64), cu, take
+    old_ne, rollout_ne, mask_ne = verl_inputs(nonempty(p))
+    return (old - rollout, mask, np.where(m, d, 0.0).astype(np.float64), m.astype(np.float64), cu, take,
+            (old_ne - rollout_ne, mask_ne))
 
 
 class TestISWeights:
@@ -134,8 +145,9 @@ class TestISWeights:
         """Weights (0 on padding) and every metric equal verl's on the same tokens."""
         kw = IS_CASES[case]
         args = kw["rollout_is"], kw["rollout_is_threshold"], kw.get("rollout_is_batch_normalize", False)
-        log_ratio, mask, d, m, cu, take = both_sides(layout)
-        want, want_metrics = verl_corr.compute_rollout_correction_weights(log_ratio, mask, *args)
+        log_ratio, mask, d, m, cu, take, kept = both_sides(layout)
+        want, _ = verl_corr.compute_rollout_correction_weights(log_ratio, mask, *args)
+        _, want_metrics = verl_corr.compute_rollout_correction_weights(*kept, *args)
         got, got_metrics = C.is_weights(d, m, cu, *args)
         np.testing.assert_allclose(got, want.numpy()[take], rtol=RTOL, atol=ATOL)
         assert_metrics_equal(got_metrics, want_metrics)
@@ -159,13 +171,14 @@ class TestRSMask:
     def test_mask_and_metrics_equal_verl(self, verl_corr, case, layout):
         """The kept tokens and every metric equal verl's; some sequences are kept and some rejected."""
         kw = RS_CASES[case]
-        log_ratio, mask, d, m, cu, take = both_sides(layout)
-        want, want_metrics = verl_corr.compute_rollout_rejection_mask(log_ratio, mask, **kw)
+        log_ratio, mask, d, m, cu, take, kept = both_sides(layout)
+        want, _ = verl_corr.compute_rollout_rejection_mask(log_ratio, mask, **kw)
+        _, want_metrics = verl_corr.compute_rollout_rejection_mask(*kept, **kw)
         got, got_metrics = C.rs_mask(d, m, cu, kw["rollout_rs"], kw["rollout_rs_threshold"])
         np.testing.assert_array_equal(got, want.numpy()[take])
         assert_metrics_equal(got_metrics, want_metrics)
         assert rs_keys(kw["rollout_rs"]) <= set(got_metrics)
-        assert 0 < got_metrics["rollout_rs_seq_masked_fraction"] < 1 - len(EMPTY_ROWS) / ROWS
+        assert 0 < got_metrics["rollout_rs_seq_masked_fraction"] < 1
 
     def test_k1_bounds_are_on_the_rollout_over_train_ratio(self, verl_corr):
         """k1 = -d: "0.9_1.1" keeps exp(-mean d) in [0.9, 1.1], so exp(mean d) = 1.105 passes and
@@ -188,7 +201,8 @@ class TestCompute:
         (but its off-policy ones, which rlcheck logs under its own names)."""
         kw = {**IS_CASES, **RS_CASES, **BOTH_CASES}[case]
         p = padded()
-        proto, want_mask, want_metrics = verl_corr.compute_rollout_correction_and_rejection_mask(*verl_inputs(p), **kw)
+        proto, want_mask, _ = verl_corr.compute_rollout_correction_and_rejection_mask(*verl_inputs(p), **kw)
+        _, _, want_metrics = verl_corr.compute_rollout_correction_and_rejection_mask(*verl_inputs(nonempty(p)), **kw)
         d, m, cu, take = packed(p, layout)
         got = C.compute(d, m, cu, C.CorrectionConfig(**kw))
         want_w = want_mask.numpy().astype(np.float32)
@@ -244,7 +258,7 @@ class TestStepReport:
         """report.correction(...) gives verl's metrics of the batch without the quarantined row."""
         report, _, _, masked = self._report(tmp_path)
         kw = BOTH_CASES["sequence_icepop_chain"]
-        _, _, want = verl_corr.compute_rollout_correction_and_rejection_mask(*verl_inputs(masked), **kw)
+        _, _, want = verl_corr.compute_rollout_correction_and_rejection_mask(*verl_inputs(nonempty(masked)), **kw)
         assert_metrics_equal(report.correction(**kw).metrics, want)
 
     def test_sequence_weights(self, verl_corr, tmp_path):
@@ -256,6 +270,31 @@ class TestStepReport:
         got = report.sequence_weights()
         assert got[self.BAD] == 0
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+class TestComputedOnce:
+    """Issue 42 item 13: the step's correction is computed once, for the Monitor's metrics and the loss."""
+
+    def test_monitor_correction_reused_by_the_loss(self, tmp_path, monkeypatch):
+        """With MonitorConfig.correction set, observe computes it once and report.correction() (token and
+        sequence weights too) with the same settings hands that one out; other settings compute anew."""
+        calls = []
+        real = C.compute
+        monkeypatch.setattr(C, "compute", lambda *a, **k: calls.append(1) or real(*a, **k))
+        p = padded()
+        batch = StepBatch.from_padded(p["rollout"], p["old"], p["mask"], [f"r{i}" for i in range(ROWS)])
+        cfg = C.CorrectionConfig(rollout_is="sequence")
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=(), correction=cfg)) as mon:
+            report = mon.observe(0, batch)
+        assert len(calls) == 1
+        c = report.correction(rollout_is="sequence")
+        report.sequence_weights()
+        assert len(calls) == 1 and c.metrics == {k.removeprefix(C.PREFIX): v for k, v in report.metrics.items()
+                                                 if k.startswith(C.PREFIX)}
+        report.token_weights()
+        assert len(calls) == 2
+        report.release()
+        assert report.corrections == {}
 
 
 class TestConfig:
@@ -310,3 +349,110 @@ class TestConfig:
             C.sequence_weights(d, m, cu, keep, C.CorrectionConfig(rollout_is="token"))
         with pytest.raises(ConfigError, match="sequence-level"):
             C.sequence_weights(d, m, cu, keep, C.CorrectionConfig(rollout_rs="token_k3", rollout_rs_threshold=0.01))
+
+
+class TestLongEpisodes:
+    """Issue 42 item 1: the sequence weight of a long episode, in log space, clamped at both ends."""
+
+    LONG = 32_000
+
+    def _long(self, mean_d: float, num: int = 2):
+        d = np.full(num * self.LONG, mean_d)
+        return d, np.ones_like(d, dtype=bool), np.arange(num + 1, dtype=np.int64) * self.LONG
+
+    @pytest.mark.parametrize("mean_d", [0.03, -0.03])
+    @pytest.mark.parametrize("level", C.LEVELS)
+    def test_no_overflow_on_32k_tokens(self, level, mean_d):
+        """Two 32k-token sequences at mean d +-0.03 (a summed log ratio of +-960, past exp's 709.8):
+        finite weights and metrics at every level, TIS and IcePop (OverflowError before)."""
+        d, m, cu = self._long(mean_d)
+        for threshold in (2.0, "0.5_2.0"):
+            c = C.compute(d, m, cu, C.CorrectionConfig(rollout_is=level, rollout_is_threshold=threshold,
+                                                       rollout_rs="seq_sum_k3", rollout_rs_threshold=1e9))
+            assert np.isfinite(c.weights).all() and all(np.isfinite(v) for v in c.metrics.values()), c.metrics
+
+    def test_sequence_collapses_geometric_does_not(self):
+        """At mean d 0.03 the product of the ratios sits at the clamp (exp(20)), capped to 2, while the
+        geometric mean is exp(0.03): what the module docstring tells long-episode users."""
+        d, m, cu = self._long(0.03)
+        seq = C.compute(d, m, cu, C.CorrectionConfig(rollout_is="sequence"))
+        geo = C.compute(d, m, cu, C.CorrectionConfig(rollout_is="geometric"))
+        assert seq.metrics["rollout_is_max"] == pytest.approx(np.exp(20.0)) and (seq.weights == 2.0).all()
+        assert seq.metrics["rollout_is_ratio_fraction_high"] == 1.0
+        np.testing.assert_allclose(geo.weights, np.exp(0.03), rtol=1e-6)
+        assert geo.metrics["rollout_is_ratio_fraction_high"] == 0.0
+
+    def test_geometric_is_the_per_token_mean(self):
+        """geometric: exp(mean d) of each sequence's valid tokens, the same for all of its tokens."""
+        d, m, cu, _ = packed(padded(), "valid")
+        c = C.compute(d, m, cu, C.CorrectionConfig(rollout_is="geometric", rollout_is_threshold=1e6))
+        for i in range(ROWS):
+            sl = slice(cu[i], cu[i + 1])
+            if m[sl].any():
+                np.testing.assert_allclose(c.weights[sl][m[sl]], np.exp(d[sl][m[sl]].mean()), rtol=1e-6)
+
+    def test_geometric_refuses_token_weights_only_where_token(self):
+        """sequence_weights takes geometric (a sequence level) like sequence."""
+        d, m, cu, _ = packed(padded(), "valid")
+        keep = np.ones(ROWS, dtype=bool)
+        got = C.sequence_weights(d, m, cu, keep, C.CorrectionConfig(rollout_is="geometric"))
+        assert got.shape == (ROWS,) and (got[list(EMPTY_ROWS)] == 0).all() and (got[got > 0] <= 2.0).all()
+
+
+class TestKeptSequences:
+    """Issue 42 item 3: per-sequence metrics are over the sequences the correction keeps, not over
+    quarantined or fully masked ones counted as weight 0."""
+
+    def _report(self, tmp_path, level):
+        n, length = 3, 7  # the kept sides bitwise equal on 14 tokens
+        lr = [np.full(length, -1.0) for _ in range(n)]
+        lt = [x.copy() for x in lr]
+        lr[2][:] = -25.0  # the quarantined one
+        batch = StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=["a", "b", "c"])
+        cfg = MonitorConfig(run_dir=tmp_path / "run", sinks=(), quarantine=QuarantineConfig(max_frac=0.5),
+                            correction=C.CorrectionConfig(rollout_is=level))
+        with Monitor(cfg) as mon:
+            report = mon.observe(0, batch)
+        assert [q.index for q in report.quarantined] == [2]
+        return report
+
+    @pytest.mark.parametrize("level", C.LEVELS)
+    def test_quarantined_sequence_not_counted(self, tmp_path, level):
+        """d = 0 on the kept sequences, 1 of 3 quarantined: seq_min 1, max deviation 0, fraction low 0
+        (0, 1.0 and 0.33 before), in the report's correction and in the logged rlcheck/corr/ metrics."""
+        report = self._report(tmp_path, level)
+        for got in (report.correction(rollout_is=level).metrics,
+                    {k.removeprefix(C.PREFIX): v for k, v in report.metrics.items() if k.startswith(C.PREFIX)}):
+            assert got["rollout_is_seq_min"] == pytest.approx(1.0) and got["rollout_is_seq_mean"] == pytest.approx(1.0)
+            assert got["rollout_is_seq_max_deviation"] == pytest.approx(0.0, abs=1e-8)
+            assert got["rollout_is_seq_fraction_low"] == 0.0 and got["rollout_is_seq_fraction_high"] == 0.0
+            assert got["rollout_is_ratio_fraction_low"] == 0.0 and got["rollout_is_min"] == 1.0
+
+    def test_rejection_fractions_over_kept_sequences(self):
+        """rollout_rs_seq_masked_fraction counts the sequences with a valid token: 1 of 2, not 1 of 4."""
+        d = np.array([0.0, 0.0, 0.5, 0.5, 9.0, 9.0, 0.0, 0.0])
+        m = np.array([1, 1, 1, 1, 0, 0, 0, 0], dtype=bool)
+        cu = np.array([0, 2, 4, 6, 8])
+        c = C.compute(d, m, cu, C.CorrectionConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01))
+        assert c.metrics["rollout_rs_seq_masked_fraction"] == 0.5
+        assert c.metrics["rollout_rs_seq_mean_k3_seq_masked_fraction"] == 0.5
+
+
+class TestTally:
+    """The metrics of a batch split in parts and tallied part by part equal those of the whole batch
+    (what several ranks reduce; issue 42 item 4)."""
+
+    @pytest.mark.parametrize("case", {**IS_CASES, **RS_CASES, **BOTH_CASES, "geometric": dict(rollout_is="geometric")})
+    def test_parts_merge_to_the_whole(self, case):
+        """Rows split 5 / 0 / 11 (an empty part included): the merged tally's metrics equal the whole's."""
+        cfg = C.CorrectionConfig(**{**IS_CASES, **RS_CASES, **BOTH_CASES, "geometric": dict(rollout_is="geometric")}[case])
+        d, m, cu, _ = packed(padded(), "rows")
+        whole = C.compute(d, m, cu, cfg)
+        parts = []
+        for lo, hi in ((0, 5), (5, 5), (5, ROWS)):
+            sl = slice(cu[lo], cu[hi])
+            parts.append(C.compute(d[sl], m[sl], cu[lo:hi + 1] - cu[lo], cfg).tally)
+        merged = C.metrics_of(C.Tally.merge(parts), cfg)
+        assert set(merged) == set(whole.metrics)
+        for key, value in whole.metrics.items():
+            assert merged[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

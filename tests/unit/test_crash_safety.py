@@ -252,6 +252,52 @@ class TestAtomicDump:
         assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]
 
 
+KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from rlcheck.core.run.dump import write_dump
+from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+where, cfg = sys.argv[1], SyntheticConfig(num_sequences=24, mean_length=40)
+write_dump(where, synthetic_batch(cfg, 2), step=2, reason="first")
+real = os.replace
+def replace(src, dst):
+    real(src, dst)
+    if ".old." in str(dst):  # the previous dump moved aside: the process dies before the new one lands
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+write_dump(where, synthetic_batch(cfg, 3), step=2, reason="second")
+"""
+
+
+class TestDumpRewriteKilled:
+    """Issue 42 item 10: a process killed between the two renames of a dump rewrite loses neither copy."""
+
+    def test_next_start_keeps_the_finished_dump(self, tmp_path):
+        """SIGKILL after the old dump is moved aside and before the new one is renamed into place: the
+        next Run (a Monitor's start) puts the finished new dump in place and removes the rest (both
+        copies were deleted before)."""
+        import subprocess
+        import sys
+
+        from rlcheck.core.run import Run
+
+        where = tmp_path / "dumps" / "step_000002"
+        done = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(where)], env=dict(os.environ))
+        assert done.returncode == -9 and not where.exists()
+        assert sorted(p.name.split(".")[2] == "old" for p in (tmp_path / "dumps").iterdir()) == [False, True]
+        Run.create(tmp_path).close()
+        assert read_dump(where)[1]["reason"] == "second"
+        assert [p.name for p in (tmp_path / "dumps").iterdir()] == ["step_000002"]
+
+    def test_cut_short_first_write_is_removed(self, tmp_path):
+        """A hidden dir without a dump beside it and nothing moved aside (the first write cut short) is removed."""
+        from rlcheck.core.run.dump import remove_partial_dumps
+
+        (tmp_path / "dumps" / ".step_000004.abcd").mkdir(parents=True)
+        assert [p.name for p in remove_partial_dumps(tmp_path)] == [".step_000004.abcd"]
+        assert list((tmp_path / "dumps").iterdir()) == []
+
+
 class TestDiskFull:
     def test_full_at_start(self, tmp_path, monkeypatch):
         """A write probe that hits ENOSPC is a RunDirError from the constructor saying the disk is full."""

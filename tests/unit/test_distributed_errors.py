@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
-from rlcheck.distributed import _rebuild, _sendable
+import pytest
+
+from rlcheck.distributed.failures import RankGuard, describe
+from rlcheck.distributed.failures import rebuild as _rebuild
+from rlcheck.distributed.failures import sendable as _sendable
 from rlcheck.errors import ConfigError, InputError, RecordWriteError, RLCheckError, RunDirError
 
 
@@ -40,3 +44,45 @@ class TestErrorAcrossRanks:
         """A name that is not an rlcheck error class (a builtin, a function of rlcheck.errors) rebuilds as RLCheckError."""
         for name in ("OSError", "TYPE_CHECKING", "annotations"):
             assert type(_rebuild(name, "m", step=0)) is RLCheckError
+
+
+class TestRankGuard:
+    """Issue 42 item 8, the logic alone (two real gloo ranks: tests/integration/test_distributed.py::
+    TestExtrasAcrossRanks::test_a_failure_on_rank_1_reaches_every_rank): a rank's own failure is kept, the
+    step goes on with neutral values, and the next exchange raises on every rank."""
+
+    @staticmethod
+    def _gather(monkeypatch, others):
+        """torch.distributed's all-gather as this rank (0) would see it, the other ranks sending `others`."""
+        dist = pytest.importorskip("torch.distributed")
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1 + len(others))
+
+        def all_gather_object(parts, obj, group=None):
+            parts[:] = [obj, *others]
+
+        monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+    def test_own_failure_kept_and_raised_at_the_exchange(self, monkeypatch):
+        self._gather(monkeypatch, [("ok", 2)])
+        guard = RankGuard(step=4)
+        calls = []
+
+        def oom():
+            raise MemoryError("CUDA out of memory")
+
+        assert guard.call(oom, default="neutral") == "neutral"
+        assert guard.call(calls.append, 1, default="skipped") == "skipped" and calls == []  # nothing after it
+        with pytest.raises(MemoryError, match="out of memory"):
+            guard.exchange(1)
+
+    def test_another_ranks_failure_raised_here_naming_it(self, monkeypatch):
+        self._gather(monkeypatch, [("ok", 2), ("failed", *describe(RuntimeError("CUDA out of memory")))])
+        with pytest.raises(RLCheckError, match="rank 2 at step 4: RuntimeError: CUDA out of memory"):
+            RankGuard(step=4).exchange(1)
+        self._gather(monkeypatch, [("failed", *describe(InputError("empty step")))])
+        with pytest.raises(InputError, match="rank 1: empty step"):
+            RankGuard(step=4).exchange(1)
+
+    def test_all_ok_returns_every_ranks_part(self, monkeypatch):
+        self._gather(monkeypatch, [("ok", {"n": 2}), ("ok", {"n": 3})])
+        assert RankGuard(step=0).exchange({"n": 1}) == [{"n": 1}, {"n": 2}, {"n": 3}]

@@ -111,3 +111,26 @@ class TestDumpRouting:
         rows, meta = read_dump(quarantine_dir(tmp_path / "run", 0))
         assert [r["request_id"] for r in rows] == ["a"] and meta["routing"] == {"moe_layers": 2, "top_k": 2}
         np.testing.assert_array_equal(rows[0]["experts_train"], batch.routing.experts_train[:3])
+
+
+class TestReadDumpArrays:
+    """Issue 42 item 9: `read_dump` hands the per-token columns back as numpy slices of one flat array per
+    column (no Python float per token), the meta columns as given."""
+
+    def test_token_columns_are_views_of_one_array(self, tmp_path):
+        """logp_rollout, logp_train, mask and the token ids of every row are numpy views of a shared
+        buffer with the values written; a list meta column stays a Python list."""
+        batch = masked_batch()
+        batch = StepBatch.from_packed(batch.logp_rollout, batch.logp_train, batch.cu_seqlens, batch.request_ids,
+                                      mask=batch.mask, tokens=np.arange(batch.num_tokens),
+                                      meta={"tags": [["a"], [], ["b", "c"], [], [], ["d"]]})
+        rows, _ = read_dump(write_dump(tmp_path / "d", batch, step=0))
+        cu = batch.cu_seqlens
+        for i, row in enumerate(rows):
+            for key, want in (("logp_rollout", batch.logp_rollout), ("logp_train", batch.logp_train),
+                              ("mask", batch.mask), ("response_tokens", batch.tokens)):
+                assert isinstance(row[key], np.ndarray) and row[key].base is not None, key
+                np.testing.assert_array_equal(row[key], want[cu[i]:cu[i + 1]])
+            assert row["logp_rollout"].dtype == np.float64 and row["mask"].dtype == bool
+            assert isinstance(row["tags"], list)
+        assert rows[0]["prompt_tokens"] is None  # a null column stays None

@@ -213,14 +213,14 @@ class TestStepBatchCuSeqlens:
     def test_constructors_widen(self, dtype):
         """from_packed stores narrow integer cu_seqlens as int64 (and select keeps int64)."""
         lr = np.full(5, -1.0)
-        b = StepBatch.from_packed(lr, lr, np.array([0, 2, 5], dtype=dtype), ["a", "b"])
+        b = StepBatch.from_packed(lr, lr.clone() if hasattr(lr, "clone") else lr.copy(), np.array([0, 2, 5], dtype=dtype), ["a", "b"])
         assert b.cu_seqlens.dtype == np.int64 and b.select([1, 0]).cu_seqlens.dtype == np.int64
 
     def test_torch_int32_widens(self):
         """A torch int32 cu_seqlens (the flash-attn habit) is stored as int64."""
         torch = pytest.importorskip("torch")
         lr = torch.full((5,), -1.0)
-        b = StepBatch.from_packed(lr, lr, torch.tensor([0, 2, 5], dtype=torch.int32), ["a", "b"])
+        b = StepBatch.from_packed(lr, lr.clone() if hasattr(lr, "clone") else lr.copy(), torch.tensor([0, 2, 5], dtype=torch.int32), ["a", "b"])
         assert b.cu_seqlens.dtype == np.int64
 
     def test_dataclass_rejects_int32(self):
@@ -233,10 +233,10 @@ class TestStepBatchCuSeqlens:
         """Floating-point cu_seqlens are an InputError, not a silent cast."""
         lr = np.full(5, -1.0)
         with pytest.raises(InputError, match="cu_seqlens: expected integer values"):
-            StepBatch.from_packed(lr, lr, np.array([0.0, 2.0, 5.0]), ["a", "b"])
+            StepBatch.from_packed(lr, lr.clone() if hasattr(lr, "clone") else lr.copy(), np.array([0.0, 2.0, 5.0]), ["a", "b"])
 
     def test_uint64_past_int64_rejected(self):
         """A uint64 offset past 2**63 (negative once int64) fails validation instead of indexing."""
         lr = np.full(5, -1.0)
         with pytest.raises(InputError, match="cu_seqlens"):
-            StepBatch.from_packed(lr, lr, np.array([0, 2**63 + 2, 5], dtype=np.uint64), ["a", "b"])
+            StepBatch.from_packed(lr, lr.clone() if hasattr(lr, "clone") else lr.copy(), np.array([0, 2**63 + 2, 5], dtype=np.uint64), ["a", "b"])

@@ -174,13 +174,17 @@ class TestToStepBatchErrors:
             V.to_step_batch(fields)
 
     def test_bypass_mode_value_equal_copy(self, tmp_path):
-        """v1 bypass mode: old_log_probs a value-equal copy in another buffer is refused by observe."""
+        """v1 bypass mode: old_log_probs a value-equal copy in another buffer is refused by observe given
+        verl's config (bitwise-equal sides alone read as a true on-policy engine's: observed, one note)."""
         fields, _ = verl_fields()
         fields["old_log_probs"] = fields["rollout_log_probs"].clone()
         assert fields["old_log_probs"].data_ptr() != fields["rollout_log_probs"].data_ptr()
         mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=("jsonl",)))
-        with pytest.raises(InputError, match="identical.*bypass_mode"):
-            V.observe(mon, 0, fields)
+        bypass = {"algorithm": {"rollout_correction": {"bypass_mode": True}}}
+        with pytest.raises(ConfigError, match="bypass_mode"):
+            V.observe(mon, 0, fields, config=bypass)
+        with pytest.warns(UserWarning, match="agree bitwise"):
+            assert V.observe(mon, 0, fields, config={"algorithm": {}}).alarms == []
 
     def test_shape_mismatch(self):
         """A field of another shape names itself and the expected layout."""
@@ -356,7 +360,7 @@ class TestHandBack:
         kept = fields["response_mask"].bool().any(axis=1).tolist()
         assert kept == [False] * 6 + [True] * (len(before) - 6) and V.WEIGHTS_KEY not in fields
         assert report.correction(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01).metrics[
-            "rollout_rs_seq_masked_fraction"] == pytest.approx(5 / 12)  # rows 0-5 but the quarantined 3, of all (verl)
+            "rollout_rs_seq_masked_fraction"] == pytest.approx(5 / 11)  # rows 0-5 but the quarantined 3, of the 11 kept
 
     def test_bf16_weights(self, tmp_path):
         """Weights take old_log_probs' dtype (bf16 here), as verl's helper returns them."""

@@ -99,17 +99,17 @@ class TestMonitorRouting:
         lr = np.log(np.array([0.5, 0.4, 0.3, 0.2]))
         batch = StepBatch.from_packed(lr, lr + ABS_DIFF, [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
         assert batch.select([1]).routing.num_tokens == 3
-        other = StepBatch.from_packed(lr, lr, [0, 1, 4], ["c", "d"], routing=Routing(TRAIN, TRAIN))
-        ragged = StepBatch.from_ragged([lr[:1], lr[1:]], [lr[:1], lr[1:]], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
+        other = StepBatch.from_packed(lr, lr.copy(), [0, 1, 4], ["c", "d"], routing=Routing(TRAIN, TRAIN))
+        ragged = StepBatch.from_ragged([lr[:1], lr[1:]], [lr[:1].copy(), lr[1:].copy()], ["a", "b"], routing=Routing(ROLLOUT, TRAIN))
         assert ragged.routing.num_tokens == 4  # the loop's path (engines.vllm.to_step_batch)
         joined = StepBatch.concat([batch, other])
         np.testing.assert_array_equal(joined.routing.experts_rollout[4:], TRAIN)
         with pytest.raises(InputError, match="routing has 3 rows for 4 tokens"):
-            StepBatch.from_packed(lr, lr, [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT[:3], TRAIN[:3]))
+            StepBatch.from_packed(lr, lr.copy(), [0, 1, 4], ["a", "b"], routing=Routing(ROLLOUT[:3], TRAIN[:3]))
         mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=()))
         metrics = mon.observe(0, batch).metrics
         assert metrics[K.MOE_ROUTE_AGREE_FRAC] == 0.25 and metrics[K.moe_first_diff(0)] == 2.0
-        plain = mon.observe(1, StepBatch.from_packed(lr, lr, [0, 1, 4], ["a", "b"])).metrics
+        plain = mon.observe(1, StepBatch.from_packed(lr, lr.copy(), [0, 1, 4], ["a", "b"])).metrics
         assert K.MOE_ROUTE_AGREE_FRAC not in plain
 
 

@@ -188,7 +188,7 @@ class TestRunDirectory:
         rows, meta = read_dump(mon.dump(3, batch, report))
         assert [r["request_id"] for r in rows] == list(batch.request_ids)
         np.testing.assert_array_equal(rows[5]["logp_train"], batch.logp_train[batch.cu_seqlens[5]:batch.cu_seqlens[6]])
-        assert rows[5]["response_tokens"] == batch.tokens[batch.cu_seqlens[5]:batch.cu_seqlens[6]].tolist()
+        assert rows[5]["response_tokens"].tolist() == batch.tokens[batch.cu_seqlens[5]:batch.cu_seqlens[6]].tolist()
         assert meta["step"] == 3 and meta["context"] == {"model": "tiny"} and "numpy" in meta["versions"]
 
 
@@ -388,7 +388,7 @@ class TestEmptyStep:
 
         guard = Alarm("signature", "guard/violations", 0, "critical", "engine guard: slot shared")
         z = -np.ones((2, 5))
-        batch = StepBatch.from_padded(z, z, np.zeros((2, 5), dtype=bool), ["a", "b"])
+        batch = StepBatch.from_padded(z, z.copy(), np.zeros((2, 5), dtype=bool), ["a", "b"])
         with monitor(tmp_path) as mon, pytest.warns(UserWarning, match="no token"), \
                 pytest.raises(MismatchHalt) as info:
             mon.observe(0, batch, alarms=[guard])

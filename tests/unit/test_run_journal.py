@@ -135,3 +135,69 @@ class TestReadJsonl:
         offset = path.stat().st_size
         _log_steps(tmp_path, [example_record(1), example_record(2)])
         assert [r["step"] for r in read_jsonl(path, offset=offset)] == [1, 2]
+
+
+class TestLoopJournal:
+    """Issue 42 item 12: loop.jsonl is appended as metrics.jsonl is: a line a crash cut short stays alone."""
+
+    def test_line_after_a_torn_one_is_kept(self, tmp_path):
+        """loop.jsonl ending mid-line (a killed loop): the next line starts on a line of its own, so both
+        whole lines read back (the new one glued onto the torn part and was lost before)."""
+        from rlcheck.core.run import LOOP_FILE, Run
+
+        (tmp_path / LOOP_FILE).write_text('{"step": 0, "reward_mean": 0.5}\n{"step": 1, "rew')
+        run = Run.create(tmp_path)
+        run.append_loop({"step": 2, "reward_mean": 0.75})
+        run.close()
+        assert [line["step"] for line in Run.open(tmp_path).loop()] == [0, 2]
+
+    def test_line_after_the_run_closed(self, tmp_path):
+        """The loop writes its halt's line after the halted Monitor closed the run: it is appended."""
+        from rlcheck.core.run import Run
+
+        run = Run.create(tmp_path)
+        run.append_loop({"step": 0})
+        run.close()
+        run.append_loop({"step": 1, "halted": True})
+        assert [line["step"] for line in Run.open(tmp_path).loop()] == [0, 1]
+
+
+class TestResumedTrainer:
+    """Issue 42 item 12: a trainer resumed from an earlier checkpoint journals its repeated steps again;
+    every reader counts each step once (the later record) and the plots do not interleave them."""
+
+    @staticmethod
+    def _observe(run_dir, steps, shift):
+        import warnings
+
+        from rlcheck import Monitor, MonitorConfig, StepBatch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the resume and "step comes after step" warnings
+            with Monitor(MonitorConfig(run_dir=run_dir, sinks=())) as mon:
+                for step in steps:
+                    rng = np.random.default_rng(step)
+                    lr = [-rng.exponential(1.0, 30) for _ in range(8)]
+                    lt = [np.minimum(x + rng.normal(0, 1e-3, 30) + shift, 0.0) for x in lr]
+                    mon.observe(step, StepBatch.from_ragged(lr, lt, [f"{step}-{i}" for i in range(8)]))
+                    mon.run.append_loop({"step": step, "reward_mean": shift})
+
+    def test_repeated_steps_count_once(self, tmp_path):
+        """Steps 0-5, then a resume from step 3 to 7: the records, the loop lines, the summary and the
+        report's series hold steps 0-7 once each, 3-5 from the resumed process; the summary names them."""
+        from rlcheck.core.run import Run
+        from rlcheck.report.data import collect
+        from rlcheck.report.summary import summarize
+
+        self._observe(tmp_path, range(6), 0.0)
+        self._observe(tmp_path, range(3, 8), -0.01)
+        assert [r["step"] for r in read_jsonl(tmp_path / FILENAME)] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
+        run = Run.open(tmp_path)
+        records = run.records()
+        assert [r["step"] for r in records] == list(range(8)) and records.superseded == (3, 4, 5)
+        assert [r["metrics"]["rlcheck/token/diff_mean"] < -0.005 for r in records] == [False] * 3 + [True] * 5
+        assert [(x["step"], x["reward_mean"]) for x in run.loop()] == [(s, 0.0 if s < 3 else -0.01) for s in range(8)]
+        summary = summarize(run)
+        assert summary["num_steps"] == 8 and summary["superseded_steps"] == [3, 4, 5]
+        data = collect(Run.open(tmp_path))
+        assert data.steps.tolist() == list(range(8))

@@ -162,7 +162,7 @@ class TestRedact:
         """Without redaction the same step's dump keeps tokens and text (what the test above removes)."""
         rows, meta = read_dump(_halt(tmp_path, redact=False))
         assert meta["redacted"] is False and meta["redacted_columns"] == []
-        assert rows[0]["prompt_tokens"] == [5, 6, 7] and rows[0]["prompt_text"] == f"{SECRET}-0"
+        assert rows[0]["prompt_tokens"].tolist() == [5, 6, 7] and rows[0]["prompt_text"] == f"{SECRET}-0"
 
     def test_jsonl_and_wandb_rows_carry_no_text(self, tmp_path):
         """metrics.jsonl records and the W&B offenders columns hold ids and numbers, never tokens or text."""

@@ -150,6 +150,70 @@ class TestWandbSink:
         assert [r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"] == [0]
 
 
+class _FlakyRun(_FakeRun):
+    """A run whose `log` raises while `failing` is true (a W&B backend that blips or goes away)."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.failing, self.calls = failing, 0
+
+    def log(self, row, step):
+        self.calls += 1
+        if self.failing(step, self.calls):
+            raise ConnectionError("W&B backend unreachable")
+        super().log(row, step)
+
+    def alert(self, **kwargs):
+        pass
+
+
+class TestWandbSinkFailures:
+    """Issue 42 item 11: a failed log() is retried, then degraded with one warning; the totals survive a resume."""
+
+    def _sink(self, tmp_path, run, retries=3):
+        pytest.importorskip("wandb")
+        return WandbSink(tmp_path, WandbConfig(log_retries=retries, retry_wait_s=0.0), run=run)
+
+    def test_transient_failure_retried(self, tmp_path):
+        """log() failing once: retried at once, every step logged, no warning, the sink stays."""
+        run = _FlakyRun(lambda step, calls: calls == 2)
+        sink = self._sink(tmp_path, run)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fan = FanOut([sink])
+            for step in range(4):
+                fan.log(step, example_record(step))
+        assert [s for s, _ in run.rows] == [0, 1, 2, 3] and fan.sinks == (sink,)
+
+    def test_outage_degrades_with_one_warning_and_recovers(self, tmp_path):
+        """log() failing at steps 2-4: one SinkWarning (after 1 + 3 tries at step 2, one try a step after),
+        steps 2-4 skipped and counted in the summary, the sink kept, step 5 on logged again."""
+        run = _FlakyRun(lambda step, calls: 2 <= step <= 4)
+        sink = self._sink(tmp_path, run)
+        fan = FanOut([sink])
+        with pytest.warns(SinkWarning, match="did not take step 2's row after 4 tries") as caught:
+            for step in range(7):
+                fan.log(step, example_record(step))
+        assert len(caught) == 1 and fan.sinks == (sink,)
+        assert [s for s, _ in run.rows] == [0, 1, 5, 6] and run.calls == 2 + 4 + 1 + 1 + 2
+        assert run.summary[S + "skipped_steps"] == 3
+
+    def test_totals_carried_over_a_resume(self, tmp_path):
+        """state_dict / load_state_dict carry alarms by kind and the worst step into a new sink (a resumed
+        run's summary goes on from them, not from 0)."""
+        first = self._sink(tmp_path, _FakeRun())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first.log(0, example_record(0, abs_diff_mean=0.05, alarms=2))
+        run = _FakeRun()
+        second = self._sink(tmp_path, run)
+        second.load_state_dict(json.loads(json.dumps(FanOut([first]).state_dict()))["WandbSink"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            second.log(1, example_record(1, abs_diff_mean=0.01, alarms=1))
+        assert run.summary[S + "alarms_total"] == 3 and S + "worst_step" not in run.summary
+
+
 class TestMakeSinksWandb:
     def test_init_failure_skips_wandb(self, tmp_path, monkeypatch):
         """wandb.init raising gives one SinkWarning and a FanOut without it ("jsonl" is the Run's journal,
@@ -168,3 +232,38 @@ class TestMakeSinksWandb:
             warnings.simplefilter("error")
             fan.log(0, example_record(0))
             fan.close()
+
+
+class TestMonitorCarriesWandbTotals:
+    """Issue 42 item 11, through the Monitor: the sink's totals go into state.json and a resumed Monitor's
+    sink continues them (a fake run stands for W&B; the real offline run: tests/integration/test_monitor_wandb.py)."""
+
+    def test_resumed_monitor_continues_totals(self, tmp_path):
+        pytest.importorskip("wandb")
+        from rlcheck import HaltConfig, Monitor, MonitorConfig, StepBatch
+        from rlcheck.synthetic import SyntheticConfig, synthetic_batch
+
+        clean, run_dir = SyntheticConfig(num_sequences=32, mean_length=12), tmp_path / "run"
+        runs = []
+        for steps in (range(0, 3), range(3, 5)):
+            run = _FlakyRun(lambda step, calls: step == 2)  # step 2 never reaches W&B: counted as skipped
+            runs.append(run)
+            cfg = MonitorConfig(run_dir=run_dir, sinks=("jsonl", "wandb"), halt=HaltConfig(enabled=False),
+                                resume=bool(runs[:-1]), wandb=WandbConfig(retry_wait_s=0.0))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Monitor(cfg, wandb_run=run) as mon:
+                    for step in steps:
+                        b = synthetic_batch(clean, step)
+                        if step in (1, 3):  # every token 2 nats off: a hard-limit alarm (halting off)
+                            b = StepBatch.from_packed(b.logp_rollout, b.logp_train - 2.0, b.cu_seqlens,
+                                                      b.request_ids)
+                        mon.observe(step, b)
+            alarms_so_far = sum(mon.alarm_counts.values())
+        first, second = runs
+        assert first.summary[S + "worst_step"] == 1 and first.summary[S + "skipped_steps"] == 1
+        assert alarms_so_far > first.summary[S + "alarms_total"] > 0
+        # the second process's summary counts both processes' alarms and the first one's skipped step
+        assert second.summary[S + "alarms_total"] == alarms_so_far
+        assert second.summary[S + "skipped_steps"] == 1
+        assert [s for s, _ in second.rows] == [3, 4]

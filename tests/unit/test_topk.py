@@ -151,21 +151,21 @@ class TestStepBatchCarriesTopK:
         ragged = TopK.from_ragged(*([getattr(topk, f)[p] for p in parts]
                                     for f in ("ids_rollout", "logp_rollout", "logp_train", "ids_train")))
         lr = [topk.logp_rollout[p, 0] for p in parts]
-        batch = StepBatch.from_ragged(lr, lr, ["a", "b"], topk=ragged)
+        batch = StepBatch.from_ragged(lr, [x.copy() for x in lr], ["a", "b"], topk=ragged)
         np.testing.assert_array_equal(batch.topk.ids_rollout, topk.ids_rollout)
         picked = batch.select([1])
         np.testing.assert_array_equal(picked.topk.ids_train, topk.ids_train[4:])
-        other = StepBatch.from_ragged(lr[:1], lr[:1], ["c"], topk=ragged.take(np.arange(4)))
+        other = StepBatch.from_ragged(lr[:1], [x.copy() for x in lr[:1]], ["c"], topk=ragged.take(np.arange(4)))
         joined = StepBatch.concat([picked, other])
         np.testing.assert_array_equal(joined.topk.logp_train, np.concatenate([topk.logp_train[4:], topk.logp_train[:4]]))
-        assert StepBatch.concat([picked, StepBatch.from_ragged(lr[:1], lr[:1], ["d"])]).topk is None
+        assert StepBatch.concat([picked, StepBatch.from_ragged(lr[:1], [x.copy() for x in lr[:1]], ["d"])]).topk is None
 
     def test_padded_picks_the_response_rows(self):
         """from_padded takes a TopK of B*T rows and keeps those of the packed tokens."""
         topk = random_topk(m=6, k=3)
         mask = np.array([[0, 1, 1], [1, 0, 0]])
         lp = topk.logp_rollout[:, 0].reshape(2, 3)
-        batch = StepBatch.from_padded(lp, lp, mask, ["a", "b"], topk=topk)
+        batch = StepBatch.from_padded(lp, lp.copy(), mask, ["a", "b"], topk=topk)
         np.testing.assert_array_equal(batch.topk.ids_rollout, topk.ids_rollout[[1, 2, 3]])
 
 

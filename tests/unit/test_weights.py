@@ -20,7 +20,7 @@ def batch(versions, n_tokens: int = 5, ids=None) -> StepBatch:
     """Matching logprobs for len(versions) sequences (nothing else would alarm)."""
     rng = np.random.default_rng(0)
     logp = [-rng.exponential(1.0, n_tokens) for _ in versions]
-    return StepBatch.from_ragged(logp, logp, ids or [f"r{i}" for i in range(len(versions))], weight_version=versions)
+    return StepBatch.from_ragged(logp, [x.copy() for x in logp], ids or [f"r{i}" for i in range(len(versions))], weight_version=versions)
 
 
 class TestStepBatchVersions:

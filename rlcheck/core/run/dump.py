@@ -12,13 +12,21 @@ compare, so masked-out tokens never count and a dump agrees with the step's offe
 Atomic: both files are written and fsynced in a hidden temp dir (`dumps/.step_NNNNNN.*`), which is
 renamed into place and the parent fsynced; a crash mid-dump leaves only the hidden dir, which no
 reader takes for a dump and the next Monitor removes (`remove_partial_dumps`). A dump written again
-for the same step replaces the old one whole (the old one is moved aside first, never mixed).
+for the same step replaces the old one whole (the old one is moved aside first, never mixed); a crash
+between moving it aside and renaming the new one into place leaves both hidden, and the next Monitor
+puts the finished new one in place (never deleting both).
 
 A batch with MoE routing (`StepBatch.routing`, `rlcheck.core.moe`) adds, per sequence: `experts_rollout` and
 `experts_train` (its tokens' top-k experts at every MoE layer, T*L*k int64 flattened token by token;
 meta.json's `routing` gives `moe_layers` L and `top_k` k, and `read_dump` hands them back as (T, L, k)),
 `route_agree_frac` (its tokens routed alike at every MoE layer) and `first_route_diff_layer` (the first
 MoE layer where one of its tokens is routed differently; null if none), both over the tokens the mask keeps.
+
+A halt over several ranks (`rlcheck.distributed`) dumps each rank's worst sequences (its offenders),
+not every sequence of the step: meta.json's `selected` says so (how, and of how many sequences), its
+`metrics` are the whole step's, and diagnose reads those rather than recomputing them from the rows.
+`read_dump` hands the per-token columns back as numpy arrays (one flat array per column, a slice per
+row), never a Python float per token.
 
 A multi-turn batch (`StepBatch.turns`) adds its turn columns (`rlcheck.core.run.dump_turns`): `turn_index`
 per token (negative on tool tokens), `turn_count`, `first_divergence_turn` and `_turn_offset`, the recorded
@@ -46,15 +54,15 @@ import numpy as np
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.moe import sequence_routing
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
+from rlcheck.core.run.dump_read import META, SEQUENCES, TOKEN_COLUMNS, read_dump
 from rlcheck.core.run.dump_turns import turn_columns, turn_meta
 from rlcheck.core.run.files import fsync_dir
 from rlcheck.core.run.journal import to_jsonable
 from rlcheck.core.stats import StatsConfig, compute_partial
 from rlcheck.errors import InputError
 
-SEQUENCES = "sequences.parquet"
-META = "meta.json"
-TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "tokens_train")
+__all__ = ["META", "SEQUENCES", "TOKEN_COLUMNS", "dump_dir", "quarantine_dir", "read_dump", "remove_partial_dumps",
+           "write_dump"]
 
 
 def dump_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -67,12 +75,29 @@ def quarantine_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def remove_partial_dumps(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the hidden temp dirs a crash in the middle of `write_dump` left under run_dir/dumps
-    (and run_dir/quarantine)."""
-    partial = [p for sub in ("dumps", "quarantine") for p in (Path(run_dir) / sub).glob(".step_*") if p.is_dir()]
-    for p in partial:
-        shutil.rmtree(p, ignore_errors=True)
-    return partial
+    """Settle what a crash in the middle of `write_dump` left under run_dir/dumps (and run_dir/quarantine),
+    and return the hidden dirs removed: a rewrite cut between its two renames (the previous dump moved
+    aside, the finished new one not yet in place) gets the finished new one back as its dump (or, were it
+    gone, the previous one); any other hidden dir is a dump cut short while it was written."""
+    removed = []
+    for sub in ("dumps", "quarantine"):
+        hidden = sorted(p for p in (Path(run_dir) / sub).glob(".step_*") if p.is_dir())
+        for name in sorted({p.name.split(".")[1] for p in hidden}):
+            target = Path(run_dir) / sub / name
+            aside = [p for p in hidden if p.name.startswith(f".{name}.old.")]
+            finished = [p for p in hidden if p.name.startswith(f".{name}.") and p not in aside and _whole(p)]
+            if not target.exists() and aside:  # cut between the renames: finished (fsynced) before the first
+                os.replace((finished or aside)[0], target)
+                fsync_dir(target.parent)
+        for p in hidden:
+            if p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _whole(directory: Path) -> bool:
+    return (directory / SEQUENCES).is_file() and (directory / META).is_file()
 
 
 def is_id_column(name: str) -> bool:
@@ -138,9 +163,11 @@ def write_dump(
     divergence_tau: float = 0.5,
     redact: bool = False,
     quarantined: Iterable[dict] | None = None,
+    selected: dict[str, Any] | None = None,
 ) -> Path:
     """Write the dump of one step to `directory` (replaced whole, atomically) and return it;
-    `quarantined` (a quarantine dump's sequences, their reasons) goes into meta.json when given."""
+    `quarantined` (a quarantine dump's sequences, their reasons) and `selected` (how the sequences were
+    chosen when they are not the whole step's) go into meta.json when given."""
     import pyarrow as pa
 
     directory = Path(directory)
@@ -161,6 +188,8 @@ def write_dump(
     }
     if quarantined is not None:
         meta["quarantined"] = list(quarantined)
+    if selected is not None:
+        meta["selected"] = dict(selected)
     if batch.turns is not None:
         meta["turns"] = turn_meta(batch)
     if batch.routing is not None:
@@ -266,27 +295,3 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read_dump(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, meta) of a dump: one dict per sequence (lists as numpy arrays; the experts (T, L, k)), and
-    meta.json (`meta`: already read by the caller)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    directory = Path(directory)
-    if not (directory / SEQUENCES).is_file() or not (directory / META).is_file():
-        raise InputError(f"{directory} is not an rlcheck dump (needs {SEQUENCES} and {META})")
-    with open(directory / SEQUENCES, "rb") as f:  # one Python open (what the run's readers count)
-        data = f.read()
-    # pyarrow's reader threads could abort the process at exit ("terminate called without an active
-    # exception", 3 of 8 `rlcheck diagnose` runs here); a dump is small, one thread reads it
-    rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
-    meta = json.loads((directory / META).read_text()) if meta is None else meta
-    shape = (meta["routing"]["moe_layers"], meta["routing"]["top_k"]) if meta.get("routing") else None
-    for row in rows:
-        for key in ("logp_rollout", "logp_train"):
-            row[key] = np.asarray(row[key], dtype=np.float64)
-        for key in ("experts_rollout", "experts_train") if shape else ():
-            row[key] = np.asarray(row[key], dtype=np.int64).reshape(-1, *shape)  # (T, L, k)
-    return rows, meta

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,25 @@ def to_jsonable(x: Any) -> Any:
     return x
 
 
+def step_record(report: Any, hist: Any, empty: bool = False, resumed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One step's record of a `StepReport` and its |d| histogram (numpy counts per bin); `empty` and
+    `resumed` only where they apply, so older readers see the schema they know."""
+    bins = hist.nonzero()[0]
+    record = {
+        "step": report.step,
+        "time": time.time(),
+        "metrics": report.metrics,
+        "alarms": [a.to_dict() for a in report.alarms],
+        "offenders": [o.to_dict() for o in report.offenders],
+        "abs_diff_hist": {"bins": bins.tolist(), "counts": hist[bins].tolist()},
+    }
+    if empty:
+        record["empty"] = True
+    if resumed is not None:
+        record["resumed"] = resumed
+    return record
+
+
 def encode_line(record: dict[str, Any]) -> bytes:
     """One strict-JSON line (newline included); objects JSON cannot hold are written as str()."""
     text = json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False, default=str)
@@ -59,10 +79,11 @@ def encode_line(record: dict[str, Any]) -> bytes:
 
 
 class Journal:
-    """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl`."""
+    """Appends one fsynced JSON line per step to `run_dir/metrics.jsonl` (or to the run's other JSONL
+    file `name`: loop.jsonl), each on a line of its own after a crash cut the last one short."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]):
-        self.path = Path(run_dir) / FILENAME
+    def __init__(self, run_dir: str | os.PathLike[str], name: str = FILENAME):
+        self.path = Path(run_dir) / name
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -118,9 +139,26 @@ def _ends_with_newline(path: Path) -> bool:
 
 class Records(list):
     """The records of a metrics.jsonl file; `num_skipped` counts lines that were not valid JSON
-    (a truncated last line after a crash, or one left in the middle by a resumed run)."""
+    (a truncated last line after a crash, or one left in the middle by a resumed run), `superseded` the
+    steps whose earlier records `latest` left out."""
 
     num_skipped: int = 0
+    superseded: tuple[int, ...] = ()
+
+    def latest(self) -> Records:
+        """One record per step, the last one journaled (a trainer resumed from an earlier checkpoint
+        repeats steps: its records supersede the abandoned ones), in step order; records without an
+        integer step are kept, after them."""
+        last: dict[int, int] = {}
+        for i, r in enumerate(self):
+            if isinstance(r.get("step"), int):
+                last[r["step"]] = i
+        out = Records(self[i] for _, i in sorted(last.items()))
+        out.extend(r for r in self if not isinstance(r.get("step"), int))
+        out.num_skipped = self.num_skipped
+        out.superseded = tuple(sorted({r["step"] for i, r in enumerate(self)
+                                       if isinstance(r.get("step"), int) and last[r["step"]] != i}))
+        return out
 
 
 def read_jsonl(path: str | os.PathLike[str], offset: int = 0) -> Records:

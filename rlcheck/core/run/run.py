@@ -121,9 +121,14 @@ class Run:
         return files.uncommitted_records(self.path, committed)
 
     def append_loop(self, line: dict[str, Any]) -> None:
-        """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts)."""
-        with open(self.path / LOOP_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        """One line onto loop.jsonl (the GRPO loop's per-step reward, loss, timings, restarts), written as
+        the journal writes its own: whole, fsynced, never glued onto a line a crash cut short. Opened
+        for each line: the loop writes its halt's line after the halted Monitor released the run."""
+        journal = Journal(self.path, LOOP_FILE)
+        try:
+            journal.append(int(line.get("step", -1)), line)
+        finally:
+            journal.close()
 
     def write_dump(self, step: int, batch: Any, **kwargs: Any) -> Path:
         """The dump of `step` (`rlcheck.core.run.dump.write_dump`) under dumps/."""
@@ -146,8 +151,10 @@ class Run:
         return value
 
     def records(self) -> Records:
-        """The journal's records (an InputError without metrics.jsonl or without a record)."""
-        return self._once("records", self._read_records)
+        """The journal's records, one per step in step order: where a trainer resumed from an earlier
+        checkpoint journaled a step again, the later record (`Records.latest`; `superseded` names the
+        steps). An InputError without metrics.jsonl or without a record."""
+        return self._once("records", lambda: self._read_records().latest())
 
     def _read_records(self) -> Records:
         path = self.path / JOURNAL_FILE
@@ -217,6 +224,6 @@ class Run:
         return self._once("guard", lambda: load_guard(self.path))
 
     def loop(self) -> list[dict[str, Any]]:
-        """loop.jsonl's lines; [] without one."""
+        """loop.jsonl's lines, one per step as `records` (the later of a repeated step); [] without one."""
         path = self.path / LOOP_FILE
-        return self._once("loop", lambda: list(read_jsonl(path)) if path.is_file() else [])
+        return self._once("loop", lambda: list(read_jsonl(path).latest()) if path.is_file() else [])

@@ -2,7 +2,8 @@
 
 A record is `{"step", "metrics", "alarms", "offenders"}` as the Monitor logs it. A dump holds every
 sequence of its step, so its record is recomputed from the sequences (statistics and signatures) and
-keeps the per-sequence rows for the affected request ids.
+keeps the per-sequence rows for the affected request ids; a dump of selected sequences (meta.json's
+`selected`: the worst of each rank) keeps the step's logged record instead.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     )
     metrics, offenders = compute(batch, StatsConfig())
     step = int(meta.get("step", 0))
+    if meta.get("selected"):  # the worst sequences of a step (a halt over several ranks): its own numbers
+        return {"step": step, "metrics": meta.get("metrics") or metrics, "alarms": list(meta.get("alarms", [])),
+                "offenders": list(meta.get("offenders") or [o.to_dict() for o in offenders])}
     alarms = [a.to_dict() for a in SignatureDetector().update(step, metrics)]
     prompts, theirs = column("prompt_tokens"), column(PROMPT_TOKENS_TRAIN)
     if prompts is not None and theirs is not None:  # the two sides' prompt ids (`rlcheck.core.prompt_ids`)

@@ -143,7 +143,7 @@ def load_sequences(dump_dir: str | Path) -> DumpSequences:
             "tokens): replay re-scores the tokens themselves; dump the step again without redaction"
         )
     for r in rows:
-        if not r.get("prompt_tokens"):
+        if r.get("prompt_tokens") is None or len(r["prompt_tokens"]) == 0:
             raise InputError(f"request {r['request_id']!r}: no prompt tokens; the first response token needs its prompt")
         if len(r["response_tokens"]) != len(r["logp_rollout"]):
             raise InputError(f"request {r['request_id']!r}: {len(r['response_tokens'])} response tokens "
@@ -153,8 +153,8 @@ def load_sequences(dump_dir: str | Path) -> DumpSequences:
     return DumpSequences(
         request_ids=[r["request_id"] for r in rows],
         indices=[int(r.get("index", i)) for i, r in enumerate(rows)],
-        prompts=[list(r["prompt_tokens"]) for r in rows],
-        responses=[list(r["response_tokens"]) for r in rows],
+        prompts=[np.asarray(r["prompt_tokens"]).tolist() for r in rows],  # plain ints, as the engines take them
+        responses=[np.asarray(r["response_tokens"]).tolist() for r in rows],
         logp_rollout=[r["logp_rollout"] for r in rows],
         logp_train=[r["logp_train"] for r in rows] if has_train and rows else None,
         valid=[np.asarray(r["mask"], dtype=bool) for r in rows] if has_mask and rows else None,

@@ -128,7 +128,8 @@ class RLCheckHook:
 
         cfg = self.monitor_config
         return observe_across_ranks(self.monitor, step, batch, cfg.stats, extra, trainer_version=step,
-                                    alarms=alarms, quarantine=cfg.quarantine, max_weight_lag=cfg.max_weight_lag)
+                                    alarms=alarms, quarantine=cfg.quarantine, max_weight_lag=cfg.max_weight_lag,
+                                    correction=cfg.correction)
 
     def _drop_quarantined(self, step: int, output: dict, report: StepReport) -> dict[str, float]:
         """Zero this process's quarantined rows of TRL's loss mask and take their tokens out of

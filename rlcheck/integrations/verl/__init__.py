@@ -86,6 +86,7 @@ from rlcheck.integrations.verl.fields import (  # noqa: F401 - the keys are this
 )
 from rlcheck.integrations.verl.fully_async import fully_async_max_lag, on_version
 from rlcheck.integrations.verl.handback import update_batch
+from rlcheck.integrations.verl.settings import refuse_bypass
 from rlcheck.integrations.verl.turns import with_agent_turns
 from rlcheck.versions import check_tested
 
@@ -268,7 +269,7 @@ def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | Non
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
             forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,
             global_steps: int | None = None, correction: CorrectionConfig | None = None,
-            param_version: int | None = None, async_training: Any = None) -> StepReport:
+            param_version: int | None = None, async_training: Any = None, config: Any = None) -> StepReport:
     """`monitor.observe(step, to_step_batch(data))` with verl's step `metrics` (those under `forward`)
     logged beside rlcheck's; `trainer_version`: the weights version the actor holds, compared with the
     rows' `min_global_steps` where verl recorded them; `global_steps` (legacy, v1): verl's own step
@@ -277,8 +278,12 @@ def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | Non
     settings, the rows on other versions left out of the comparison and their lag bounded
     (`rlcheck.integrations.verl.fully_async`). Then `update_batch(data, report, correction)`:
     quarantined rows and rejected tokens leave `response_mask`, `rollout_is_weights` is set with
-    `correction.rollout_is` (module docstring). Returns the `StepReport`, raises `MismatchHalt` when the
-    policy halts (`data` untouched)."""
+    `correction.rollout_is` (module docstring). `config`: verl's trainer config, whose bypass mode is
+    refused (`ConfigError`: its old_log_probs are the rollout's own, a copy in another buffer through v1's
+    transfer queue, which bitwise-equal sides alone cannot tell from a true on-policy engine). Returns the
+    `StepReport`, raises `MismatchHalt` when the policy halts (`data` untouched)."""
+    if config is not None:
+        refuse_bypass(config)
     if correction is not None and not isinstance(correction, CorrectionConfig):
         raise ConfigError(f"correction must be a CorrectionConfig or None, got {type(correction).__name__}")
     check_tested("verl", what="the verl adapter (it reads DataProto's fields)")

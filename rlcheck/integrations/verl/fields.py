@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from rlcheck.core.batch import to_numpy
+from rlcheck.core.batch_build import same_storage
 from rlcheck.errors import InputError
 
 ROLLOUT_KEY = "rollout_log_probs"
@@ -36,13 +35,6 @@ def get_field(fields: Any, key: str) -> Any:
     return fields[key] if key in fields else None
 
 
-def _same_memory(a: Any, b: Any) -> bool:
-    """True when two tensors are one buffer: verl's bypass mode sets old_log_probs = rollout_log_probs."""
-    if hasattr(a, "data_ptr") and hasattr(b, "data_ptr"):
-        return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape)
-    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
-
-
 def logprobs_of(tensors: Any, logp_train: Any) -> tuple[Any, Any]:
     rollout = get_field(tensors, ROLLOUT_KEY)
     if rollout is None:
@@ -56,7 +48,7 @@ def logprobs_of(tensors: Any, logp_train: Any) -> tuple[Any, Any]:
             f"no {TRAIN_KEY!r} in the batch: call rlcheck after verl recomputes the actor's logprobs "
             "(after `batch = batch.union(old_log_prob)`), or pass logp_train="
         )
-    if _same_memory(train, rollout):
+    if same_storage(train, rollout):
         raise InputError(
             f"{TRAIN_KEY} is {ROLLOUT_KEY} itself (algorithm.rollout_correction.bypass_mode=True): verl "
             "does not recompute the logprobs, so there is no mismatch to measure; turn bypass mode off"
@@ -72,3 +64,4 @@ def response_mask_of(tensors: Any, num_cols: int) -> Any:
     if attn is None:
         raise InputError(f"no {MASK_KEY!r} (nor attention_mask) in the batch: which tokens count is unknown")
     return to_numpy(attn, "attention_mask")[:, -num_cols:]
+

@@ -18,20 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlcheck.integrations.verl.settings import get, refuse_bypass
 from rlcheck.preflight import Finding, PreflightConfig, Side, attach_check, load_side
 from rlcheck.preflight.models import normalized
 
 WHERE = "verl, before its workers and vLLM start"
-
-
-def get(config: Any, dotted: str, default: Any = None) -> Any:
-    """`config.a.b.c` of an OmegaConf config, a dataclass or nested mappings; `default` where missing or None."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part) if hasattr(node, "get") and not hasattr(node, part) else getattr(node, part, None)
-    return default if node is None else node
 
 
 def _local(path: Any) -> str | None:
@@ -87,7 +78,10 @@ def verl_precision(config: Any):
 
 def verl_preflight(config: Any) -> tuple[Finding, ...]:
     """The static preflight of a verl config; () when `model.path` is not a local folder (an HDFS path
-    verl copies at start: run `rlcheck preflight` on the copy)."""
+    verl copies at start: run `rlcheck preflight` on the copy). Bypass mode is refused first: verl then
+    hands `rollout_log_probs` over as `old_log_probs` and never recomputes them (nor calls
+    `_compute_old_log_prob`, where rlcheck's hook observes), so there is nothing to compare."""
+    refuse_bypass(config)
     path = _local(get(config, "actor_rollout_ref.model.path"))
     if path is None:
         return ()
