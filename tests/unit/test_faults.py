@@ -353,7 +353,7 @@ class TestBf16Noise:
         lr = [-rng.exponential(2.0, 32) for _ in tokens]
         for x in lr:
             x[:2] = [-0.7, -1.3]  # the twins: the same context, the same logprob
-        batch = StepBatch.from_ragged(logp_rollout=lr, logp_train=lr, tokens=tokens, prompt_tokens=[prompt] * 64,
+        batch = StepBatch.from_ragged(logp_rollout=lr, logp_train=[x.copy() for x in lr], tokens=tokens, prompt_tokens=[prompt] * 64,
                                       request_ids=[f"r{i}" for i in range(64)])
         noise = (Bf16Noise(scale=1).apply(3, batch)[0].logp_rollout - batch.logp_rollout).reshape(64, 32)
         assert np.ptp(noise[:, 0]) == 0 and np.ptp(noise[:, 1]) == 0 and noise[0, 0] != noise[0, 1]
