@@ -1,173 +1,348 @@
-"""Confusion matrix of `rlcheck diagnose` over the whole fault zoo (issue 28): every fault of `FAULTS`,
-old and new, and healthy runs, through the real loop (vLLM rollout actor, the hf trainer, Ray), on
-seeds not used to write the rules; rows = the injected cause, columns = diagnose's first cause.
+"""Confusion matrix of rlcheck on the user's path (issue 37): every fault of docs/faults.md x the demo's
+models x precision x trainer, through `rlcheck demo`'s loop (`tiny_cpu`, the Monitor's defaults, no
+detector warmed up by hand), each fault from step 0 as `rlcheck demo --inject SPEC` starts it.
 
-    .venv/bin/python benchmarks/bench_confusion.py --seeds 1 2 [--quick] [--out runs/confusion]
-    .venv/bin/python benchmarks/bench_confusion.py --seeds 1 2 --diagnose-only   # the saved runs, diagnosed again
-    .venv/bin/python benchmarks/bench_confusion.py --seeds 1 --only stop-token none   # some rows (spec prefixes)
+    .venv/bin/python benchmarks/bench_confusion.py --seed 1 --trainers hf --out runs/confusion     # one slice
+    .venv/bin/python benchmarks/bench_confusion.py --seed 1 --report                                # the table so far
+    .venv/bin/python benchmarks/bench_confusion.py --seed 1 --diagnose-only                         # diagnose again
 
-Each run: `tiny_cpu` (8 prompts x 8 samples, fp32 on both sides) with the fault, the Monitor's defaults
-but the robust-z warm-up at ONSET steps (as tests/integration/test_faults_loop.py); a fault that can
-start late starts at ONSET, the others at step 0. A run ends when the Monitor halts, `AFTER` steps
-after its first alarm, or at ONSET + `AFTER` + 4 steps (healthy runs run all of them); the loop keeps
-the first alarmed step's dump (`rlcheck.loop.trainer_view`). Models: the trained tiny Llama for the
-data-level and the new faults; the random hybrid for the Mamba faults, as tests/integration/
-test_faults_loop.py runs them (on the trained hybrid's 3-token answers they leave no signature); the
-trained MoE for moe-route-flip; the random Llama for retokenize (a trained model's samples are
-canonical: nothing to re-tokenize); a healthy run on each, and on the trained hybrid (the demo's).
-stale-state and index-wrap run with the engine guard (a spec ending in `+guard`), and a healthy hybrid
-run with it. A finished run leaves `done.json` and is not run again.
+Cells: models `MODELS` (the trained and random hybrid, the trained and random Llama, Mamba2, the
+trained MoE), precisions `PRECISIONS` (fp32 engine and trainer; a bf16 engine against the fp32
+trainer), trainers `TRAINERS` (hf, fsdp2 and deepspeed with 2 ranks, as the demo's defaults), every
+fault where it applies (`FAULTS`: the Mamba state faults on the Mamba models, the long-prompt faults
+on the attention-only ones, moe-route-flip on the MoE). Per cell: steps to the first alarm, the halt
+step, diagnose's first cause. A run ends at its halt, `AFTER` steps after its first alarm, or after
+`--steps`; a fault that touched no sequence (loop.jsonl's `fault_touched`: stop-token on a model that
+never stops, retokenize on a trained model whose samples round-trip) never fired: it is refused and
+listed, not counted.
+
+Sharing (2 shared cores): per (model, precision, trainer) the faults that act through the loop's
+hooks alone (`SHARED`: sync faults, data faults, trainer-input faults, and the healthy run first) run
+one after the other in one loop (one vLLM engine, one trainer group), the fault and the Monitor
+swapped between runs and the engine resynced to the trainer's weights; the faults that set up the
+engine or the trainer (engine faults, engine settings, temperatures) get their own loop. A finished
+run leaves `done.json` and is not run again; `--report` reads what has finished.
+
+Calibration and held-out: the detectors and rules were designed on the loop runs of seed 0 with the
+hf trainer (`CALIBRATION`); the table reports those cells apart from the held-out ones (other seeds,
+other trainers, and the attention models and the MoE at bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-LLAMA, HYBRID, MOE = "runs/models/llama-trained", "runs/models/hybrid-trained", "runs/models/moe-trained"
-RANDOM, MAMBA = "runs/models/llama", "runs/models/hybrid"  # random weights (`rlcheck.modelzoo.build_model`)
-GUARD = "+guard"
-"""A spec ending in it runs with the engine guard (`tiny_cpu(guard=True)`, as `rlcheck demo --guard`): the
-loop's only view of the scheduler's state slots, which tells stale state from index aliasing."""
-CASES = [  # (spec, model); {onset} is the step the rolling detectors are warm at
-    ("none", LLAMA), ("none", HYBRID), ("none", RANDOM), ("none", MAMBA), ("none+guard", MAMBA), ("none", MOE),
-    ("skip-sync-every=4", LLAMA), ("stale-weights@{onset}", LLAMA), ("temperature-mismatch=1.1", LLAMA),
-    ("top-p=0.9", LLAMA), ("off-by-one@{onset}", LLAMA), ("off-by-one-early@{onset}", LLAMA),
-    ("bf16-noise=1@{onset}", LLAMA),
-    ("corrupt-seqs=0.03@{onset}", LLAMA), ("drop-sync=mlp", LLAMA), ("permute-sync=self_attn", LLAMA),
-    ("perturb-layer=1", LLAMA), ("stale-buffer", MAMBA), ("stale-state+guard", MAMBA), ("index-wrap=16+guard", MAMBA),
-    ("moe-route-flip=0.1", MOE),
-    ("retokenize", RANDOM), ("double-bos", LLAMA), ("left-pad-positions@{onset}", LLAMA), ("stop-token", LLAMA),
-    ("stale-prefix-cache@{onset}", LLAMA), ("rope-mismatch=4", RANDOM), ("raw-logprobs", LLAMA),
-]
-RULE_SEEDS = (0, 1, 2, 3)
-"""The seeds the rules were written on (the loop's seed: prompts, sampling, trainer, fault): 0 (quick); 1,
-whose two misses (raw-logprobs: 83% of the likely tokens one-signed, under the first 90% bar; corrupt-seqs
-on the trained Llama: 0.01 nats off, under the first 0.5) moved two thresholds; 2, whose one miss
-(corrupt-seqs read as growth, 0.8, above the few-rows rule's 0.75) raised that rule to 0.85; 3, whose one
-miss (stale-prefix-cache one update after the cache: some shared rows at 9e-5, under the 1e-4 floor of the
-rows' separation) put that cut between the two groups. Held out: 4, 5."""
+MODELS = {"hybrid-trained": ("hybrid", True), "hybrid": ("hybrid", False), "mamba2": ("mamba2", False),
+          "llama-trained": ("llama", True), "llama": ("llama", False), "moe-trained": ("moe", True)}
+"""name -> (arch, trained): runs/models/NAME, built once (`ensure_trained` / `build_model`)."""
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+"""The engine's dtype; the trainer computes in float32."""
+TRAINERS = {"hf": 1, "fsdp2": 2, "deepspeed": 2}
+MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama"}, {"moe-trained"}
+SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "off-by-one-early", "bf16-noise={noise}",
+          "corrupt-seqs=0.03",
+          "drop-sync={drop}", "permute-sync={permute}", "retokenize", "double-bos", "left-pad-positions", "stop-token")
+OWN = {"temperature-mismatch=1.1": None, "top-p=0.9": None, "raw-logprobs": None, "perturb-layer=1": None,
+       "stale-state": MAMBA, "index-wrap=16": MAMBA, "stale-buffer": MAMBA, "moe-route-flip=0.1": MOE,
+       "stale-prefix-cache": ATTENTION, "rope-mismatch=4": ATTENTION}
+"""Faults with their own loop, and the models they apply to (None: every model)."""
+PATTERNS = {"mamba2": {"drop": "out_proj", "permute": "in_proj"}}
+"""drop-sync / permute-sync patterns where the default ("mlp", "self_attn") names no tensor."""
+DEFAULT_PATTERNS = {"drop": "mlp", "permute": "self_attn"}
+NOISE = {"fp32": 1, "bf16": 16}
+"""bf16-noise's scale: bf16-sized rounding on a fp32 engine; on a bf16 engine 1x is its own noise (no fault at
+that precision: `WITHIN_NOISE`), 16x stands past its floor."""
+WITHIN_NOISE = {("bf16-noise=1", "bf16")}
+"""(spec, precision) cells that are no fault at that precision: listed apart, not in the matrix."""
+AFTER = 2
+CALIBRATION = {"seed": 0, "trainer": "hf", "models": {"fp32": set(MODELS), "bf16": MAMBA | {"llama-trained"}}}
 
 
 class StopRun(Exception):
-    """Raised by the step callback to end a run early (enough steps after its first alarm)."""
+    """Raised by the step callback to end a run (enough steps after its first alarm)."""
 
 
-def run_dir_of(out: Path, seed: int, spec: str, model: str) -> Path:
-    return out / f"seed{seed}" / f"{Path(model).name}-{spec.replace('@', '_at').replace('+', '-')}"
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    spec: str
+    model: str
+    precision: str
+    trainer: str
+    seed: int
+
+    def run_dir(self, out: Path) -> Path:
+        name = self.spec.replace("@", "_at").replace("=", "-")
+        return out / f"seed{self.seed}" / f"{self.model}-{self.precision}-{self.trainer}" / name
+
+    @property
+    def calibration(self) -> bool:
+        c = CALIBRATION
+        return self.seed == c["seed"] and self.trainer == c["trainer"] and self.model in c["models"][self.precision]
 
 
-def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int, task: str = "addition") -> dict:
-    from rlcheck.core.detect import DetectorsConfig, RobustZConfig
-    from rlcheck.core.monitor import Monitor, MonitorConfig
-    from rlcheck.faults import parse_inject
-    from rlcheck.loop import GRPOLoop
+def specs(model: str, precision: str) -> tuple[list[str], list[str]]:
+    """(the shared loop's specs, the own-loop specs) that apply to `model` at `precision`."""
+    patterns = PATTERNS.get(model, DEFAULT_PATTERNS)
+    shared = [s.format(noise=NOISE[precision], **patterns) for s in SHARED]
+    return shared, [s for s, where in OWN.items() if where is None or model in where]
+
+
+def loop_config(cell: Cell, steps: int, fault):
     from rlcheck.loop.presets import tiny_cpu
 
-    spec = spec.format(onset=onset)
-    run_dir = run_dir_of(out, seed, spec, model)
-    fault_spec, guard = spec.removesuffix(GUARD), spec.endswith(GUARD)
-    fault = parse_inject(None if fault_spec == "none" else fault_spec, seed=seed)
-    cfg = tiny_cpu(model, trainer="hf", steps=onset + after + 4, fault=fault, seed=seed, guard=guard, task=task)
-    first: list[int] = []
+    return tiny_cpu(f"runs/models/{cell.model}", trainer=cell.trainer, world_size=TRAINERS[cell.trainer],
+                    steps=steps, fault=fault, seed=cell.seed, engine_dtype=PRECISIONS[cell.precision])
+
+
+def monitor_for(cell: Cell, out: Path, cfg):
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+
+    run_dir = cell.run_dir(out)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short before: start it over
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",), context=cfg.context())), run_dir
+
+
+def run_cell(loop, cell: Cell, out: Path, steps: int) -> dict:
+    """One run on a started loop (its fault and Monitor already set): until the halt, AFTER steps after
+    the first alarm, or `steps`."""
+    first: list[int] = []
 
     def on_step(step, report, info) -> None:
         if report.alarms and not first:
             first.append(step)
-        if first and step >= first[0] + after and not info.get("halted"):
+        if first and step >= first[0] + AFTER and not info.get("halted"):
             raise StopRun
 
     t0, result, error = time.perf_counter(), None, None
-    detectors = DetectorsConfig(robust_z=RobustZConfig(warmup=onset))
-    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",), context=cfg.context(), detectors=detectors)) as mon:
-        loop = GRPOLoop(cfg, mon)
-        try:
-            result = loop.run(on_step)
-        except StopRun:
-            pass
-        except Exception as exc:  # noqa: BLE001 - a run that fails is a row of the table, not the end of it
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            loop.close()
-    done = {"spec": spec, "model": model, "seed": seed, "cause": fault.cause, "guard": guard, "task": task,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "halted": bool(result is not None and result.halted), "first_alarm": first[0] if first else None, "error": error}
+    try:
+        result = loop.run(on_step)
+    except StopRun:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a run that fails is a row of the table
+        error = f"{type(exc).__name__}: {exc}"[:500]
+    return {"first_alarm": first[0] if first else None, "halted": bool(result is not None and result.halted),
+            "error": error, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def finish(cell: Cell, out: Path, fault, outcome: dict) -> dict:
+    """done.json of a run: the cell, the fault's cause and what it touched (loop.jsonl), the outcome."""
+    run_dir = cell.run_dir(out)
+    touched = {}
+    loop_file = run_dir / "loop.jsonl"
+    for line in loop_file.read_text().splitlines() if loop_file.is_file() else ():
+        rec = json.loads(line)
+        if rec.get("fault_touched"):
+            touched[rec["step"]] = len(rec["fault_touched"])
+    records = run_dir / "metrics.jsonl"
+    steps = len(records.read_text().splitlines()) if records.is_file() else 0
+    done = {**dataclasses.asdict(cell), "cause": fault.cause, "calibration": cell.calibration,
+            "steps": steps, "touched_steps": sorted(touched), "touched": sum(touched.values()), **outcome}
+    done["halt_step"] = steps - 1 if done["halted"] else None
     (run_dir / "done.json").write_text(json.dumps(done))
+    print(json.dumps(done), flush=True)
     return done
 
 
-def diagnosed(run_dir: Path) -> dict:
-    from rlcheck.forensics.diagnose import diagnose
+def run_shared(cells: list[Cell], out: Path, steps: int) -> None:
+    """The shared faults of one (model, precision, trainer), in one loop: fault and Monitor swapped."""
+    from rlcheck.faults import Fault, parse_inject
+    from rlcheck.loop import GRPOLoop
 
+    todo = [c for c in cells if not (c.run_dir(out) / "done.json").is_file()]
+    if not todo:
+        return
+    base = loop_config(todo[0], steps, Fault())
+    mon, _ = monitor_for(todo[0], out, base)
+    try:
+        loop = GRPOLoop(base, mon)
+    except BaseException:
+        mon.close()
+        raise
+    try:
+        for i, cell in enumerate(todo):
+            fault = parse_inject(None if cell.spec == "none" else cell.spec, seed=cell.seed)
+            loop.cfg = dataclasses.replace(base, fault=fault)
+            if i:
+                loop.monitor, _ = monitor_for(cell, out, loop.cfg)
+                _resync(loop)
+            outcome = run_cell(loop, cell, out, steps)
+            loop.monitor.close()  # closed already after a halt: a second close does nothing
+            finish(cell, out, fault, outcome)
+    finally:
+        loop.monitor.close()
+        loop.close()
+
+
+def _resync(loop) -> None:
+    """The engine back on the trainer's weights where a fault's skipped or spoiled syncs left it elsewhere (sent
+    as a new version: the engine takes only increasing ones), unchecked."""
+    stale = loop.spoiled or loop.synced != loop.version
+    loop.fault_touched, loop.spoiled = [], False
+    if stale:
+        loop.version += 1
+        loop._sync(-1)
+    loop.checker.pending = None
+
+
+def run_own(cell: Cell, out: Path, steps: int) -> None:
+    from rlcheck.faults import parse_inject
+    from rlcheck.loop import GRPOLoop
+
+    if (cell.run_dir(out) / "done.json").is_file():
+        return
+    fault = parse_inject(cell.spec, seed=cell.seed)
+    cfg = loop_config(cell, steps, fault)
+    mon, run_dir = monitor_for(cell, out, cfg)
+    outcome = None
+    try:
+        loop = GRPOLoop(cfg, mon)
+    except Exception as exc:  # noqa: BLE001 - refused at setup (a row, with its reason)
+        outcome = {"first_alarm": None, "halted": False, "error": f"{type(exc).__name__}: {exc}"[:500], "seconds": 0.0}
+    if outcome is None:
+        try:
+            outcome = run_cell(loop, cell, out, steps)
+        finally:
+            loop.close()
+    mon.close()
+    finish(cell, out, fault, outcome)
+
+
+def ensure_models(names) -> None:
+    from rlcheck.modelzoo import build_model, ensure_trained
+
+    for name in names:
+        arch, trained = MODELS[name]
+        path = Path("runs/models") / name
+        if trained:
+            ensure_trained(path, arch)
+        elif not (path / "config.json").is_file():
+            build_model(arch, path)
+
+
+def run_all(models, precisions, trainers, seed: int, out: Path, steps: int, only) -> None:
+    from rlcheck.loop import ray_session
+
+    ensure_models(models)
+    with ray_session(num_cpus=4, log_to_driver=False):
+        for trainer in trainers:
+            for precision in precisions:
+                for model in models:
+                    shared, own = specs(model, precision)
+                    run_shared([Cell(s, model, precision, trainer, seed) for s in shared if _kept(s, only)], out, steps)
+                    for s in own:
+                        if _kept(s, only):
+                            run_own(Cell(s, model, precision, trainer, seed), out, steps)
+
+
+def _kept(spec: str, only) -> bool:
+    return only is None or any(spec.startswith(p) for p in only)
+
+
+def diagnosed(run_dir: Path, again: bool) -> dict:
+    """done.json with diagnose's verdict (cached in verdict.json unless `again`)."""
     done = json.loads((run_dir / "done.json").read_text())
-    d = diagnose(run_dir)
-    records = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    return {**done, "steps": records, "verdict": d.verdict.cause, "confidence": round(d.verdict.confidence, 2),
-            "also": [f.cause for f in d.findings[1:3]]}
+    cached = run_dir / "verdict.json"
+    if cached.is_file() and not again:
+        return {**done, **json.loads(cached.read_text())}
+    verdict = {"verdict": None, "confidence": None, "also": []}
+    if (run_dir / "metrics.jsonl").is_file() and done["steps"]:
+        from rlcheck.forensics.diagnose import diagnose
+
+        d = diagnose(run_dir)
+        verdict = {"verdict": d.verdict.cause, "confidence": round(d.verdict.confidence, 2),
+                   "also": [f.cause for f in d.findings[1:3]]}
+    cached.write_text(json.dumps(verdict))
+    return {**done, **verdict}
+
+
+def report(rows: list[dict]) -> str:
+    """The matrix (calibration and held-out apart), the state faults' halts, the refused and failed runs."""
+    lines = []
+    within = [r for r in rows if (r["spec"], r["precision"]) in WITHIN_NOISE]
+    rows = [r for r in rows if r not in within]
+    ran = [r for r in rows if not r["error"] and (r["touched"] or r["spec"] == "none")]
+    for title, part in (("calibration", [r for r in ran if r["calibration"]]), ("held-out", [r for r in ran if not r["calibration"]])):
+        if part:
+            lines += [f"### {title}: {len(part)} runs", "", matrix(part), "", summary(part), ""]
+    never = [r for r in rows if not r["error"] and not r["touched"] and r["spec"] != "none"]
+    failed = [r for r in rows if r["error"]]
+    if never:
+        lines.append("Never fired (refused, not counted): " + ", ".join(sorted(_cell(r) for r in never)))
+    if failed:
+        lines.append("Failed: " + "; ".join(f"{_cell(r)}: {r['error'][:120]}" for r in failed))
+    if within:
+        lines.append("Within the precision's noise (no fault there, not counted): " + ", ".join(
+            f"{_cell(r)} -> {r['verdict']}" for r in within))
+    return "\n".join(lines)
+
+
+def _cell(r: dict) -> str:
+    return f"{r['spec']} on {r['model']}/{r['precision']}/{r['trainer']}"
 
 
 def matrix(rows: list[dict]) -> str:
-    """The confusion matrix as a markdown table: rows the injected cause, columns the diagnosed one."""
+    """Rows the injected cause, columns the diagnosed one."""
     truth = sorted({r["cause"] for r in rows}, key=lambda c: (c != "healthy", c))
     said = sorted({r["verdict"] for r in rows}, key=lambda c: (c != "healthy", c not in truth, c))
     counts = Counter((r["cause"], r["verdict"]) for r in rows)
-    lines = ["| injected \\ diagnosed | " + " | ".join(said) + " | right |", "|---" * (len(said) + 2) + "|"]
+    out = ["| injected \\ diagnosed | " + " | ".join(said) + " | right |", "|---" * (len(said) + 2) + "|"]
     for t in truth:
         n = sum(counts[(t, s)] for s in said)
         cells = [f"**{counts[(t, s)]}**" if s == t and counts[(t, s)] else str(counts[(t, s)] or ".") for s in said]
-        lines.append(f"| {t} | " + " | ".join(cells) + f" | {counts[(t, t)]}/{n} |")
-    return "\n".join(lines)
+        out.append(f"| {t} | " + " | ".join(cells) + f" | {counts[(t, t)]}/{n} |")
+    return "\n".join(out)
+
+
+def summary(rows: list[dict]) -> str:
+    """Named right first, never healthy, healthy cells' alarms, and the state faults' halts."""
+    faults = [r for r in rows if r["spec"] != "none"]
+    healthy = [r for r in rows if r["spec"] == "none"]
+    right = sum(r["verdict"] == r["cause"] for r in faults)
+    state = [r for r in faults if r["spec"] in ("stale-state", "index-wrap=16")]
+    on_time = [r for r in state if r["halted"] and r["touched_steps"] and r["halt_step"] - r["touched_steps"][0] <= 2]
+    return (f"faults named right first: {right}/{len(faults)}; called healthy: {sum(r['verdict'] == 'healthy' for r in faults)}; "
+            f"healthy runs with an alarm: {sum(r['first_alarm'] is not None for r in healthy)}/{len(healthy)}; "
+            f"state faults halted within 2 steps of their first touched step: {len(on_time)}/{len(state)}; "
+            "first alarm step by fault: " + ", ".join(
+                f"{spec} {sorted(r['first_alarm'] for r in faults if r['spec'] == spec and r['first_alarm'] is not None)}"
+                for spec in sorted({r['spec'] for r in faults})))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    ap.add_argument("--steps", type=int, default=8, help="a run's most steps")
     ap.add_argument("--out", type=Path, default=Path("runs/confusion"))
-    ap.add_argument("--quick", action="store_true", help="warm-up ONSET 8, 3 steps after the first alarm (else 12 and 5)")
-    ap.add_argument("--diagnose-only", action="store_true", help="diagnose the saved runs, run nothing")
-    ap.add_argument("--only", nargs="*", default=None, help="the cases whose spec starts with one of these")
+    ap.add_argument("--only", nargs="*", default=None, help="the specs that start with one of these")
+    ap.add_argument("--report", action="store_true", help="the table of the finished runs, run nothing")
+    ap.add_argument("--diagnose-only", action="store_true", help="diagnose the finished runs again, run nothing")
     args = ap.parse_args()
-    onset, after = (8, 3) if args.quick else (12, 5)
-    cases = [(s, m) for s, m in CASES if args.only is None or any(s.startswith(p) for p in args.only)]
-    if not args.diagnose_only:
-        _run_all(cases, args.seeds, args.out, onset, after)
-    found = sorted(args.out.glob("seed*/*/done.json"))
-    rows = [diagnosed(p.parent) for p in found if int(p.parent.parent.name.removeprefix("seed")) in args.seeds]
+    if not (args.report or args.diagnose_only):
+        run_all(args.models, args.precisions, args.trainers, args.seed, args.out, args.steps, args.only)
+    rows = [diagnosed(p.parent, args.diagnose_only) for p in sorted(args.out.glob("seed*/*/*/done.json"))]
+    by_group = defaultdict(list)
     for r in rows:
-        mark = "ok " if r["verdict"] == r["cause"] else "XX "
-        print(f"{mark}seed {r['seed']} {Path(r['model']).name:15s} {r['spec']:28s} -> {r['verdict']} ({r['confidence']}) "
-              f"steps {r['steps']} first alarm {r['first_alarm']} halted {r['halted']} {r['seconds']} s"
-              + (f" ERROR {r['error']}" if r["error"] else ""))
-    print(f"\nseeds {args.seeds} (rules written on seeds {list(RULE_SEEDS)}), {len(rows)} runs\n")
-    print(matrix(rows))
-
-
-def _run_all(cases, seeds, out: Path, onset: int, after: int) -> None:
-    from rlcheck.loop import ray_session
-    from rlcheck.modelzoo import build_model, ensure_trained
-
-    for path, arch in ((LLAMA, "llama"), (HYBRID, "hybrid"), (MOE, "moe")):
-        ensure_trained(path, arch)
-    for path, arch in ((RANDOM, "llama"), (MAMBA, "hybrid")):
-        if not (Path(path) / "config.json").is_file():
-            build_model(arch, path)
-    with ray_session(num_cpus=4, log_to_driver=False):
-        for seed in seeds:
-            for spec, model in cases:
-                if (run_dir_of(out, seed, spec.format(onset=onset), model) / "done.json").is_file():
-                    continue
-                done = run_one(spec, model, seed, out, onset, after)
-                print(json.dumps(done), flush=True)
+        by_group[(r["model"], r["precision"], r["trainer"], r["seed"])].append(r)
+    for key, group in sorted(by_group.items()):
+        print(" ".join(map(str, key)) + ": " + ", ".join(
+            f"{r['spec']}:{'ok' if r['verdict'] == r['cause'] else r['verdict']}@{r['first_alarm']}/{r['halt_step']}" for r in group))
+    print()
+    print(report(rows))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ token-in/token-out, the hf trainer, Ray); rows = the injected cause, columns = d
     .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 2 3 --diagnose-only
     .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 2 --only stale-turn none
 
-Each run as `bench_confusion.run_one` runs it (the Monitor's defaults but the robust-z warm-up at ONSET
+Each run as `run_one` runs it (the Monitor's defaults but the robust-z warm-up at ONSET
 steps, the first alarmed step's dump kept, the run ended `AFTER` steps past its first alarm): every fault
 starts at ONSET, so each run has a healthy stretch before it; healthy runs on the calculator model run all
 ONSET + AFTER + 4 steps. The model is the tiny Llama trained on the calculator's dialogues
@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from bench_confusion import diagnosed, matrix, run_dir_of, run_one  # noqa: E402 (a sibling script)
+from bench_confusion import matrix  # noqa: E402 (a sibling script)
 
 CALCULATOR = "runs/models/llama-calculator"
 CASES = [(spec, CALCULATOR) for spec in (
@@ -33,6 +35,66 @@ CASES = [(spec, CALCULATOR) for spec in (
     "join-token-mask@{onset}", "tool-tokens-in-loss@{onset}", "turn-logprobs-missing@{onset}", "stale-turn@{onset}")]
 RULE_SEEDS = (0, 1)
 """The seeds the multi-turn rules were written on; held out: every other seed."""
+GUARD = "+guard"
+
+
+class StopRun(Exception):
+    """Raised by the step callback to end a run early (enough steps after its first alarm)."""
+
+
+def run_dir_of(out: Path, seed: int, spec: str, model: str) -> Path:
+    return out / f"seed{seed}" / f"{Path(model).name}-{spec.replace('@', '_at').replace('+', '-')}"
+
+
+def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int, task: str = "addition") -> dict:
+    from rlcheck.core.detect import DetectorsConfig, RobustZConfig
+    from rlcheck.core.monitor import Monitor, MonitorConfig
+    from rlcheck.faults import parse_inject
+    from rlcheck.loop import GRPOLoop
+    from rlcheck.loop.presets import tiny_cpu
+
+    spec = spec.format(onset=onset)
+    run_dir = run_dir_of(out, seed, spec, model)
+    fault_spec, guard = spec.removesuffix(GUARD), spec.endswith(GUARD)
+    fault = parse_inject(None if fault_spec == "none" else fault_spec, seed=seed)
+    cfg = tiny_cpu(model, trainer="hf", steps=onset + after + 4, fault=fault, seed=seed, guard=guard, task=task)
+    first: list[int] = []
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short before: start it over
+
+    def on_step(step, report, info) -> None:
+        if report.alarms and not first:
+            first.append(step)
+        if first and step >= first[0] + after and not info.get("halted"):
+            raise StopRun
+
+    t0, result, error = time.perf_counter(), None, None
+    detectors = DetectorsConfig(robust_z=RobustZConfig(warmup=onset))
+    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",), context=cfg.context(), detectors=detectors)) as mon:
+        loop = GRPOLoop(cfg, mon)
+        try:
+            result = loop.run(on_step)
+        except StopRun:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a run that fails is a row of the table, not the end of it
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            loop.close()
+    done = {"spec": spec, "model": model, "seed": seed, "cause": fault.cause, "guard": guard, "task": task,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "halted": bool(result is not None and result.halted), "first_alarm": first[0] if first else None, "error": error}
+    (run_dir / "done.json").write_text(json.dumps(done))
+    return done
+
+
+def diagnosed(run_dir: Path) -> dict:
+    """done.json with diagnose's verdict."""
+    from rlcheck.forensics.diagnose import diagnose
+
+    done = json.loads((run_dir / "done.json").read_text())
+    d = diagnose(run_dir)
+    records = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    return {**done, "steps": records, "verdict": d.verdict.cause, "confidence": round(d.verdict.confidence, 2),
+            "also": [f.cause for f in d.findings[1:3]]}
 
 
 def main() -> None:

@@ -15,7 +15,11 @@ with the probe batch passed each step (`observe(..., probe=)`): steps from the o
 drift alarm and the engine's factor then. Healthy: every field scenario, whole batch and probe, the
 first `--healthy-seeds` seeds, every observation: periodic and drift alarms, halts.
 `--before`: the periodic detector on the clipped mean alone, no tail rule, no probe (the defaults
-before this item). Run dirs go to a tmpfs (/dev/shm).
+before this item). `--no-probe`: drift and healthy without the probe batch, as verl's adapter and the
+plain Monitor API run (issue 37 item 5: the residual trend, `DetectorsConfig.residual_trend`, is what
+can see the drift there). Run dirs go to a tmpfs (/dev/shm).
+
+    .venv/bin/python benchmarks/bench_power.py --no-probe --only drift,healthy --healthy-seeds 5
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def monitor_config(run_dir: str, before: bool) -> MonitorConfig:
     return MonitorConfig(run_dir=run_dir, sinks=("jsonl",), detectors=detectors)
 
 
-def run(field, fault, num_steps: int, seed: int, before: bool) -> list[list]:
+def run(field, fault, num_steps: int, seed: int, before: bool, probe: bool = True) -> list[list]:
     """Per observation: its alarms (kind, severity), through one Monitor (a halt is counted in the
     alarms and the run goes on under a new Monitor on a new run dir)."""
     stream = FieldStream(dataclasses.replace(field, seed=seed), fault, num_steps)
@@ -70,9 +74,9 @@ def run(field, fault, num_steps: int, seed: int, before: bool) -> list[list]:
                     mon = Monitor(monitor_config(run_dir, before))
                 batches = stream.batches(i)
                 batch = batches[0] if len(batches) == 1 else StepBatch.concat(batches)
-                probe = None if before else stream.probe_batch(i)
+                scored = stream.probe_batch(i) if probe and not before else None
                 try:
-                    report = mon.observe(stream.step(i), batch, probe=probe)
+                    report = mon.observe(stream.step(i), batch, probe=scored)
                     out.append([(a.kind, a.severity) for a in report.alarms])
                 except MismatchHalt as halt:
                     out.append([(a.kind, a.severity) for a in halt.report.alarms] + [("halt", "critical")])
@@ -99,11 +103,11 @@ def periodic_rows(seeds, before: bool) -> list[dict]:
     return rows
 
 
-def drift_rows(seeds, before: bool) -> list[dict]:
+def drift_rows(seeds, before: bool, probe: bool = True) -> list[dict]:
     rows = []
     for s in DRIFTS:
         for seed in seeds:
-            alarms = run(s.field, s.fault, s.num_steps, seed, before)
+            alarms = run(s.field, s.fault, s.num_steps, seed, before, probe)
             on, at = s.fault.onset, first(alarms, "drift", s.fault.onset)
             halt = first(alarms, "halt", on)
             rows.append({"shape": s.name, "seed": seed, "steps_to_drift": None if at is None else at - on,
@@ -157,12 +161,12 @@ def quarantine_rows(seeds, every: int, before: bool) -> list[dict]:
     return rows
 
 
-def healthy_rows(seeds, before: bool) -> list[dict]:
+def healthy_rows(seeds, before: bool, probe: bool = True) -> list[dict]:
     rows = []
     for name, s in SCENARIOS.items():
         counts = {"observations": 0, "periodic": 0, "drift": 0, "halts": 0}
         for seed in seeds:
-            alarms = run(s.field, None, s.num_steps, seed, before)
+            alarms = run(s.field, None, s.num_steps, seed, before, probe)
             counts["observations"] += len(alarms)
             for kind, key in (("periodic", "periodic"), ("drift", "drift"), ("halt", "halts")):
                 counts[key] += sum(any(k == kind for k, _ in a) for a in alarms)
@@ -178,19 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=4, help="quarantine: every n-th observation")
     ap.add_argument("--healthy-seeds", type=int, default=2)
     ap.add_argument("--before", action="store_true")
+    ap.add_argument("--no-probe", action="store_true", help="drift and healthy without the probe batch")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     seeds, only, t0 = SEEDS[args.seeds], args.only.split(","), time.perf_counter()
     out = {"seeds_are": args.seeds, "seeds": list(seeds), "calibration_seeds": list(CALIBRATION_SEEDS),
-           "before": args.before}
+           "before": args.before, "probe": not args.no_probe}
     if "periodic" in only:
         out["periodic"] = periodic_rows(seeds, args.before)
     if "quarantine" in only:
         out["quarantine"] = quarantine_rows(seeds, args.every, args.before)
     if "drift" in only:
-        out["drift"] = drift_rows(seeds, args.before)
+        out["drift"] = drift_rows(seeds, args.before, not args.no_probe)
     if "healthy" in only:
-        out["healthy"] = healthy_rows(seeds[: args.healthy_seeds], args.before)
+        out["healthy"] = healthy_rows(seeds[: args.healthy_seeds], args.before, not args.no_probe)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.out:

@@ -20,7 +20,9 @@ def run_fault(model, tmp_path, spec: str | None, steps: int, detectors):
     touched = {}
     for line in (tmp_path / "loop.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        touched[rec["step"]] = set(rec["fault_touched"])
+        touched[rec["step"]] = set(rec.get("fault_touched") or ())
+    if fault.name != "none":  # a fault that touched nothing proves nothing: refused, not passed
+        assert any(touched.values()), f"{spec} touched no sequence in {steps} steps: it never fired"
     return fault, result, touched
 
 

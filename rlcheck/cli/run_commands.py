@@ -66,6 +66,7 @@ def demo(
     correction: str = typer.Option(None, help="IS correction in the loss (verl's rollout_is): token (token TIS, cap 2), sequence (sequence TIS, cap 2: the product of the token ratios, which collapses on long episodes) or geometric (exp of the mean log ratio, cap 2)."),
     topk: int = typer.Option(0, "--topk", min=0, help="Top-k distribution metrics (rlcheck/dist/*: top-k overlap, KL estimate): the engine returns K logprobs per position and the trainer scores the same ids; 0: off (20 is the usual K)."),
     audit: bool = typer.Option(False, "--audit", help="The decode-prefill audit: 8 rollouts a step re-scored by a fresh prefill of the rollout engine; a rollout whose decode logprobs differ halts the step (engine-only evidence)."),
+    engine_dtype: str = typer.Option("float32", help="vLLM's dtype: float32 (both sides fp32) or bfloat16 (a bf16 engine against the fp32 trainer, the usual RL setup); the monitor judges the run at that precision's floor."),
     weight_sync: str = typer.Option("object-store", help="How the weights reach vLLM after each update: object-store (Ray's) or collective (trainer rank 0 broadcasts them over a gloo group, in 512 MB buckets)."),
     task: str = typer.Option("addition", help="addition (one engine call per rollout) or calculator: 3-turn tool-calling episodes, the tool's reply appended to the engine's own ids (model runs/models/llama-calculator unless --model names another); its faults: retokenized-history, stripped-history, missing-generation-prompt, join-token-mask, tool-tokens-in-loss, turn-logprobs-missing, stale-turn."),
     wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="Also log to W&B (offline unless WANDB_MODE says otherwise)."),
@@ -104,12 +105,15 @@ def demo(
 
     if task not in TASKS:
         raise typer.BadParameter(f"{task!r} is not one of {', '.join(TASKS)}", param_hint="--task")
+    if engine_dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"{engine_dtype!r} is not float32 or bfloat16", param_hint="--engine-dtype")
 
     if weight_sync not in METHODS:
         raise typer.BadParameter(f"{weight_sync!r} is not one of {', '.join(METHODS)}", param_hint="--weight-sync")
     opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=steps,
                        inject=inject, wandb=wandb, seed=seed, guard=guard, quarantine=quarantine,
-                       correction=correction, top_k=topk, audit=audit, weight_sync=weight_sync, task=task)
+                       correction=correction, top_k=topk, audit=audit, weight_sync=weight_sync, task=task,
+                       engine_dtype=engine_dtype)
     opts.fault  # noqa: B018 - a bad --inject fails here, before Ray starts
     found = run_demo(opts, screen)
     render(summarize(run_dir), screen)

@@ -12,6 +12,7 @@ from typing import Any
 from rlcheck.core import metrics as K
 from rlcheck.core.correction import CorrectionConfig
 from rlcheck.core.detect import KINDS, SEVERITIES, DetectorsConfig
+from rlcheck.core.floors import Floor, Precision  # noqa: F401 - Floor: the Monitor's, from its config
 from rlcheck.core.quarantine import QuarantineConfig
 from rlcheck.core.stats import StatsConfig
 from rlcheck.core.turn_checks import TurnCheckConfig
@@ -86,6 +87,10 @@ class MonitorConfig:
     """Take the sequences the evidence condemns out of the step instead of halting
     (`rlcheck.core.quarantine`; docs/quarantine.md); None (the default): off, every
     sequence is judged and the halt policy alone decides."""
+    precision: Precision | None = None
+    """The dtypes the engine and the trainer compute their logprobs in: what a healthy run's floor is,
+    which the detectors' gates and diagnose's "clean" are relative to (`rlcheck.core.floors`). None: read
+    from `context` (the loop's and TRL's name them), else the run calibrates on its first steps."""
     true_on_policy: bool = False
     """Declare that the two sides compute bitwise the same numbers (batch-invariant kernels, deterministic
     inference, the same weights: SGLang's deterministic mode, slime's true on-policy, verl's exact path):
@@ -109,6 +114,8 @@ class MonitorConfig:
             raise ConfigError(f"max_weight_lag must be a non-negative integer, got {self.max_weight_lag!r}")
         if self.quarantine is not None and not isinstance(self.quarantine, QuarantineConfig):
             raise ConfigError(f"quarantine must be a QuarantineConfig or None, got {type(self.quarantine).__name__}")
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise ConfigError(f"precision must be a rlcheck.core.floors.Precision or None, got {type(self.precision).__name__}")
         if not isinstance(self.true_on_policy, bool):
             raise ConfigError(f"true_on_policy must be True or False, got {self.true_on_policy!r}")
         if self.turn_checks is not None and not isinstance(self.turn_checks, TurnCheckConfig):

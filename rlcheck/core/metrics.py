@@ -58,8 +58,11 @@ SEQ_CATASTROPHIC_COUNT = "rlcheck/seq/catastrophic_count"
 SEQ_CATASTROPHIC_FRAC = "rlcheck/seq/catastrophic_frac"
 FIRST_DIV_MIN = "rlcheck/seq/first_div_min"
 FIRST_DIV_P50 = "rlcheck/seq/first_div_p50"
+RESIDUAL_LEVEL = "rlcheck/token/residual_level"  # mean |d| (clipped) over (1 - p)^0.91: the token mix out (`stats.residual`)
 SEQ_LEVEL_SPREAD = "rlcheck/seq/level_spread"  # p90 - p50 of the sequences' log residual levels (`stats.levels`)
 PROBE_LEVEL = "rlcheck/probe/abs_diff_clipped_mean"  # the sync check's fixed probe batch, when observed with one
+FLOOR_LEVEL = "rlcheck/floor/level"  # the run's precision floor: a healthy clipped mean |d| stays under it (`core.floors`)
+FLOOR_SCALE = "rlcheck/floor/scale"  # ... over the bf16 floor the detectors' defaults were set at
 
 # signature statistics
 SIG_SLOPE = "rlcheck/sig/slope"
@@ -72,6 +75,15 @@ SIG_EARLY_ANY_COUNT = "rlcheck/sig/early_any_count"  # sequences diverging (|d| 
 SIG_EARLY_ANY_EXPECTED = "rlcheck/sig/early_any_expected"  # ... expected were the diverged tokens anywhere
 SIG_TOKEN_MISMATCH_COUNT = "rlcheck/sig/token_mismatch_count"
 SIG_TOKEN_MISMATCH_FRAC = "rlcheck/sig/token_mismatch_frac"
+# twins: tokens scored in identical contexts within a step (`rlcheck.core.stats.twins`; batches with the
+# engine's token ids and the prompt ids)
+SIG_TWIN_GROUPS = "rlcheck/sig/twin_groups"  # groups of identical contexts compared
+SIG_TWIN_SPLIT = "rlcheck/sig/twin_split"  # ... the engine scored apart (the trainer alike)
+SIG_TWIN_SPLIT_SEQS = "rlcheck/sig/twin_split_seqs"  # sequences in those groups
+SIG_TWIN_TRAINER_SPLIT = "rlcheck/sig/twin_trainer_split"  # groups the trainer scored apart
+SIG_TWIN_SPREAD = "rlcheck/sig/twin_spread"  # the largest split group's engine spread (nats)
+SIG_TWIN_FIRST_POS = "rlcheck/sig/twin_first_pos"  # the earliest response position of a split group
+SIG_TWIN_ROUTED = "rlcheck/sig/twin_routed"  # 1: an MoE batch (router noise splits twins too)
 
 # beyond the sampled token (StatsConfig.distribution, batches with top-k; rlcheck.core.stats.distribution)
 DIST_COUNT = "rlcheck/dist/num_tokens"  # positions scored

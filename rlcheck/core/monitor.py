@@ -43,7 +43,7 @@ from rlcheck.core import quarantine as Q
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.batch_tally import batch_tally, tally_metrics
 from rlcheck.core.catch_up import catch_up
-from rlcheck.core.config import DEFAULT_HARD_LIMITS, HaltConfig, MonitorConfig
+from rlcheck.core.config import DEFAULT_HARD_LIMITS, Floor, HaltConfig, MonitorConfig
 from rlcheck.core.detect import Alarm, build_detectors
 from rlcheck.core.halting import HaltPolicy
 from rlcheck.core.inputs import check_alarms, check_extra, check_step, check_version, is_empty_step
@@ -75,6 +75,7 @@ class Monitor:
         self.run = Run.create(self.run_dir)
         try:
             self.detectors = build_detectors(cfg.detectors)
+            self.floor = Floor.of(cfg, self.detectors)  # the precision's floor, which the gates scale with
             self.last_step: int | None = None
             self.policy = HaltPolicy(cfg.halt)
             self.alarm_counts: dict[str, int] = {}
@@ -109,8 +110,8 @@ class Monitor:
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
         batch = (turned := turn_step(batch, self.cfg.turn_checks, trainer_version, self.cfg.max_weight_lag)).batch
-        partial, verdict = Q.step_partial(batch, self.cfg.stats, self.cfg.quarantine, trainer_version,
-                                          self.cfg.max_weight_lag, check_alarms(alarms, step),
+        partial, verdict = Q.step_partial(batch, self.floor.stats(self.cfg.stats), self.cfg.quarantine,
+                                          trainer_version, self.cfg.max_weight_lag, check_alarms(alarms, step),
                                           self.cfg.detectors.signature, turned.condemned)
         keep = None if verdict is None else verdict.keep
         own = {**levels.level_spread(batch, self.cfg.stats.clip, keep), **levels.probe_level(probe, self.cfg.stats.clip),
@@ -147,8 +148,7 @@ class Monitor:
             metrics=report.metrics if report else None,
             alarms=[a.to_dict() for a in report.alarms] if report else (),
             offenders=[o.to_dict() for o in report.offenders] if report else (),
-            context=dict(self.cfg.context), divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact,
-        )
+            context=dict(self.cfg.context), divergence_tau=self.cfg.stats.divergence_tau, redact=self.cfg.redact)
 
     def close(self) -> None:
         """Close the sinks and the run (its journal, its lock); a second call does nothing more."""
@@ -184,6 +184,7 @@ class Monitor:
             self._noted_identical = True
             warnings.warn(inputs.IDENTICAL_NOTE.format(count=metrics[K.TOKEN_COUNT], step=step), stacklevel=3)
         metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
+        self.floor.observe(metrics, empty)  # calibrates (unknown dtypes) and logs the floor
         if empty:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
                           f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "
@@ -288,7 +289,7 @@ class Monitor:
             "last_step": self.last_step,
             "streak": self.streak,
             "alarm_counts": self.alarm_counts,
-            "resumes": self.resumes,
+            "resumes": self.resumes, "floor": self.floor.state_dict(),
             **({"quarantine": self.quarantine.state_dict()} if self.quarantine is not None else {}),
             "detectors": {kind: det.state_dict() for kind, det in self.detectors.items()},
             "sinks": self.sinks.state_dict(),
@@ -298,10 +299,9 @@ class Monitor:
         self.run.save_state(self.state_dict())  # with what this state has seen of metrics.jsonl
 
     def _load_state(self) -> None:
-        path = self.run_dir / STATE_FILE
         state = self.run.read_state()
         if state.get("version") != STATE_VERSION:
-            raise RunDirError(f"{path} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
+            raise RunDirError(f"{self.run_dir / STATE_FILE} has state version {state.get('version')}, this rlcheck reads {STATE_VERSION}")
         self.last_step = state.get("last_step")
         self.policy.streak = int(state.get("streak", 0))
         self.alarm_counts = {k: int(v) for k, v in state.get("alarm_counts", {}).items()}
@@ -309,6 +309,7 @@ class Monitor:
         self._sink_state = state.get("sinks") or {}
         if self.quarantine is not None:
             self.quarantine.load_state_dict(state.get("quarantine") or {})
+        self.floor.load_state_dict(state.get("floor") or {})
         for kind, det_state in state.get("detectors", {}).items():
             if kind in self.detectors:
                 self.detectors[kind].load_state_dict(det_state)

@@ -72,6 +72,9 @@ class DemoOptions:
     task: str = "addition"
     """"addition" (one call per rollout) or "calculator": multi-turn episodes with a tool
     (`rlcheck.loop.agent`), on `CALCULATOR_MODEL` unless `model` names another."""
+    engine_dtype: str = "float32"
+    """vLLM's dtype: "float32" (both sides fp32, ~1e-6 apart) or "bfloat16" (a bf16 engine against the
+    fp32 trainer, ~1e-2); the Monitor judges the run at that pair's floor (`rlcheck.core.floors`)."""
 
     @property
     def fault(self) -> Fault:
@@ -110,7 +113,8 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     os.environ.setdefault("WANDB_SILENT", "true")  # the summary below says where the W&B run is
     model = ensure_model(opts.model_dir, console)
     cfg = tiny_cpu(model, trainer=opts.trainer, world_size=opts.world_size, steps=opts.max_steps,
-                   fault=fault, seed=opts.seed, guard=opts.guard, task=opts.task)
+                   fault=fault, seed=opts.seed, guard=opts.guard, task=opts.task,
+                   engine_dtype=opts.engine_dtype)
     if opts.correction is not None:
         from rlcheck.core.correction import CorrectionConfig
 
@@ -126,7 +130,7 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
 
         cfg = dataclasses.replace(cfg, weight_sync=WeightSyncConfig(opts.weight_sync))
     found: dict[str, Any] = {"fault": fault, "run_dir": opts.run_dir}
-    with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(_monitor_config(opts, cfg)) as mon:
+    with ray_session(num_cpus=max(4, cfg.world_size + 1)), Monitor(monitor_config(opts, cfg)) as mon:
         with console.status(f"starting Ray actors: a vLLM rollout engine and {cfg.world_size} "
                             f"{cfg.trainer.backend} trainer rank(s) ..."):
             loop = GRPOLoop(cfg, mon)
@@ -138,7 +142,8 @@ def run_demo(opts: DemoOptions, console: Any) -> dict[str, Any]:
     return found
 
 
-def _monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+def monitor_config(opts: DemoOptions, cfg) -> MonitorConfig:
+    """The demo's Monitor for the loop config `cfg` (its context names both sides' dtypes: the run's floor)."""
     from rlcheck.core.quarantine import QuarantineConfig
     from rlcheck.core.stats import StatsConfig
     from rlcheck.sinks.wandb import WandbConfig
@@ -164,6 +169,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
         task = progress.add_task("", total=opts.max_steps)
 
         touched: set[str] = set()
+        reach = Reach()
         quarantined: dict[str, str] = {}
 
         def on_step(step: int, report: StepReport, info: dict[str, Any]) -> None:
@@ -171,6 +177,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                 progress.console.print(f"[yellow]step {step}[/] {a.kind}/{a.severity}: {a.message}")
             skipped = " (sync skipped)" if info.get("sync_skipped") else ""
             held = ""
+            reach.add(step, report, info.get("fault_touched") or ())
             if not report.halted:
                 touched.update(info.get("fault_touched") or ())
                 quarantined.update({q.request_id: q.reason for q in report.quarantined})
@@ -181,7 +188,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
                 f"mean |d| {report.metrics.get(K.ABS_DIFF_MEAN, float('nan')):.2g}{kl}  reward {reward:.3f}{skipped}{held}"))
 
         result = loop.run(on_step)
-    found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined,
+    found.update(quarantine=opts.quarantine, touched=touched, quarantined=quarantined, reach=reach,
                  rewards=list(result.rewards))
     found.update(halted=result.halted, reason=result.reason, dump=result.dump_dir, steps_run=result.steps_run,
                  alarms=[a for r in result.reports for a in r.alarms], timings=result.timings,
@@ -191,7 +198,7 @@ def _run_with_progress(loop, opts: DemoOptions, found: dict[str, Any], console: 
 def _print_found(found: dict[str, Any], console: Any) -> None:
     console.rule("what rlcheck found")
     fault = found["fault"]
-    console.print(f"injected: {fault.describe()} ({fault.shape})")
+    console.print(f"injected: {fault.describe()} ({fault.shape})" + found["reach"].said(fault, found["steps_run"]))
     if found["timings"]:
         med = {p: statistics.median(t.get(p, 0.0) for t in found["timings"]) for p in (*PHASES, "total")}
         console.print("median seconds per step: " + ", ".join(f"{p} {v:.3f}" for p, v in med.items()))
@@ -239,14 +246,47 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
                   f"`rlcheck diagnose {found['run_dir']}` for the evidence")
 
 
+class Reach:
+    """What an injected fault touched over a run: sequences, their tokens and the steps (from the loop's
+    `fault_touched`, counted in each step's batch)."""
+
+    def __init__(self) -> None:
+        self.sequences = self.tokens = self.total = 0
+        self.steps: list[int] = []
+
+    def add(self, step: int, report: StepReport, ids: Any) -> None:
+        batch, hit = report.batch, set(ids)
+        self.total += 0 if batch is None else batch.num_sequences
+        if not hit or batch is None:
+            return
+        lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+        rows = [i for i, rid in enumerate(batch.request_ids) if rid in hit]
+        self.sequences += len(rows)
+        self.tokens += int(lens[rows].sum())
+        self.steps.append(step)
+
+    def said(self, fault: Fault, steps_run: int) -> str:
+        """The summary line's tail: what the fault touched, or that it touched nothing."""
+        if fault.name == "none":
+            return ""
+        if not self.sequences:
+            return (f"; it touched nothing in {steps_run} step(s): no sequence was changed by it, so this run says "
+                    "nothing about catching it")
+        steps = f"step {self.steps[0]}" if len(self.steps) == 1 else f"{len(self.steps)} steps, {self.steps[0]}-{self.steps[-1]}"
+        return f"; it touched {self.sequences} of {self.total} sequences ({self.tokens} tokens) on {steps}"
+
+
 def demo_succeeded(found: dict[str, Any]) -> bool:
     """With --quarantine, a sequence-corrupting data fault (corrupt-seqs) runs to the end, quarantining
     no sequence the fault left alone. Otherwise a clean demo raises no alarm; an injected sync fault (skip-sync, stale-weights, drop-sync,
     stale-buffer) ends in a halt on a `weights` alarm (or, for skip-sync with `weights` out of the
-    halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts."""
+    halting kinds, a periodic one of the injected period); any other fault raises an alarm once it acts. A
+    fault that touched no sequence (stop-token on a model that never stops) did not succeed."""
     fault = found["fault"]
     if found.get("error") is not None:  # an actor was lost: the demo did not show what it should
         return False
+    if fault.name != "none" and found.get("reach") is not None and not found["reach"].sequences:
+        return False  # a fault that touched nothing shows nothing
     kinds = {a.kind for a in found["alarms"]}
     if found.get("quarantine") and isinstance(fault, CorruptSequences):
         # corrupt-seqs: the run goes on to its end and quarantines only sequences the fault corrupted (on

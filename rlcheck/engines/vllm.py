@@ -124,6 +124,7 @@ class Rollout:
     weight_version: int
     step: int
     experts: np.ndarray | None = None  # (len(token_ids), L, k) int64: the MoE experts of each token, if recorded
+    fault_touched: bool = False  # an engine fault injected for a self-test acted on it (`rlcheck.loop.actors`)
 
 
 class VLLMEngine:

@@ -3,6 +3,7 @@
     handle = inject(engine, "stale-state")           # or "index-wrap", boundary=4; or "none" (trace only)
     rollouts = engine.generate(prompts, step=0)
     handle.affected      # {vllm request id: why}   handle.events: who held which state slot, per step
+    handle.take_touched()  # the requests (ids as LLM.generate reports them) it touched since the last take
     handle.remove()      # or `with inject(...) as handle:`
 
 Faults (the two state faults change only what the Mamba2 layers are told, never the weights or the
@@ -57,11 +58,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import sys
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from rlcheck.engines.vllm_hookable import HOOKABLE_ENV, hookable_kwargs, hookable_settings  # noqa: F401 - their home before
 from rlcheck.errors import ConfigError, UnsupportedVLLMError
 from rlcheck.versions import require_vllm
 
@@ -82,50 +81,6 @@ def external_id(request_id: str) -> str:
     """The id `LLM.generate` reported for an internal request id (vLLM appends "-" + 8 characters)."""
     head, _, tail = request_id.rpartition("-")
     return head if head and len(tail) == 8 else request_id
-
-
-HOOKABLE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-"""On CUDA vLLM 0.32 runs its V2 model runner (v1/worker/gpu/model_runner.py, full CUDA graphs) unless
-this says no (`VllmConfig.use_v2_model_runner`, config/vllm.py:703); it has none of the V1 methods
-hooked here. The CPU backend has no Triton, so it runs V1 anyway."""
-
-
-def hookable_settings(kwargs: Mapping[str, Any], environ: Mapping[str, str]):
-    """What an engine the guard or an engine fault will hook needs: `vllm.LLM` kwargs with
-    enforce_eager (full CUDA graphs replay their captured slot indices, a compiled forward need not
-    call module hooks), synchronous scheduling (the hooks were validated with it; vLLM turns async
-    scheduling on by default on CUDA, the CPU build forces it off) and the V1 model runner. Returns
-    (kwargs, environment variables to set, a line naming what changed and why, or None)."""
-    env = {k: v for k, v in HOOKABLE_ENV.items() if environ.get(k) != v}
-    changed = (([] if kwargs.get("enforce_eager") else ["enforce_eager=True"])
-               + ([] if kwargs.get("async_scheduling") is False else ["async_scheduling=False"])
-               + [f"{k}={v}" for k, v in env.items()])
-    note = None if not changed else (
-        f"rlcheck: vLLM engine built with {', '.join(changed)}: the engine guard and engine faults hook "
-        "the V1 model runner's eager forward, step by step, which CUDA graphs, async scheduling and the V2 "
-        "runner (vLLM 0.32's CUDA default) bypass")
-    return {**kwargs, "enforce_eager": True, "async_scheduling": False}, env, note
-
-
-def hookable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """`hookable_settings` applied to this process: the variables set (vLLM's cache of them dropped, as a
-    previous in-process engine fills it), the line printed to stderr; returns the kwargs. Refused
-    (UnsupportedVLLMError) before the engine starts on a vLLM the hooks were not written for."""
-    require_vllm("a hookable engine (the engine guard, engine faults, RLCHECK_BREAK_ON, layer hooks)")
-    if int(kwargs.get("tensor_parallel_size") or 1) > 1:
-        raise UnsupportedVLLMError(
-            f"a hookable engine (the engine guard, engine faults, RLCHECK_BREAK_ON, layer hooks) runs one worker "
-            f"in this process; tensor_parallel_size={kwargs['tensor_parallel_size']} puts its workers in others: "
-            "use tensor_parallel_size=1 for these tools")
-    out, env, note = hookable_settings(kwargs, os.environ)
-    if env:
-        import vllm.envs
-
-        os.environ.update(env)
-        vllm.envs.disable_envs_cache()
-    if note:
-        print(note, file=sys.stderr)
-    return out
 
 
 def model_runner(engine: Any) -> Any:
@@ -169,6 +124,7 @@ class FaultHandle:
         self.fault, self.boundary, self.max_events = fault, boundary, max_events
         self.events: list[SlotEvent] = []
         self.affected: dict[str, str] = {}  # internal request id -> reason
+        self._taken = 0  # `affected` entries handed out by take_touched
         self.step = 0
         self._runner, self._md_cls = runner, Mamba2AttentionMetadata
         groups = runner.kv_cache_config.kv_cache_groups
@@ -211,14 +167,27 @@ class FaultHandle:
         """`affected`, keyed by the ids `LLM.generate` returned."""
         return {external_id(k): v for k, v in self.affected.items()}
 
+    def take_touched(self) -> set[str]:
+        """The requests (as `LLM.generate` reports their ids) the fault touched since the last call: what
+        the loop reports it did (`rlcheck.loop.driver`; none at all means it never fired)."""
+        new = list(self.affected)[self._taken:]
+        self._taken = len(self.affected)
+        return {external_id(k) for k in new}
+
     # ---- the hook ------------------------------------------------------------------------------
 
     def _build(self, *args: Any, **kwargs: Any):
         out = self._original(*args, **kwargs)
-        num_reqs = kwargs.get("num_reqs")
+        call = builder_arguments(self._original, args, kwargs)
+        num_reqs = call.get("num_reqs")
         attn_metadata = out[0]
         req_ids = list(self._runner.input_batch.req_ids[: num_reqs or 0])
-        if (kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices") is not None or not num_reqs
+        if "num_reqs" not in call and self._runner.input_batch.num_reqs:
+            raise UnsupportedVLLMError(
+                f"the {self.fault} fault's hook cannot read num_reqs from vLLM's _build_attention_metadata call "
+                f"(its arguments: {sorted(call)}) while the engine runs {self._runner.input_batch.num_reqs} "
+                "request(s): it would see no step and never fire; this vLLM is not the one the hook was written for")
+        if (call.get("for_cudagraph_capture") or call.get("ubatch_slices") is not None or not num_reqs
                 or not isinstance(attn_metadata, dict) or len(req_ids) < num_reqs or None in req_ids):
             return out  # dummy / profiling runs
         self.step += 1
@@ -283,6 +252,18 @@ class FaultHandle:
             init = init.to(torch.bool)
         return dataclasses.replace(md, state_indices_tensor_d=d, state_indices_tensor_p=p,
                                    has_initial_states_p=init, prep_initial_states=prep)
+
+
+def builder_arguments(builder: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of one `_build_attention_metadata` call by name, however vLLM passed them (by
+    position or keyword; `builder` is the bound method, its signature without self). A call that does
+    not fit the signature gives its keywords alone."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(builder).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
 
 
 def inject(engine: Any, fault: str, *, boundary: int | None = None, layer: int | None = None,

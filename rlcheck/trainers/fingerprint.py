@@ -50,6 +50,8 @@ def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: 
     fp: dict[str, list[float]] = {}
     if sharding == "none" and rank != 0:
         return fp
+    if sharding == "fsdp2":
+        reshard(model)
     linear = linear_weights(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,6 +63,18 @@ def module_fingerprint(model: torch.nn.Module, dtype: torch.dtype, *, sharding: 
                 rows = None if cols is None else torch.arange(cols.shape[0], device=cols.device) + row_offset(p)
             _add_tensor(fp, name, values, cols, dtype, rows)
     return fp
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 module of `model` back on its shards. FSDP2's root does not reshard after its forward
+    (the backward would gather it again): after a forward without a backward (a recompute or a probe whose
+    step then halted) its parameters (embed, head, final norm) are whole on every rank, and the ranks'
+    parts would add up to world_size times them (the next run's start check named embed and head)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def row_offset(p: torch.Tensor) -> int:

@@ -81,3 +81,34 @@ class TestNewFaultsInTheLoop:
         rows, _ = _dump(tmp_path, v.affected_steps[0])
         long = {r["request_id"] for r in rows if len(r["prompt_tokens"]) > 300}
         assert v.affected_request_ids and set(v.affected_request_ids) <= long
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+class TestEngineSettingFaultsNamed:
+    """The faults of docs/faults.md whose "diagnose names" no other loop test checked: each on the module's
+    random Llama (the setting the page names for rope-mismatch), fp32 on both sides."""
+
+    def test_rope_mismatch_is_position_dependent(self, llama, ray_local, tmp_path):
+        """RoPE base x 4 in the engine: 10^3-10^4 x the fp32 floor from step 0 (a warning at once, no longer a
+        wait for the sync check's probe), and diagnose names position_dependent."""
+        _, result, touched, alarms = _run(llama, tmp_path, "rope-mismatch=4", 2)
+        assert alarms and alarms[0] == 0 and len(touched[0]) == 64
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "position_dependent", v.evidence
+
+    @pytest.mark.parametrize("spec", ["raw-logprobs", "top-p=0.9"])
+    def test_logit_processing(self, llama, ray_local, tmp_path, spec):
+        """The engine's logprobs before the temperature, or its top-p nucleus: alarmed at step 0, logit_processing."""
+        _, result, touched, alarms = _run(llama, tmp_path, spec, 2)
+        assert alarms and alarms[0] == 0 and touched[0]
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "logit_processing", v.evidence
+
+    def test_skip_sync_every_is_weights_out_of_sync(self, llama, ray_local, tmp_path):
+        """The sync after every 4th update left out: step 4's rollouts carry weights one version behind, a
+        critical weights alarm halts there, diagnose names weights_out_of_sync."""
+        _, result, touched, alarms = _run(llama, tmp_path, "skip-sync-every=4", 6)
+        assert result.halted and result.steps_run == 5 and alarms == [4] and touched[4]
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "weights_out_of_sync" and v.confidence == 0.99, v.evidence

@@ -143,6 +143,15 @@ class TestDriftDetector:
         assert alarms and alarms[0].severity == "critical" and 300 <= alarms[0].step <= 305
         assert alarms[0].details["since_step"] == 300
 
+    def test_one_low_step_does_not_reset_the_drift(self):
+        """A 2.5x drift alarms within two steps of where it does without a dip when one step in the middle
+        reads 0.05x (a batch of short answers): the CUSUM caps each step's fall as it caps its rise."""
+        key = K.ABS_DIFF_CLIPPED_MEAN
+        drift = [dict(m, **{key: m[key] * 2.5 ** min(1.0, max(0, s - 60) / 10)}) for s, m in enumerate(self.ramp(1.0))]
+        plain = [a.step for a in run(DriftDetector(), drift)][0]
+        dipped = [dict(m, **{key: m[key] * 0.05}) if s == plain - 3 else m for s, m in enumerate(drift)]
+        assert plain - 3 > 64 and [a.step for a in run(DriftDetector(), dipped)][0] <= plain + 2
+
     def test_state_round_trip(self):
         """CUSUM and baseline survive a JSON round trip."""
         det = DriftDetector()
@@ -192,9 +201,16 @@ class TestSignatureDetector:
         """A shift gain on noise-level |d| (below shift_min_abs_diff) is not an alarm."""
         assert SignatureDetector().update(0, clean_sig(**{K.SIG_SHIFT_GAIN: 9.0, K.SIG_SHIFT_BASE: 0.01})) == []
 
-    def test_widespread_catastrophe_is_not_sparse(self):
-        """When most sequences are far off it is not the sparse signature (hard limits handle it)."""
-        assert SignatureDetector().update(0, clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 500.0, K.SEQ_CATASTROPHIC_FRAC: 0.5})) == []
+    @pytest.mark.parametrize("frac", [0.15, 0.2, 0.24, 0.5])
+    def test_many_catastrophic_sequences_alarm_and_recur(self, frac):
+        """Past sparse_max_frac (under the 0.25 hard limit, or past it) catastrophic sequences that do not
+        diverge early are `many_catastrophic`, not silence, and count toward the recurrence escalation."""
+        det = SignatureDetector()
+        many = clean_sig(**{K.SEQ_COUNT: 100.0, K.SEQ_CATASTROPHIC_COUNT: 100 * frac, K.SEQ_CATASTROPHIC_FRAC: frac})
+        (a,) = det.update(0, many)
+        assert (a.details["signature"], a.severity) == ("many_catastrophic", "warn")
+        (b,) = det.update(1, clean_sig(**{K.SEQ_CATASTROPHIC_COUNT: 1.0, K.SEQ_CATASTROPHIC_FRAC: 0.01}))
+        assert (b.details["signature"], b.severity, b.details["recurrences"]) == ("sparse_catastrophic", "critical", 2)
 
     def test_lasting_slope_turns_critical(self):
         """The slope signature on slope_critical_after consecutive observations is critical; a break

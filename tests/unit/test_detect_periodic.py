@@ -170,17 +170,29 @@ class TestPeriodicDetector:
         assert fired == []
 
     def test_repeated_steps_drop_the_abandoned_history(self):
-        """A trainer resumed from an earlier checkpoint repeats steps: the z-scores from that step
-        on are dropped, the earlier ones (and the baseline) kept."""
-        det = PeriodicDetector()
+        """A trainer resumed from an earlier checkpoint repeats steps: the z-scores and the rolling
+        baseline's values from that step on are dropped, the earlier ones kept (the baseline's oldest,
+        evicted before the rewind, do not come back), through a state round trip too."""
+        key = K.ABS_DIFF_CLIPPED_MEAN
+        det, fresh = PeriodicDetector(), PeriodicDetector()
         stream = metric_stream(300, seed=1)
+        values = [m[key] for m in stream.metrics]
         for s, m in enumerate(stream.metrics[:200]):
             det.update(s, m)
-        held = len(det.z[K.ABS_DIFF_CLIPPED_MEAN])
+            fresh.update(s, m) if s < 180 else None
+        held = len(det.z[key])
         det.update(180, stream.metrics[200])
-        assert len(det.z[K.ABS_DIFF_CLIPPED_MEAN]) == held - 20 + 1
-        assert list(det.steps[K.ABS_DIFF_CLIPPED_MEAN])[-2:] == [179, 180]
-        assert len(det.base[K.ABS_DIFF_CLIPPED_MEAN]) == det.cfg.window
+        fresh.update(180, stream.metrics[200])
+        assert len(det.z[key]) == held - 20 + 1
+        assert list(det.steps[key])[-2:] == [179, 180]
+        assert list(det.steps[key]) == list(fresh.steps[key]) and list(det.z[key])[:-1] == list(fresh.z[key])[:-1]
+        assert list(det.base_steps[key]) == list(range(72, 181))  # 72..199 held before the rewind
+        assert det.base[key].state_dict() == values[72:180] + [values[200]]
+        clone = PeriodicDetector()
+        clone.load_state_dict(json.loads(json.dumps(det.state_dict())))
+        clone.update(170, stream.metrics[201])
+        assert list(clone.base_steps[key]) == list(range(72, 171))
+        assert clone.base[key].state_dict() == values[72:170] + [values[201]]
 
     def test_state_of_an_earlier_version_loads(self):
         """state.json written before step grids (z-scores and last_step) still loads, consecutive."""

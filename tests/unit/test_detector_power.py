@@ -9,7 +9,7 @@ import pytest
 
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
-from rlcheck.core.detect import CONTROL_DRIFT, CONTROL_TREND, DriftDetector, PeriodicDetector
+from rlcheck.core.detect import CONTROL_DRIFT, CONTROL_TREND, RESIDUAL_TREND, DriftDetector, PeriodicDetector
 from rlcheck.core.quarantine import QuarantineConfig, judge
 from rlcheck.core.stats import StatsConfig, compute_partial, finalize
 from rlcheck.core.stats.levels import level_spread, probe_level
@@ -130,3 +130,32 @@ class TestControlFloor:
 
         assert probe_level(probe(32), 0.5) == {}
         assert probe_level(probe(1024), 0.5)[K.PROBE_LEVEL] == pytest.approx(0.01, rel=1e-4)
+
+
+def residual_alarms(field, fault, num_steps: int) -> list[int]:
+    """Observations at which the residual trend warns, on each observation's own batch (no probe)."""
+    stream = FieldStream(dataclasses.replace(field, seed=SEED), fault, num_steps)
+    det = DriftDetector(RESIDUAL_TREND)
+    return [i for i in range(num_steps) if det.update(stream.step(i), step_metrics(stream, i))]
+
+
+@pytest.mark.slow
+class TestResidualTrend:
+    """Slow drifts without a probe (issue 37 item 5), on the test seed: the field batches themselves."""
+
+    def test_slow_rise_before_twice_without_a_probe(self):
+        """The 5x rise over 450 steps warns after its onset and before the engine's mismatch doubles."""
+        s = DRIFTS[1]
+        found = residual_alarms(s.field, s.fault, s.num_steps)
+        assert found and found[0] >= s.fault.onset and s.fault.engine_factor(found[0]) < 2.0
+
+    def test_fast_rise_is_seen_within_its_ramp(self):
+        """The 3.3x rise over 30 steps warns within 30 steps of its onset (the 10-step target needs the probe)."""
+        s = DRIFTS[0]
+        found = residual_alarms(s.field, s.fault, s.num_steps)
+        assert found and s.fault.onset <= found[0] <= s.fault.onset + 30
+
+    def test_healthy_long_cot_growth_is_quiet(self):
+        """Long responses getting less peaked (mean |d| ~5x) and a growing floor: no warning without a probe."""
+        s = SCENARIOS["long-cot-growing"]
+        assert residual_alarms(s.field, None, s.num_steps) == []

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect.signature import SignatureConfig
+from rlcheck.core.floors import Precision
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError, MismatchHalt
@@ -26,20 +27,32 @@ from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
 ONSET = 32
 STEPS = 45
-DATA = SyntheticConfig(num_sequences=64, mean_length=64)
-SPIKES = dataclasses.replace(DATA, spike_every=3, spike_scale=2.0)
+NOISE = {"fp32": 2e-6, "bf16": 2e-3}
+"""The synthetic steps' noise (std of d at logp = -1) at each precision pair the Monitor is told of."""
+PAIRS = {"fp32": Precision("float32", "float32"), "bf16": Precision("bfloat16", "float32")}
+PAIR = {"now": "bf16"}
+"""The pair of the run being recorded (the `runs` fixture sets it)."""
+
+
+def data() -> SyntheticConfig:
+    return SyntheticConfig(num_sequences=64, mean_length=64, noise=NOISE[PAIR["now"]])
+
+
+def spikes() -> SyntheticConfig:
+    """A spike every 3 steps from the first, twice the noise: a sync left out every 3 updates."""
+    return dataclasses.replace(data(), spike_every=3, spike_scale=2.0)
 """A spike every 3 steps from the first, twice the noise: a sync left out every 3 updates."""
 
 
 def growing(step: int) -> StepBatch:
     """Noise that grows by its clean level every step from ONSET on (14x at step 44): stale weights."""
     factor = 1.0 + max(0, step - ONSET + 1)
-    return synthetic_batch(dataclasses.replace(DATA, noise=DATA.noise * factor), step)
+    return synthetic_batch(dataclasses.replace(data(), noise=data().noise * factor), step)
 
 
 def hotter(step: int) -> StepBatch:
     """The trainer's logprobs 1.1x the engine's from the first step: a temperature mismatch's slope."""
-    batch = synthetic_batch(DATA, step)
+    batch = synthetic_batch(data(), step)
     return dataclasses.replace(batch, logp_train=batch.logp_train * np.float32(1.1))
 
 
@@ -72,7 +85,7 @@ def record(run_dir: Path, make_batch, spec: str | None = None, steps: int = STEP
     """Feed the Monitor `make_batch(step)` with the fault `spec` applied, until the steps end or it halts."""
     fault, touched, halt = parse_inject(spec), {}, None
     catastrophic = {}
-    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
+    with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",), precision=PAIRS[PAIR["now"]])) as mon:
         for step in range(steps):
             batch, touched[step] = fault.apply(step, make_batch(step))
             catastrophic[step] = far_off(batch, touched[step])
@@ -85,28 +98,38 @@ def record(run_dir: Path, make_batch, spec: str | None = None, steps: int = STEP
 
 
 CASES = {
-    "clean": lambda d: record(d, lambda s: synthetic_batch(DATA, s)),
-    "corrupt": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"corrupt-seqs=0.02@{ONSET}"),
-    "off_by_one": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"off-by-one@{ONSET}"),
-    "off_by_one_early": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"off-by-one-early@{ONSET}"),
-    "bf16": lambda d: record(d, lambda s: synthetic_batch(DATA, s), f"bf16-noise=2@{ONSET}"),
-    "periodic": lambda d: record(d, lambda s: synthetic_batch(SPIKES, s), steps=60),
+    "clean": lambda d: record(d, lambda s: synthetic_batch(data(), s)),
+    "corrupt": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"corrupt-seqs=0.02@{ONSET}"),
+    "off_by_one": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"off-by-one@{ONSET}"),
+    "off_by_one_early": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"off-by-one-early@{ONSET}"),
+    "bf16": lambda d: record(d, lambda s: synthetic_batch(data(), s), f"bf16-noise=2@{ONSET}"),
+    "periodic": lambda d: record(d, lambda s: synthetic_batch(spikes(), s), steps=60),
     "growing": lambda d: record(d, growing),
     "temperature": lambda d: record(d, hotter),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """`runs(name) -> Run`: the run of CASES[name], recorded on first use and shared by the module."""
-    done: dict[str, Run] = {}
+def recorded(tmp_path_factory):
+    """`recorded(name, pair) -> Run`: the run of CASES[name] at a precision pair, recorded on first use and
+    shared by the module."""
+    done: dict[tuple[str, str], Run] = {}
 
-    def get(name: str) -> Run:
-        if name not in done:
-            done[name] = CASES[name](tmp_path_factory.mktemp(name))
-        return done[name]
+    def get(name: str, pair: str) -> Run:
+        if (name, pair) not in done:
+            PAIR["now"] = pair
+            done[name, pair] = CASES[name](tmp_path_factory.mktemp(f"{name}-{pair}"))
+            PAIR["now"] = "bf16"
+        return done[name, pair]
 
     return get
+
+
+@pytest.fixture(params=sorted(PAIRS))
+def runs(request, recorded):
+    """`runs(name) -> Run`: CASES[name] at the test's precision pair (the tests run at both: the fp32 steps'
+    noise 1000x smaller, the faults the same size)."""
+    return lambda name: recorded(name, request.param)
 
 
 class TestDiagnose:
@@ -275,7 +298,7 @@ class TestLoadEvidence:
         ev = load_evidence(run.path)
         step = run.halt.report.step
         assert [r["step"] for r in ev.records] == list(range(step + 1))
-        assert list(ev.dump_rows) == [step] and len(ev.dump_rows[step]) == DATA.num_sequences
+        assert list(ev.dump_rows) == [step] and len(ev.dump_rows[step]) == data().num_sequences
 
 
 class TestRenderDiagnosis:
@@ -333,11 +356,27 @@ class TestSecondaryCause:
         run_dir = tmp_path / "stale"
         with Monitor(MonitorConfig(run_dir=run_dir, sinks=("jsonl",))) as mon:
             for step in range(6):
-                mon.observe(step, synthetic_batch(DATA, step))
-            stale = synthetic_batch(DATA, 6)
+                mon.observe(step, synthetic_batch(data(), step))
+            stale = synthetic_batch(data(), 6)
             stale = StepBatch.from_packed(stale.logp_rollout, stale.logp_train, stale.cu_seqlens,
                                           stale.request_ids, weight_version=3)
             with pytest.raises(MismatchHalt):
                 mon.observe(6, stale, trainer_version=6)
         causes = [f.cause for f in diagnose(run_dir).findings]
         assert causes == ["weights_out_of_sync"]
+
+
+class TestShortRuns:
+    @pytest.mark.parametrize("pair", sorted(PAIRS))
+    def test_noise_from_the_first_step_over_three_steps(self, tmp_path, pair):
+        """Rounding noise on the engine from step 0, three steps (the run `rlcheck demo --inject bf16-noise=X` gives
+        before it stops): one threshold warning (the gate re-arms) and every step past the gate at the run's floor:
+        numeric_noise. bf16-sized noise on a fp32 pair; on a bf16 engine, 16x its own (4x is within its floor)."""
+        PAIR["now"] = pair
+        spec = "bf16-noise=1" if pair == "fp32" else "bf16-noise=16"
+        try:
+            run = record(tmp_path, lambda s: synthetic_batch(data(), s), spec, steps=3)
+        finally:
+            PAIR["now"] = "bf16"
+        v = diagnose(run.path).verdict
+        assert v.cause == "numeric_noise" and v.affected_steps == [0, 1, 2], v.evidence

@@ -343,6 +343,23 @@ class TestBf16Noise:
         assert not np.array_equal(noisy(0, 4), noisy(0, 5))
         assert not np.array_equal(noisy(0, 4), noisy(1, 4))
 
+    def test_the_same_context_rounds_alike(self):
+        """With the batch's token and prompt ids, a token scored twice in one context (two samples of a
+        prompt sharing their first tokens) gets the same noise, as a real engine's rounding; other tokens
+        draw their own, of the documented size."""
+        rng = np.random.default_rng(0)
+        prompt, head = [1, 2, 3], [7, 8]
+        tokens = [np.array(head + rng.integers(10, 900, 30).tolist()) for _ in range(64)]
+        lr = [-rng.exponential(2.0, 32) for _ in tokens]
+        for x in lr:
+            x[:2] = [-0.7, -1.3]  # the twins: the same context, the same logprob
+        batch = StepBatch.from_ragged(logp_rollout=lr, logp_train=[x.copy() for x in lr], tokens=tokens, prompt_tokens=[prompt] * 64,
+                                      request_ids=[f"r{i}" for i in range(64)])
+        noise = (Bf16Noise(scale=1).apply(3, batch)[0].logp_rollout - batch.logp_rollout).reshape(64, 32)
+        assert np.ptp(noise[:, 0]) == 0 and np.ptp(noise[:, 1]) == 0 and noise[0, 0] != noise[0, 1]
+        rest = noise[:, 2:] / (BF16_EPS * (0.5 - batch.logp_rollout.reshape(64, 32)[:, 2:]))
+        assert np.std(rest) == pytest.approx(1.0, abs=0.1) and abs(np.mean(rest)) < 0.1
+
 
 class TestCorruptSequences:
     @pytest.mark.parametrize("rate, count", [(0.001, 1), (0.05, 3), (0.5, 32), (1.0, 64)])

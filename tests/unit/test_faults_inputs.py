@@ -171,6 +171,21 @@ class TestEngineSettings:
             RawLogprobs().rollout_config(VLLMConfig(model="m", greedy=True))
 
 
+    def test_engine_setting_faults_say_what_they_touched(self):
+        """rope-mismatch and raw-logprobs touch every sequence (the engine computes each with its setting);
+        stale-prefix-cache, from its start, the sequences whose prompt holds the shared prefix; the data as it is."""
+        import numpy as np
+
+        from rlcheck.core.batch import StepBatch
+
+        prompts = [[BOS] + [3] * PREFIX_TOKENS + [5], [BOS, 5], [BOS] + [3] * PREFIX_TOKENS + [6]]
+        batch = StepBatch.from_ragged(logp_rollout=[np.zeros(2)] * 3, logp_train=[np.zeros(2)] * 3,
+                                      request_ids=["a", "b", "c"], prompt_tokens=prompts)
+        assert RopeMismatch().apply(0, batch) == (batch, ["a", "b", "c"]) == RawLogprobs().apply(5, batch)
+        assert StalePrefixCache(start=4).apply(3, batch) == (batch, [])
+        assert StalePrefixCache(start=4).apply(4, batch) == (batch, ["a", "c"])
+
+
 @dataclass
 class LLM:
     resets: int = 0

@@ -242,6 +242,15 @@ class TestObserve:
         assert line["metrics"][K.TOKEN_COUNT] == report.metrics[K.TOKEN_COUNT]
 
 
+    def test_precision_from_verl_config(self):
+        """`precision(config)` reads both sides' dtypes from verl's config (its bfloat16 defaults where
+        unset); a dtype rlcheck does not know leaves the pair to calibrate."""
+        cfg = {"actor_rollout_ref": {"rollout": {"dtype": "float32"}, "actor": {"fsdp_config": {"dtype": "fp32"}}}}
+        assert (V.precision(cfg).engine, V.precision(cfg).trainer, V.precision(cfg).level) == ("float32", "float32", 1e-5)
+        assert V.precision({}).level == 1e-2
+        assert V.precision({"actor_rollout_ref": {"rollout": {"dtype": "fp8"}}}).level is None
+
+
 class TestWeightVersions:
     """verl's fully async trainer records each trajectory's first weights version (min_global_steps)."""
 

@@ -124,7 +124,14 @@ def cases(draw, *, edge_tokens_in: bool = False, nonfinite: bool = True) -> Case
     return Case(lens, lr.astype(dtype), lt.astype(dtype), mask, tokens, tokens_train)
 
 
-def _expected_keys(metrics: dict[str, float], cfg: StatsConfig, has_tokens: bool) -> set[str]:
+def _informative(case) -> bool:
+    """A valid token with d != 0 that healthy noise would move ((1 - p)^0.91 >= 1e-3): the residual level's."""
+    ok = (case.lr >= MIN_LOGPROB) & (case.lt >= MIN_LOGPROB) & (case.lt != case.lr)
+    ok &= (1.0 - np.exp(np.minimum(case.lr, 0.0))) ** 0.91 >= 1e-3
+    return bool((ok if case.mask is None else ok & case.mask).any())
+
+
+def _expected_keys(metrics: dict[str, float], cfg: StatsConfig, has_tokens: bool, informative: bool = False) -> set[str]:
     """The documented key set (rlcheck.core.stats.finalize): a metric that is undefined is absent."""
     always = {K.TOKEN_COUNT, K.TOKEN_MASKED_COUNT, K.NONFINITE_COUNT, K.RATIO_CLIPPED_COUNT, K.SEQ_COUNT,
               K.SEQ_EMPTY_COUNT, K.SEQ_FLAGGED_FRAC, K.SEQ_CATASTROPHIC_COUNT, K.SEQ_CATASTROPHIC_FRAC,
@@ -139,6 +146,8 @@ def _expected_keys(metrics: dict[str, float], cfg: StatsConfig, has_tokens: bool
         keys |= {K.SIG_TOKEN_MISMATCH_COUNT, K.SIG_TOKEN_MISMATCH_FRAC}
     if metrics[K.SEQ_FLAGGED_FRAC] > 0:  # a sequence diverged (or holds a non-finite token)
         keys |= {K.FIRST_DIV_MIN, K.FIRST_DIV_P50}
+    if informative:  # rlcheck.core.stats.residual
+        keys |= {K.RESIDUAL_LEVEL}
     return keys
 
 
@@ -198,7 +207,7 @@ class TestFiniteMetrics:
         metrics, offenders = compute(batch, cfg)
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad
-        assert metrics.keys() == _expected_keys(metrics, cfg, with_tokens)
+        assert metrics.keys() == _expected_keys(metrics, cfg, with_tokens, _informative(case))
         assert all(math.isfinite(o.max_abs_diff) and math.isfinite(o.mean_diff) for o in offenders)
 
     def test_all_ratios_far_below_one(self):

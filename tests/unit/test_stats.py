@@ -155,6 +155,11 @@ def reference(batch: StepBatch, cfg: StatsConfig) -> tuple[dict[str, float], lis
         for t in cfg.thresholds:
             out[K.frac_abs_diff_above(t)] = sum(1 for x in d if abs(x) > t) / n
         out.update(_reference_signatures(batch, cfg, lr_v, d))
+        # the residual level: min(|d|, clip) / (1 - p)^0.91 over the tokens with d != 0 and (1 - p)^0.91 >= 1e-3
+        res = [min(abs(b - a), cfg.clip) / w for a, b in zip(lr_v, lt_v, strict=True)
+               if b != a and (w := (1.0 - math.exp(min(a, 0.0))) ** 0.91) >= 1e-3]
+        if res:
+            out[K.RESIDUAL_LEVEL] = _mean(res)
     counted = [s for s in seqs if s["d"]]
     num = len(seqs)
     out.update(

@@ -9,6 +9,7 @@ from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
 from rlcheck.core.detect.robust import (
     CONTROL_DRIFT,
     CONTROL_TREND,
+    RESIDUAL_TREND,
     DriftConfig,
     DriftDetector,
     RobustZConfig,
@@ -31,6 +32,8 @@ class DetectorsConfig:
     growth, free of what the policy samples; silent on a run that passes no probe."""
     control_trend: DriftConfig | None = field(default_factory=lambda: CONTROL_TREND)
     """Slow drift of the same probe batch (a longer reference)."""
+    residual_trend: DriftConfig | None = field(default_factory=lambda: RESIDUAL_TREND)
+    """Drift of the step's residual level (the token mix out): the engine's growth without a probe."""
     periodic: PeriodicConfig | None = field(default_factory=PeriodicConfig)
     signature: SignatureConfig | None = field(default_factory=SignatureConfig)
     turns: RobustZConfig | None = field(default_factory=lambda: TURN_Z)
@@ -40,13 +43,14 @@ class DetectorsConfig:
 
 def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
     """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
-    control_drift and control_trend: drift detectors; turns: a robust z)."""
+    control_drift, control_trend and residual_trend: drift detectors; turns: a robust z)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
         "drift": (cfg.drift, DriftDetector),
         "control_drift": (cfg.control_drift, DriftDetector),
         "control_trend": (cfg.control_trend, DriftDetector),
+        "residual_trend": (cfg.residual_trend, DriftDetector),
         "periodic": (cfg.periodic, PeriodicDetector),
         "signature": (cfg.signature, SignatureDetector),
         "turns": (cfg.turns, RobustZDetector),
@@ -57,6 +61,6 @@ def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
 __all__ = [
     "KINDS", "SEVERITIES", "Alarm", "Detector", "severity_rank", "DetectorsConfig", "build_detectors",
     "ThresholdConfig", "ThresholdRule", "ThresholdDetector", "DEFAULT_RULES",
-    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector", "CONTROL_DRIFT", "CONTROL_TREND",
+    "RobustZConfig", "RobustZDetector", "DriftConfig", "DriftDetector", "CONTROL_DRIFT", "CONTROL_TREND", "RESIDUAL_TREND",
     "PeriodicConfig", "PeriodicDetector", "SignatureConfig", "SignatureDetector",
 ]

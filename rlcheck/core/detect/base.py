@@ -16,6 +16,9 @@ class Detector:
     """Base class: subclasses implement `update` and keep their history JSON-serialisable."""
 
     kind: str = ""
+    scale: float = 1.0
+    """The run's precision floor over the bf16 floor the defaults were set at (`rlcheck.core.floors`),
+    set by the Monitor: the levels a detector calls noise scale with it (1e-3 on a fp32/fp32 run)."""
 
     def update(self, step: int, metrics: dict[str, float]) -> list[Alarm]:  # pragma: no cover
         raise NotImplementedError

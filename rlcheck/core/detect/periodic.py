@@ -18,7 +18,8 @@ a resumed run skips or repeats steps. The z-scores are laid on a grid of the ste
 (the gcd of the gaps between the steps held), a step never observed is a hole that no sum counts,
 so a period is found in steps whatever the stride; the alarm names it in steps and in observations.
 A step at or before the last one (a trainer resumed from an earlier checkpoint) drops the history
-from that step on: it belonged to a timeline the run abandoned.
+from that step on, z-scores and the rolling baseline's values alike: it belonged to a timeline the
+run abandoned.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class PeriodicDetector(Detector):
         self.base = {m: RollingBaseline(self.cfg.window) for m in self.cfg.metrics}
         self.z = {m: deque(maxlen=self.cfg.history) for m in self.cfg.metrics}  # clipped z, oldest first
         self.steps = {m: deque(maxlen=self.cfg.history) for m in self.cfg.metrics}  # their step numbers
+        self.base_steps = {m: deque(maxlen=self.cfg.window) for m in self.cfg.metrics}  # the baseline values' steps
 
     def update(self, step: int, metrics: dict[str, float]) -> list[Alarm]:
         alarms = []
@@ -130,14 +132,19 @@ class PeriodicDetector(Detector):
                     if found is not None:
                         alarms.append(self._alarm(m, step, x, stride, rz, found[1], *found[0]))
             base.push(x)
+            self.base_steps[m].append(step)
         return alarms
 
     def _rewind(self, m: str, step: int) -> None:
-        """Forget the z-scores of steps at or after `step` (a resumed trainer repeats them)."""
-        steps, z = self.steps[m], self.z[m]
+        """Forget the z-scores and baseline values of steps at or after `step` (a resumed trainer
+        repeats them)."""
+        steps, z, base, base_steps = self.steps[m], self.z[m], self.base[m], self.base_steps[m]
         while steps and steps[-1] >= step:
             steps.pop()
             z.pop()
+        while base_steps and base_steps[-1] >= step:
+            base_steps.pop()
+            base.pop()
 
     def _push(self, m: str, step: int, z: float) -> None:
         steps, zs = self.steps[m], self.z[m]
@@ -220,7 +227,8 @@ class PeriodicDetector(Detector):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            m: {"base": self.base[m].state_dict(), "z": list(self.z[m]), "steps": list(self.steps[m])}
+            m: {"base": self.base[m].state_dict(), "base_steps": list(self.base_steps[m]), "z": list(self.z[m]),
+                "steps": list(self.steps[m])}
             for m in self.base
         }
 
@@ -235,6 +243,21 @@ class PeriodicDetector(Detector):
                 self.z[m].extend(z)
                 self.steps[m].clear()
                 self.steps[m].extend(int(v) for v in steps)
+                self.base_steps[m].clear()
+                self.base_steps[m].extend(_base_steps(s, len(self.base[m]), steps))
+
+
+def _base_steps(state: dict[str, Any], count: int, z_steps: list[int]) -> list[int]:
+    """The steps of the `count` baseline values a saved state holds: as saved, or (a state.json of an
+    earlier rlcheck) the newest z-scores' steps, which every observed step past the warm-up has, else
+    consecutive steps ending at the newest."""
+    saved = state.get("base_steps")
+    if saved is not None and len(saved) == count:
+        return [int(v) for v in saved]
+    if len(z_steps) >= count:
+        return [int(v) for v in z_steps[len(z_steps) - count:]] if count else []
+    last = int(z_steps[-1]) if z_steps else count - 1
+    return list(range(last - count + 1, last + 1))
 
 
 _HELD_CLIP = 4.0

@@ -91,7 +91,9 @@ class DriftConfig:
     threshold: float = 3.0
     """CUSUM decision level: log-growth past the slack, accumulated (nats)."""
     clip: float = 1.0
-    """Each step adds at most this (an e-fold): one outlier step is not a drift."""
+    """Each step adds at most this (an e-fold): one outlier step is not a drift. A step below the
+    reference counts as at most `slack` below it (it takes off at most 2 x slack): one low step (a
+    batch of short answers at 0.05x) does not undo a drift under way."""
     critical_ratio: float = 3.0
     """A drift alarm whose value is this many times the reference is critical (it halts): weights
     that stopped syncing triple the mismatch within a few steps; the healthy floor never does."""
@@ -99,7 +101,8 @@ class DriftConfig:
     """Severity of a drift alarm below critical_ratio."""
     floor: float = 0.0
     """Values under it count as it (in the value and the reference): growth among levels this small is
-    noise of a precise run (a float32 engine's |d| of 1e-7 doubling), not a drift."""
+    noise of a precise run (a float32 engine's |d| of 1e-7 doubling), not a drift. Set at the bf16 floor;
+    it scales with the run's (`Detector.scale`)."""
 
     def __post_init__(self) -> None:
         if self.floor < 0:
@@ -122,6 +125,18 @@ above a 32-step median). A 1.1x slack and a 0.5 nat threshold warn within 7-9 st
 over 30 steps; critical (it halts) at 2x the reference: the engine alone doubled. Set on the
 calibration seeds (BENCHMARKS.md, "Detector power on new shapes"). Levels under 1e-3 nats (`floor`:
 a float32 engine's probe sits at 1e-7 to 1e-5) do not drift."""
+RESIDUAL_TREND = DriftConfig(metrics=(K.RESIDUAL_LEVEL,), window=256, warmup=64, slack=0.3, threshold=2.0,
+                              clip=1.0, critical_ratio=3.0, floor=1e-2)
+"""Drift of the step's residual level (`rlcheck.core.stats.residual`: the mean |d| with the token mix
+out), the drift a run without a probe can see (`DetectorsConfig.residual_trend`): responses growing
+longer and less peaked do not move it, an engine drifting does. Set on the calibration seeds of the
+field streams (BENCHMARKS.md, "Slow drifts without a probe"): a 5x rise over 450 steps warns at
+1.54-1.8x, a 3.3x rise over 30 steps 13-19 steps in, and no healthy scenario warns (gapped, bf16-short,
+two-ranks, bf16-long-cot, 3 x long-cot-growing). Their step-to-step wobble (AR(1), std 0.16 in log) is
+the residual's too, and the healthy floor itself grows 10x over 2,000 steps (on the gapped stream 10x
+over 1,000 observations, a third of the slow drift's rate): a lower slack or level warns on healthy
+streams (the sync check's probe has no wobble: `CONTROL_DRIFT`). Levels under 1e-2 (bf16 residual
+units; a healthy bf16 run's ~0.06) do not drift."""
 CONTROL_TREND = DriftConfig(metrics=(K.PROBE_LEVEL,), window=256, warmup=64, slack=0.3, threshold=0.8,
                             clip=0.5, critical_ratio=2.0, floor=1e-3)
 """Slow drift of the probe (`DetectorsConfig.control_trend`): a 32-step reference follows a 5x rise
@@ -131,7 +146,7 @@ step up to 1.2x above its median, hence the 1.35x slack. Warns at 1.56-1.61x of 
 
 class DriftDetector(Detector):
     """Per metric, with g = log(x / median of the window):
-    S = max(0, S + min(g, clip) - slack); alarm and reset when S > threshold."""
+    S = max(0, S + clip(g, -slack, clip) - slack); alarm and reset when S > threshold."""
 
     kind = "drift"
 
@@ -149,8 +164,8 @@ class DriftDetector(Detector):
                 continue
             if len(base) >= cfg.warmup:
                 med, _ = base.center_scale()
-                floor = max(cfg.floor, _TINY)
-                g = min(math.log(max(x, floor) / max(med, floor)), cfg.clip)
+                floor = max(cfg.floor * self.scale, _TINY)
+                g = min(max(math.log(max(x, floor) / max(med, floor)), -cfg.slack), cfg.clip)
                 s = max(0.0, self.cusum[m] + g - cfg.slack)
                 if s > 0 and self.cusum[m] == 0:
                     self.since[m] = step
@@ -162,7 +177,7 @@ class DriftDetector(Detector):
         return alarms
 
     def _alarm(self, m: str, step: int, x: float, med: float, s: float) -> Alarm:
-        ratio = x / max(med, self.cfg.floor, _TINY)
+        ratio = x / max(med, self.cfg.floor * self.scale, _TINY)
         severity = "critical" if ratio >= self.cfg.critical_ratio else self.cfg.severity
         return Alarm(
             self.kind, m, step, severity,

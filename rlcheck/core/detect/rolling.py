@@ -28,6 +28,10 @@ class RollingBaseline:
     def push(self, x: float) -> None:
         self.values.append(float(x))
 
+    def pop(self) -> float:
+        """Take the newest value back out (a step the run abandoned)."""
+        return self.values.pop()
+
     def center_scale(self) -> tuple[float, float]:
         w = np.fromiter(self.values, dtype=np.float64, count=len(self.values))
         med = float(np.median(w))

@@ -9,6 +9,10 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes fro
 | systematic_slope     | d correlates with logp_rollout (temperature / logit processing)    | warn      |
 | early_divergence     | a few sequences diverge from their first tokens (stale state)      | warn      |
 | sparse_catastrophic  | a few sequences far off, the rest clean (state corruption, index)  | warn      |
+| many_catastrophic    | more than `sparse_max_frac` of them far off, not from the start    | warn      |
+| split_twins          | the engine scored identical contexts of the step apart (stale or   | critical  |
+|                      | aliased recurrent state: its output is not a function of the request; |        |
+|                      | warn on an MoE batch, whose router noise does it too)               |           |
 
 A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
 slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
@@ -37,9 +41,12 @@ class SignatureConfig:
     slope_min_abs: float = 0.01
     """|slope| of d on logp_rollout; a trainer temperature 1% off the engine's gives ~0.01."""
     slope_min_abs_diff: float = 0.005
-    """A slope counts only when mean |d| is above this noise floor."""
+    """A slope counts only when mean |d| is above this noise floor (set at the bf16 floor; it scales
+    with the run's, `Detector.scale`)."""
     sparse_max_frac: float = 0.1
-    """Catastrophic sequences are 'sparse' when at most this fraction of the step."""
+    """Catastrophic sequences are 'sparse' when at most this fraction of the step; past it they are
+    `many_catastrophic` (which counts toward the recurrence as the sparse shape does; a quarter of them
+    is also a hard limit, `HaltConfig.hard_limits`)."""
     min_tokens: int = 64
     """Steps with fewer valid tokens give no slope or shift signature."""
     slope_critical_after: int = 4
@@ -55,6 +62,11 @@ class SignatureConfig:
     tokens, early_excess times more than the step's diverged tokens would put there by chance. The
     engine's stale-state fault on the tiny hybrid: 40% of the sequences diverge at their first token
     by 1.4-3.7 nats, one token past 2 of 32; a healthy or noisy step's divergences fall anywhere."""
+    twin_min_split: int = 2
+    twin_min_frac: float = 0.05
+    """split_twins: at least twin_min_split twin groups, and twin_min_frac of the step's, scored apart by
+    the engine (`rlcheck.core.stats.twins`; a healthy engine, fp32 or bf16, scores twins alike to the
+    bit; the tiny hybrid's stale state split 3 of 28 to 26 of 33 groups a step)."""
     severity: dict[str, str] | None = None
     """Override the default severity of a signature by name."""
 
@@ -76,6 +88,8 @@ DEFAULT_SEVERITY = {
     "systematic_slope": "warn",
     "early_divergence": "warn",
     "sparse_catastrophic": "warn",
+    "many_catastrophic": "warn",
+    "split_twins": "critical",
 }
 
 
@@ -116,7 +130,7 @@ class SignatureDetector(Detector):
             ))
         corr, slope = get(K.SIG_SLOPE_CORR, 0.0), get(K.SIG_SLOPE, 0.0)
         sloped = (enough and abs(corr) >= cfg.slope_min_corr and abs(slope) >= cfg.slope_min_abs
-                  and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff)
+                  and get(K.ABS_DIFF_MEAN, 0.0) >= cfg.slope_min_abs_diff * self.scale)
         self.slope_streak = self.slope_streak + 1 if sloped else 0
         if sloped:
             lasting = self.slope_streak >= cfg.slope_critical_after
@@ -127,9 +141,31 @@ class SignatureDetector(Detector):
                 "temperature or logit processing differs between engine and trainer",
                 persistent=lasting, slope=slope, corr=corr, streak=self.slope_streak,
             ))
+        out += self._split_twins(step, m)
         self.observed += 1
         out += self._catastrophic(step, m)
         return out
+
+    def _split_twins(self, step: int, m: dict[str, float]) -> list[Alarm]:
+        split, groups = m.get(K.SIG_TWIN_SPLIT, 0.0), m.get(K.SIG_TWIN_GROUPS, 0.0)
+        if split < max(self.cfg.twin_min_split, self.cfg.twin_min_frac * groups):
+            return []
+        where = f", the first at response position {int(m[K.SIG_TWIN_FIRST_POS])}" if K.SIG_TWIN_FIRST_POS in m else ""
+        routed = bool(m.get(K.SIG_TWIN_ROUTED))
+        alarm = self._alarm(
+            "split_twins", K.SIG_TWIN_SPLIT, step,
+            f"the engine scored {int(split)} of {int(groups)} groups of identical contexts (the same prompt and "
+            f"response prefix; {int(m.get(K.SIG_TWIN_SPLIT_SEQS, 0))} sequences{where}) up to "
+            f"{m.get(K.SIG_TWIN_SPREAD, 0.0):.3g} nats apart while the trainer scored each alike: its output depends "
+            "on more than the request's tokens, a recurrent state read from another request (stale state: a reused "
+            "Mamba slot) or shared with one (index aliasing)"
+            + ("; on an MoE, router noise (near-tie tokens sent to other experts) does it too: see moe/*" if routed else ""),
+            split=split, groups=groups, sequences=m.get(K.SIG_TWIN_SPLIT_SEQS, 0.0),
+            spread=m.get(K.SIG_TWIN_SPREAD, 0.0), first_position=m.get(K.SIG_TWIN_FIRST_POS), routed=routed,
+        )
+        if routed and "split_twins" not in (self.cfg.severity or {}):  # an MoE's router noise is no halt by itself
+            alarm = Alarm(alarm.kind, alarm.metric, alarm.step, "warn", alarm.message, alarm.details)
+        return [alarm]
 
     def _early_burst(self, m: dict[str, float]) -> bool:
         return early_burst(m.get(K.SIG_EARLY_ANY_COUNT, 0.0), m.get(K.SEQ_COUNT, 0.0),
@@ -138,8 +174,11 @@ class SignatureDetector(Detector):
     def _catastrophic(self, step: int, m: dict[str, float]) -> list[Alarm]:
         count = m.get(K.SEQ_CATASTROPHIC_COUNT, 0.0)
         burst = self._early_burst(m)
-        if (count <= 0 or m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) > self.cfg.sparse_max_frac) and not burst:
+        if count <= 0 and not burst:
             return []
+        sparse = m.get(K.SEQ_CATASTROPHIC_FRAC, 1.0) <= self.cfg.sparse_max_frac
+        if not (sparse or burst or count >= 2):
+            return []  # one sequence of a small batch is no "many" (a NaN one has its own alarm)
         early = m.get(K.SIG_EARLY_DIV_COUNT, 0.0)
         if burst and early * 2 < count:
             burst = False  # catastrophic sequences that are not early: the sparse shape below
@@ -150,21 +189,21 @@ class SignatureDetector(Detector):
         lasting = len(recent) >= self.cfg.recur_count
         again = f" (in {len(recent)} of the last {self.cfg.recur_window} observations)" if lasting else ""
         details = {"count": count, "early": early, "frac": m.get(K.SEQ_CATASTROPHIC_FRAC, 0.0), "recurrences": len(recent)}
-        if early * 2 >= count:
-            return [self._alarm(
-                "early_divergence", K.SIG_EARLY_DIV_COUNT, step,
-                f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
-                f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before "
-                "prefill)",
-                persistent=lasting, **details,
-            )]
-        return [self._alarm(
-            "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT, step,
-            f"{int(count)} sequences are far off (a twentieth of their tokens or more at or above the catastrophic "
-            f"level) while the rest match{again}: a per-request fault (state corruption, index aliasing); "
-            "see the offenders",
-            persistent=lasting, **details,
-        )]
+        if early * 2 >= count and (sparse or burst):
+            name, metric = "early_divergence", K.SIG_EARLY_DIV_COUNT
+            message = (f"{int(early)} of {int(count)} far-off sequences diverge from their first tokens while the "
+                       f"rest match{again}: the shape of a stale recurrent state (a reused Mamba slot read before prefill)")
+        elif not sparse:
+            name, metric = "many_catastrophic", K.SEQ_CATASTROPHIC_COUNT
+            message = (f"{int(count)} sequences ({details['frac']:.0%} of the step) are far off, not from their first "
+                       f"tokens{again}: too many for one bad request (state shared between requests, index aliasing, "
+                       "a broken kernel); see the offenders")
+        else:
+            name, metric = "sparse_catastrophic", K.SEQ_CATASTROPHIC_COUNT
+            message = (f"{int(count)} sequences are far off (a twentieth of their tokens or more at or above the "
+                       f"catastrophic level) while the rest match{again}: a per-request fault (state corruption, index "
+                       "aliasing); see the offenders")
+        return [self._alarm(name, metric, step, message, persistent=lasting, **details)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"slope_streak": self.slope_streak, "observed": self.observed, "catastrophic_at": self.catastrophic_at}

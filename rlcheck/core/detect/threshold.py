@@ -25,6 +25,8 @@ class ThresholdRule:
     limit: float
     severity: str = "warn"
     note: str = ""
+    scaled: bool = False
+    """`limit` is set at the bf16 floor and scales with the run's (`Detector.scale`): 1e-3 x on fp32/fp32."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -36,13 +38,15 @@ class ThresholdRule:
 # them: one bf16 tail token at |d| = 8 in 20,000 tokens adds 0.15 to it, and it fired on about half of
 # the steps of a healthy long-response stream.
 DEFAULT_RULES = (
-    ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01, "warn", "verl's probs_diff_mean alarm level"),
-    ThresholdRule(K.ABS_DIFF_CLIPPED_MEAN, 0.05, "warn", "mean |d| (clipped) far above bf16 noise"),
+    ThresholdRule(K.PROB_ABS_DIFF_MEAN, 0.01, "warn", "verl's probs_diff_mean alarm level", scaled=True),
+    ThresholdRule(K.ABS_DIFF_CLIPPED_MEAN, 0.05, "warn", "mean |d| (clipped) far above the precision's noise", scaled=True),
     # multi-turn steps only (`rlcheck.core.detect.turns`): turns >= 1 diluted by turn 0 in the step's own mean
     ThresholdRule(K.turn_metric("later", "abs_diff_clipped_mean"), 0.05, "warn", "turns >= 1 far above bf16 noise"),
     ThresholdRule(K.TURN_LATER_RATIO, 4.0, "warn", "turns >= 1 far off where turn 0 is not"),
     ThresholdRule(K.TURN_HEAD_BODY_RATIO, 8.0, "warn", "the turns' first tokens far off where the rest is not"),
 )
+"""The first two set at the bf16 floor and scaled: on a fp32/fp32 run (floor scale 1e-3) they stand at 1e-5 and
+5e-5. The multi-turn rules are not scaled (two ratios, and a level set at bf16 by their own calibration)."""
 
 
 @dataclass(frozen=True)
@@ -72,19 +76,21 @@ class ThresholdDetector(Detector):
             value = metrics.get(rule.metric)
             if value is None:
                 continue
-            if value <= rule.limit:
+            limit = rule.limit * (self.scale if rule.scaled else 1.0)
+            if value <= limit:
                 self.quiet[i] = max(self.quiet[i] - 1, 0)
                 continue
             if self.quiet[i] and self.cfg.rearm is not None:
                 self.quiet[i] = self.cfg.rearm  # still above: the quiet time starts over
                 continue
             self.quiet[i] = self.cfg.rearm or 0
-            why = f" ({rule.note})" if rule.note else ""
+            floor = f"{rule.limit:g} x {self.scale:g} at this run's precision floor" if rule.scaled and self.scale != 1.0 else ""
+            why = f" ({'; '.join(x for x in (rule.note, floor) if x)})" if rule.note or floor else ""
             later = f"; quiet until {self.cfg.rearm} steps back at or below it" if self.cfg.rearm else ""
             alarms.append(Alarm(
                 self.kind, rule.metric, step, rule.severity,
-                f"{rule.metric} = {value:.4g} > {rule.limit:g}{why}{later}",
-                {"value": value, "limit": rule.limit},
+                f"{rule.metric} = {value:.4g} > {limit:g}{why}{later}",
+                {"value": value, "limit": limit},
             ))
         return alarms
 

@@ -55,6 +55,14 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
     if s["tok_n"] > 0:
         out[K.SIG_TOKEN_MISMATCH_COUNT] = s["tok_mismatch"]
         out[K.SIG_TOKEN_MISMATCH_FRAC] = s["tok_mismatch"] / s["tok_n"]
+    if s["res_n"] > 0:
+        out[K.RESIDUAL_LEVEL] = s["res_sum"] / s["res_n"]
+    if s["tw_groups"] > 0:
+        out.update({K.SIG_TWIN_GROUPS: s["tw_groups"], K.SIG_TWIN_SPLIT: s["tw_split"],
+                    K.SIG_TWIN_SPLIT_SEQS: s["tw_split_seqs"], K.SIG_TWIN_TRAINER_SPLIT: s["tw_trainer_split"],
+                    K.SIG_TWIN_SPREAD: mx["tw_spread"], K.SIG_TWIN_ROUTED: float(s["tw_routed"] > 0)})
+        if math.isfinite(mn["tw_first_pos"]):
+            out[K.SIG_TWIN_FIRST_POS] = mn["tw_first_pos"]
     out.update(distribution_metrics(s, mx))
     out.update(turn_metrics(s, mx))  # rlcheck/turn/*: multi-turn batches only
     return out, p.offenders

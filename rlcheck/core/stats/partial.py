@@ -15,10 +15,12 @@ from rlcheck.core import histogram as H
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.stats.backend import choose
 from rlcheck.core.stats.distribution import distribution_stats
+from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.sequences import sequence_stats
 from rlcheck.core.stats.signatures import signature_stats
 from rlcheck.core.stats.sums import sum64, sum_product
 from rlcheck.core.stats.turns import turn_partial, turn_positions
+from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import (
     F32_SAFE,
     MAX_VERSION_IDS,
@@ -156,6 +158,8 @@ def compute_partial(batch: StepBatch, cfg: StatsConfig | None = None) -> Partial
     offenders = sequence_stats(batch, cfg, d, ad, valid, nonfinite, sums, maxima, minima, hists)
     offenders = offenders if turn is None else turn_positions(offenders, batch, turn.seg)
     signature_stats(batch, cfg, lr, lt, d, valid, sums, scratch)
+    add_twins(batch, cfg, sums, maxima, minima)
+    add_residual(batch, cfg, sums)
     if cfg.distribution:
         distribution_stats(batch.topk, batch.mask, sums, maxima)
     return PartialStats(sums, maxima, minima, hists, offenders, batch.num_sequences, tuple(cfg.thresholds), cfg.top_k,

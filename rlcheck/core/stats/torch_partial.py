@@ -14,10 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from rlcheck.core.stats import torch_kernels as TK
+from rlcheck.core.stats.residual import add_residual
 from rlcheck.core.stats.torch_distribution import distribution_sums
 from rlcheck.core.stats.torch_sequences import OFFENDER_FIELDS, sequence_parts, signature_sums
 from rlcheck.core.stats.torch_turns import turn_partial_torch
 from rlcheck.core.stats.turns import turn_positions
+from rlcheck.core.stats.twins import add_twins
 from rlcheck.core.stats.types import F32_SAFE, R_FROM_E, RATIO_LOG_CAP, PartialStats, StatsConfig
 from rlcheck.core.types import Offender, rank_offenders
 
@@ -89,6 +91,8 @@ def compute_partial_torch(batch, cfg: StatsConfig, compiled: bool, versions: dic
     maxima = {"ad": ad_max, "d": d_max, "pdiff": float(pdiff_max),
               **dict(zip(mkeys, rest[len(keys):len(keys) + len(mkeys)].tolist(), strict=True))}
     minima = {"d": d_min, "first_div": float(rest[-1])}
+    add_twins(batch, cfg, sums, maxima, minima)
+    add_residual(batch, cfg, sums)
     hist_ad = hist_v.astype(np.int64)
     hist_ad[0] -= lr.shape[0] - int(n)
     hists = {"ad": hist_ad, "first_div": pos_v.astype(np.int64)}

@@ -60,6 +60,13 @@ class StatsConfig:
     """Offenders kept per step (sequences with the largest max |d|)."""
     shift_window: int = 32
     """Leading tokens of each sequence used by the shift-by-one statistic."""
+    twin_span: int = 16
+    """Leading tokens of each sequence searched for twins (`rlcheck.core.stats.twins`: tokens of the step
+    scored in identical contexts; a policy's samples part after their first few tokens)."""
+    twin_tau: float = 0.2
+    """A twin group is split when the engine's logprobs spread more than this times (1 - p)^0.91 apart
+    (and the trainer's agree): set for a bf16 engine; the Monitor scales it with the run's floor
+    (`rlcheck.core.floors`)."""
     distribution: bool = False
     """Compare the next-token distributions beyond the sampled token (`rlcheck/dist/*`: top-K overlap,
     argmax agreement, tail masses and KL(engine || trainer) over the engine's top-K plus one tail
@@ -97,7 +104,10 @@ class StatsConfig:
             raise ConfigError(f"catastrophic_min_frac must be in (0, 1], got {self.catastrophic_min_frac}")
         if not (self.clip > 0 and math.isfinite(self.clip)):
             raise ConfigError(f"clip must be positive and finite, got {self.clip}")
-        for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens", "turn_head_tokens"):
+        if not self.twin_tau > 0:
+            raise ConfigError(f"twin_tau must be positive, got {self.twin_tau}")
+        for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens", "twin_span",
+                     "turn_head_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 

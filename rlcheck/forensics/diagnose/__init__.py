@@ -22,6 +22,7 @@ from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
 from rlcheck.forensics.diagnose.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
+from rlcheck.forensics.diagnose.floors import elevated_steps
 from rlcheck.forensics.diagnose.localized import load_localizations, localized_weights, name_layer
 from rlcheck.forensics.diagnose.notes import RESTART_AGE, note_quarantine, note_restart, note_sampling
 from rlcheck.forensics.diagnose.queries import (
@@ -85,7 +86,10 @@ def _logit_processing(ev: Evidence) -> Finding | None:
     if not slope:
         return None
     misaligned = set(alarm_steps(alarms_of(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch"))))
-    slope = [a for a in slope if a["step"] not in misaligned]
+    # a slope over garbage (mean |d| past the 1-nat hard limit: an engine computing nonsense, sure of its
+    # samples) is no reweighting of the likely tokens (`rules.engine`)
+    garbage = {int(r["step"]) for r in ev.records if r["metrics"].get(K.ABS_DIFF_MEAN, 0.0) > 1.0}
+    slope = [a for a in slope if a["step"] not in misaligned | garbage]
     if not slope:
         return None
     steps = alarm_steps(slope)
@@ -102,7 +106,7 @@ def _logit_processing(ev: Evidence) -> Finding | None:
 
 def _sparse_sequences(ev: Evidence) -> Finding | None:
     early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
-    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic",))
+    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic", "many_catastrophic"))
     if not early and not sparse:
         return None
     steps = alarm_steps(early + sparse)
@@ -255,6 +259,8 @@ def _growing(ev: Evidence, anomalous: list[int]) -> Finding | None:
 def _numeric_noise(ev: Evidence) -> Finding | None:
     """A persistent, flat, symmetric rise over most sequences, with no signature."""
     anomalous = alarm_steps([a for a in alarms_of(ev) if a["kind"] != "weights"])  # its own evidence only
+    if anomalous and len(anomalous) < MIN_NOISE_STEPS:  # a gate warns once and re-arms: the steps past it count
+        anomalous = sorted(set(anomalous) | set(elevated_steps(ev)))
     if len(anomalous) < MIN_NOISE_STEPS or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
         return None
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)

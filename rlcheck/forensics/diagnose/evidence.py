@@ -85,6 +85,7 @@ def dump_record(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
         mask=column("mask"),
         tokens=column("response_tokens"),
         tokens_train=column("tokens_train"),
+        prompt_tokens=column("prompt_tokens"),
         turns=column("turn_index"),  # a multi-turn dump: its per-turn statistics recomputed too
     )
     metrics, offenders = compute(batch, StatsConfig())

@@ -133,6 +133,19 @@ def check_trainer(trainer: Any) -> None:
         raise ConfigError("this trainer already has an rlcheck monitor attached")
 
 
+def trainer_dtype(args: Any, model: Any) -> str | None:
+    """The dtype the trainer computes its logprobs in (module docstring); None: the model config's."""
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    if getattr(args, "fp16", False):
+        return "float16"
+    dtype = getattr(model, "dtype", None) if not isinstance(model, str) else None
+    if dtype is None:
+        dtype = (getattr(args, "model_init_kwargs", None) or {}).get("dtype") if isinstance(
+            getattr(args, "model_init_kwargs", None), dict) else None
+    return None if dtype in (None, "auto") else str(dtype).removeprefix("torch.")
+
+
 def trl_context(trainer: Any) -> dict[str, Any]:
     """What decides the two sides' numerics, for every dump's meta.json: the engine's sampling and
     precision in the dump schema (`rlcheck.core.run.context`: vLLM's dtype as its LLM runs it; TRL leaves
@@ -156,6 +169,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
         "vllm_mode": args.vllm_mode,
         "logit_processing": processing,
         "trainer_bf16": bool(args.bf16),
+        "trainer_dtype": trainer_dtype(args, trainer.model),  # with vllm_dtype: the run's floor (`core.floors`)
         "trainer_fp16": bool(args.fp16),
         "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
         "importance_sampling": args.vllm_importance_sampling_mode if trainer.vllm_importance_sampling_correction

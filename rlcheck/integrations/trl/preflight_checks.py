@@ -19,23 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlcheck.integrations.trl.config import TRLOptions, check_config, check_sampling
+from rlcheck.integrations.trl.config import TRLOptions, check_config, check_sampling, trainer_dtype
 from rlcheck.preflight import Finding, PreflightConfig, attach_check, load_side, side_of_model
 
 WHERE = "TRL, before vLLM starts"
-
-
-def trainer_dtype(args: Any, model: Any) -> str | None:
-    """The dtype the trainer computes its logprobs in (module docstring); None: the model config's."""
-    if getattr(args, "bf16", False):
-        return "bfloat16"
-    if getattr(args, "fp16", False):
-        return "float16"
-    dtype = getattr(model, "dtype", None) if not isinstance(model, str) else None
-    if dtype is None:
-        dtype = (getattr(args, "model_init_kwargs", None) or {}).get("dtype") if isinstance(
-            getattr(args, "model_init_kwargs", None), dict) else None
-    return None if dtype in (None, "auto") else str(dtype).removeprefix("torch.")
 
 
 def started_dtype(trainer: Any) -> str | None:

@@ -258,6 +258,14 @@ def preflight(config: Any) -> tuple:
     return verl_preflight(config)
 
 
+def precision(config: Any) -> Any:
+    """The two sides' dtypes in verl's trainer config, for `MonitorConfig(precision=...)`: the run's
+    floor, which the detectors' gates are relative to (`rlcheck.core.floors`)."""
+    from rlcheck.integrations.verl.preflight_checks import verl_precision
+
+    return verl_precision(config)
+
+
 def observe(monitor: Any, step: int, data: Any, metrics: Mapping[str, Any] | None = None, *,
             logp_train: Any = None, request_ids: Sequence[str] | None = None,
             forward: Iterable[str] | None = FORWARD_PREFIXES, trainer_version: int | None = None,

@@ -73,7 +73,8 @@ def start(trainer: Any) -> Any:
         check(trainer.config, settings)
         findings = rlcheck_verl.preflight(trainer.config)
         # the rollout engine's sampling and settings, in every dump (replay reads the temperature from there)
-        session = Session(settings, kind_of(trainer), {**verl_context(trainer.config), "preflight": as_context(findings)})
+        session = Session(settings, kind_of(trainer), {**verl_context(trainer.config), "preflight": as_context(findings)},
+                          precision=rlcheck_verl.precision(trainer.config))  # the run's floor: gates scale with it
         _sessions.add(session)
     trainer._rlcheck = session
     return session

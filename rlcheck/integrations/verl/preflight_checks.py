@@ -63,6 +63,20 @@ def preflight_config(config: Any, path: str) -> PreflightConfig:
         enforce_eager=bool(get(config, f"{rollout}.enforce_eager", False)))  # verl runs vLLM on GPUs
 
 
+def verl_precision(config: Any):
+    """The dtypes of the two sides of a verl config (`rollout.dtype`, `actor.fsdp_config.dtype`, verl's
+    defaults bfloat16), as the Monitor's `precision` (`rlcheck.core.floors`); a dtype rlcheck does not know
+    leaves the pair unknown (the run calibrates itself)."""
+    from rlcheck.core.floors import Precision
+    from rlcheck.errors import ConfigError
+
+    try:
+        return Precision(engine=str(get(config, "actor_rollout_ref.rollout.dtype", "bfloat16")),
+                         trainer=str(get(config, "actor_rollout_ref.actor.fsdp_config.dtype", "bfloat16")))
+    except ConfigError:
+        return Precision()
+
+
 def verl_preflight(config: Any) -> tuple[Finding, ...]:
     """The static preflight of a verl config; () when `model.path` is not a local folder (an HDFS path
     verl copies at start: run `rlcheck preflight` on the copy). Bypass mode is refused first: verl then

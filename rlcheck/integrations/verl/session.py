@@ -34,8 +34,10 @@ OWN_KEYS = (LAGGED_FRAC, MAX_LAG, STALE_COUNT)
 class Session:
     """One verl trainer's rlcheck: `observe` each step, `verl_metrics` for verl's logger, `close` at the end."""
 
-    def __init__(self, settings: VerlSettings, kind: str, context: Mapping[str, Any]):
+    def __init__(self, settings: VerlSettings, kind: str, context: Mapping[str, Any], precision: Any = None):
         self.settings, self.kind, self.context = settings, kind, dict(context)
+        self.precision = precision
+        """The two sides' dtypes from verl's config (`rlcheck.core.floors.Precision`): the run's floor."""
         self.monitor: Monitor | None = None
         self.pending: dict[str, float] = {}
         """The last observed step's metrics, not yet in verl's logger (legacy and fully async trainers)."""
@@ -48,7 +50,8 @@ class Session:
         return Monitor(MonitorConfig(
             run_dir=s.run_dir, sinks=s.sinks, halt=HaltConfig(enabled=s.halt), max_weight_lag=s.max_weight_lag,
             quarantine=QuarantineConfig() if s.quarantine else None, correction=s.correction,
-            resume=first_step > 1, context={"framework": "verl", "trainer": self.kind, **self.context}))
+            resume=first_step > 1, precision=self.precision,
+            context={"framework": "verl", "trainer": self.kind, **self.context}))
 
     def observe(self, step: int, data: Any, metrics: Mapping[str, Any] | None = None, **kwargs) -> StepReport:
         """`rlcheck_verl.observe` on this run's Monitor, with its correction handed back to `data`; the

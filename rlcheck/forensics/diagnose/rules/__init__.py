@@ -1,11 +1,13 @@
 """The diagnose rules that read a dump's sequences token by token (the two sides' ids, the position of
 the mismatch, the rows it sits in), in the order `diagnose.RULES` runs them: `tokens` (prompt ids,
 re-tokenization, the stop token), `position` (padding, position, a shared prompt prefix, a few far-off rows) and
-`logits` (a temperature's sign on the likely tokens), and `turns` (the causes only multi-turn agent loops have,
-from the cross-turn invariants and the per-turn statistics)."""
+`logits` (a temperature's sign on the likely tokens); `engine`: an engine whose output is not a
+function of the request (split twins: the Mamba state faults without the guard); and `turns` (the causes
+only multi-turn agent loops have, from the cross-turn invariants and the per-turn statistics)."""
 
 from __future__ import annotations
 
+from rlcheck.forensics.diagnose.rules.engine import engine_state
 from rlcheck.forensics.diagnose.rules.logits import logit_processing_tokens
 from rlcheck.forensics.diagnose.rules.position import (
     position_dependent,
@@ -17,4 +19,4 @@ from rlcheck.forensics.diagnose.rules.tokens import prompt_mismatch, retokenizat
 from rlcheck.forensics.diagnose.rules.turns import multiturn
 
 EVIDENCE_RULES = (prompt_mismatch, retokenization, stop_token, position_ids, position_dependent, stale_prefix_cache,
-                  sparse_rows, logit_processing_tokens, multiturn)
+                  sparse_rows, logit_processing_tokens, engine_state, multiturn)

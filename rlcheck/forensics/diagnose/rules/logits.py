@@ -16,6 +16,7 @@ import numpy as np
 
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import floor_level
 from rlcheck.forensics.diagnose.queries import alarm_steps, alarms_of
 from rlcheck.forensics.diagnose.rows import CLEAN, abs_diff, dumped_rows
 
@@ -27,6 +28,11 @@ SAME_SIGN = 0.75
 when another is likelier still; raw logprobs at T = 0.7 on the trained Llama: 83% and 94%)."""
 MIN_MEAN = 0.005
 MIN_CORR = 0.3
+ONE_SIGN, SPREAD, GARBAGE = 0.97, 0.9, 1.0
+"""A renormalised distribution (top-p, top-k on the engine only): on a model with no likely token to read (a
+random one, every token ~7 nats), d = log Z of the nucleus' mass Z < 1 is one-signed on (nearly) every
+token past the floor, of (nearly) every sequence; a per-request fault (corrupted sequences, one-signed
+too) stays in a few."""
 
 
 def logit_processing_tokens(ev: Evidence) -> Finding | None:
@@ -36,7 +42,7 @@ def logit_processing_tokens(ev: Evidence) -> Finding | None:
         if step not in anomalous or not rows:
             continue
         lr = np.concatenate([np.asarray(row["logp_rollout"], np.float64) for row in rows])
-        keep = np.concatenate([abs_diff(row) > CLEAN for row in rows])
+        keep = np.concatenate([abs_diff(row) > max(CLEAN, floor_level(ev)) for row in rows])  # past the precision's noise
         d = np.concatenate([np.asarray(row["logp_train"], np.float64) for row in rows]) - lr
         likely = keep & (lr > LIKELY[0]) & (lr < LIKELY[1])
         if likely.sum() < MIN_TOKENS:
@@ -55,4 +61,27 @@ def logit_processing_tokens(ev: Evidence) -> Finding | None:
             "one side's distribution is sharper than the other's: a temperature applied on one side "
             "only, raw logprobs (logprobs_mode) against a tempered trainer, or top-p/top-k renormalisation"],
             [step], [row["request_id"] for row in rows][:20])
-    return None
+    return _renormalised(ev, anomalous)
+
+
+def _renormalised(ev: Evidence, anomalous: set[int]) -> Finding | None:
+    """d one-signed on the tokens past the floor of nearly every sequence (see ONE_SIGN)."""
+    floor = max(CLEAN, floor_level(ev))
+    for step, rows in dumped_rows(ev):
+        if step not in anomalous or not rows:
+            continue
+        ds = [np.asarray(row["logp_train"], np.float64) - np.asarray(row["logp_rollout"], np.float64) for row in rows]
+        past = [np.abs(d) > floor for d in ds]
+        d = np.concatenate([x[p] for x, p in zip(ds, past, strict=True)])
+        reached = np.mean([p.any() for p in past])
+        if d.size < MIN_TOKENS or reached < SPREAD or np.mean(np.abs(np.concatenate(ds))) > GARBAGE:
+            continue  # past a nat on average: garbage, not the log of a kept mass (`rules.engine`)
+        down = float(np.mean(d < 0))
+        if max(down, 1 - down) < ONE_SIGN:
+            continue
+        side = "the engine" if down > 0.5 else "the trainer"
+        return Finding("logit_processing", 0.8, [
+            f"step {step}: on {max(down, 1 - down):.1%} of the {d.size} tokens past the floor, in {reached:.0%} of the "
+            f"sequences, {side} gives the sampled token more probability (median |d| {np.median(np.abs(d)):.3g})",
+            "one side's distribution is renormalised over fewer tokens than the other's: top-p or top-k on that side "
+            "only (d = log of the kept mass), or a temperature"], [step], [row["request_id"] for row in rows][:20])

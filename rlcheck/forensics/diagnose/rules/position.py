@@ -20,9 +20,9 @@ import numpy as np
 from rlcheck.core import metrics as K
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import clean_level, floor_level
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series, spearman
 from rlcheck.forensics.diagnose.rows import (
-    CLEAN,
     CONTRAST,
     abs_diff,
     dumped_rows,
@@ -44,6 +44,12 @@ MIN_SHARED = 64
 caches whole blocks: 16 tokens on GPUs, 128 on CPU)."""
 
 
+def floored_rows(ev: Evidence, rows) -> np.ndarray:
+    """(N,) each row's mean |d|, at least the run's floor: rows within the precision's noise are alike (an
+    exact row and one 1e-7 off on a fp32 run), so a cut between two groups never falls inside that noise."""
+    return np.maximum(row_abs(rows), floor_level(ev))
+
+
 def _ids(rows, picked) -> list[str]:
     order = sorted(picked, key=lambda i: -(rows[i].get("max_abs_diff") or 0.0))
     return [rows[i]["request_id"] for i in order][:MAX_IDS]
@@ -55,10 +61,10 @@ def position_ids(ev: Evidence) -> Finding | None:
         pad = left_padding(rows)
         if pad is None or not (pad == 0).any() or not (pad > 0).any():
             continue
-        off = row_abs(rows)
+        off = floored_rows(ev, rows)
         clean, padded = float(off[pad == 0].mean()), float(off[pad > 0].mean())
         rho = spearman(pad.astype(np.float64), off)
-        if padded < CLEAN or padded < CONTRAST * clean or rho < 0.4 or not separated(off, pad > 0, 0.95):
+        if padded < clean_level(ev) or padded < CONTRAST * clean or rho < 0.4 or not separated(off, pad > 0, 0.95):
             continue
         levels = ", ".join(f"{int(k)}: {off[pad == k].mean():.2g}" for k in np.unique(pad)[:5])
         return Finding("position_ids", 0.92, [
@@ -80,7 +86,7 @@ def position_dependent(ev: Evidence) -> Finding | None:
         high = pos >= np.quantile(pos, 0.75)
         rho = spearman(pos.astype(np.float64), ad)
         early, late = float(ad[low].mean()), float(ad[high].mean())
-        if late < CLEAN or late < LATE_RATIO * early or rho < MIN_RHO:
+        if late < clean_level(ev) or late < LATE_RATIO * early or rho < MIN_RHO:
             continue
         edges = np.quantile(pos, [0, 0.25, 0.5, 0.75, 1.0]).astype(int)
         by_pos = ", ".join(f"{a}-{b}: {ad[(pos >= a) & (pos <= b)].mean():.2g}" for a, b in zip(edges[:-1], edges[1:], strict=True))
@@ -95,13 +101,13 @@ def position_dependent(ev: Evidence) -> Finding | None:
 
 
 def _onset_after_clean(ev: Evidence, step: int) -> bool:
-    """The run's first step was clean next to `step`: its mean |d| below `CLEAN` and below 1/CONTRAST of
+    """The run's first step was clean next to `step`: its mean |d| below `clean_level` and below 1/CONTRAST of
     `step`'s (records by step; False when either is missing or `step` is the first)."""
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     if steps.size < 2 or step not in steps or step == steps[0]:
         return False
     first, at = float(values[0]), float(values[steps == step][0])
-    return first < CLEAN and first * CONTRAST < at
+    return first < clean_level(ev) and first * CONTRAST < at
 
 
 def stale_prefix_cache(ev: Evidence) -> Finding | None:
@@ -112,10 +118,10 @@ def stale_prefix_cache(ev: Evidence) -> Finding | None:
         shared = shared_prefix(rows)
         if shared is None or not (shared >= MIN_SHARED).any() or not _onset_after_clean(ev, step):
             continue
-        off, on = row_abs(rows), shared >= MIN_SHARED
+        off, on = floored_rows(ev, rows), shared >= MIN_SHARED
         hit = float(off[on].mean())
         rest = float(off[~on].mean()) if (~on).any() else None
-        if hit < CLEAN or (rest is not None and (hit < CONTRAST * rest or not separated(off, on, 0.95))):
+        if hit < clean_level(ev) or (rest is not None and (hit < CONTRAST * rest or not separated(off, on, 0.95))):
             continue
         first = alarm_steps(alarms_of(ev))[0]
         contrast = (f"the {int((~on).sum())} rows without it {rest:.2g}" if rest is not None
@@ -141,7 +147,7 @@ def sparse_rows(ev: Evidence) -> Finding | None:
     on later steps read as growth)."""
     for step, rows in dumped_rows(ev):
         peak = np.array([float(abs_diff(row).max()) if len(row["logp_rollout"]) else 0.0 for row in rows])
-        far = np.flatnonzero(peak >= 10 * CLEAN)
+        far = np.flatnonzero(peak >= 10 * clean_level(ev))
         rest = np.setdiff1d(np.arange(len(rows)), far)
         if not far.size or far.size > max(1, 0.1 * len(rows)) or not rest.size or \
                 FAR_RATIO * peak[rest].max() > peak[far].min():

@@ -23,9 +23,9 @@ import numpy as np
 from rlcheck.core.prompt_ids import SIGNATURE
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import clean_level
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of
 from rlcheck.forensics.diagnose.rows import (
-    CLEAN,
     CONTRAST,
     abs_diff,
     dumped_rows,
@@ -164,7 +164,7 @@ def _stop_by_logprobs(ev: Evidence) -> Finding | None:
             continue
         tails = np.array([abs_diff(row)[-1] for row in rows if int(row["response_tokens"][-1]) == stop])
         rest = np.concatenate([abs_diff(row)[:-1] for row in rows])
-        floor = max(float(np.mean(rest)), CLEAN)
+        floor = max(float(np.mean(rest)), clean_level(ev))
         if tails.mean() > CONTRAST * floor and np.median(tails) > CONTRAST * floor:
             hit = [row["request_id"] for row in rows if int(row["response_tokens"][-1]) == stop]
             return Finding("stop_token", 0.9, [

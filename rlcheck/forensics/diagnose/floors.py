@@ -1,0 +1,49 @@
+"""What "clean" means for the run diagnose reads: its precision floor (`rlcheck.core.floors`), as the
+Monitor logged it in every record (`rlcheck/floor/level`), else as the dump's or run's context names
+the two sides' dtypes, else the fp32 floor the rules were first written at.
+
+The rules' `rows.CLEAN` (1e-4: 100x the fp32 agreement of the two sides) is 10x the fp32 floor's
+level; `clean_level` keeps that ratio at the run's floor: 1e-4 on fp32/fp32, 0.1 on a bf16 engine
+(whose healthy rows sit at 1e-2 with a tail to 0.2 on the tiny trained Llama). A rule's "off" group
+must pass it and its contrast with the clean rows; a fault smaller than the precision's noise cannot
+(a prefix cached one update ago, 1e-4 nats apart, is invisible beside a bf16 engine's 1e-2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcheck.core import metrics as K
+from rlcheck.core.floors import LEVELS, Precision
+from rlcheck.forensics.diagnose.queries import metric_series
+from rlcheck.forensics.diagnose.rows import CLEAN
+
+CLEAN_RATIO = CLEAN / LEVELS["float32"]
+"""The clean level over the floor's level (10: CLEAN at the fp32 floor)."""
+
+
+def floor_level(ev: Any) -> float:
+    """The run's precision floor: the last record's, else its context's dtypes', else fp32's."""
+    _, levels = metric_series(ev, K.FLOOR_LEVEL)
+    if levels.size:
+        return float(levels[-1])
+    context = ev.meta().get("context") or {}
+    level = Precision.from_context(context).level if isinstance(context, dict) else None
+    return level if level is not None else LEVELS["float32"]
+
+
+def clean_level(ev: Any) -> float:
+    """Mean |d| under which a row (or the run's first step) is clean for the rules, at the run's floor."""
+    return max(CLEAN, CLEAN_RATIO * floor_level(ev))
+
+
+ELEVATED = 5.0
+"""A step is past its precision's noise at this many times the floor's level: the clipped-mean gate of the
+threshold detector at the run's floor (0.05 on a bf16 engine, 5e-5 on fp32/fp32)."""
+
+
+def elevated_steps(ev: Any) -> list[int]:
+    """The steps whose clipped mean |d| stands past the threshold gate at the run's floor (one alarm marks the
+    crossing, the gate then re-arms: these are the steps that stayed past it)."""
+    steps, values = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
+    return [int(s) for s, v in zip(steps, values, strict=True) if v > ELEVATED * floor_level(ev)]

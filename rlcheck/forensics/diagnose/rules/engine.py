@@ -1,0 +1,166 @@
+"""The diagnose rule for an engine whose output is not a function of the request (`engine_state`): the
+two Mamba state faults, read from logprobs alone (the engine guard, `rlcheck.engines.guard`, reads
+them from the scheduler's slots: `diagnose._engine_guard`).
+
+- The engine scored identical contexts of a step apart (the `split_twins` signature,
+  `rlcheck.core.stats.twins`), which neither a weight, a temperature nor a precision does. Stale state
+  needs a slot another request held before: a run whose first steps scored their twins alike and
+  split them from a later step (the first wave of requests gets never-used slots; the next reuses
+  them) is `stale_state`. Split from the run's first step, no slot had a previous holder yet: on a
+  quarter of the sequences or more, a state shared between live requests (`index_aliasing`: every
+  request past a slot boundary and the ones it aliases); on fewer, a few requests on state not their
+  own (`stale_state` at 0.8: an engine that served before the run). Each says what tells them apart.
+- Every sequence far off from the run's first step (past the hard limit on catastrophic sequences)
+  while the engine holds the trainer's weights (the sync check's fingerprints agree) and the two sides
+  scored the same ids: the engine computes garbage with the right weights; on a model with recurrent
+  state an aliased state index does exactly that (`index_aliasing`, lower confidence, the same
+  pointer to the guard and `rlcheck stress`).
+- The sync check's probe failing while every fingerprint agrees, on a run whose batches have some of
+  their sequences (not all) diverging from their first token: the weights are the trainer's and the
+  engine computes otherwise per request, its state, not "weights not synced" (`stale_state` after a
+  clean first step, else `index_aliasing`; above the weights rule's probe-only 0.85).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.stats import StatsConfig
+from rlcheck.core.stats.twins import split_twin_sequences
+from rlcheck.forensics.diagnose.evidence import Evidence
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.queries import (
+    MAX_IDS,
+    alarm_steps,
+    alarms_of,
+    catastrophic_ids,
+    metric_series,
+)
+
+TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
+         "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
+         "(a slot read before its prefill) from aliasing (a slot two live requests share)")
+STALE, ALIASED, GARBAGE, PROBE, FEW = 0.93, 0.75, 0.7, 0.88, 0.8
+MANY = 0.25
+"""Split from the run's first step: index aliasing when at least this share of the sequences is off (every
+request past a slot boundary, and the ones it shares with), stale state for fewer (a few reused slots)."""
+SHAPES = ("early_divergence", "sparse_catastrophic", "many_catastrophic")
+"""Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
+sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
+from the first step (rerouted near-tie tokens split twins too, and their own metrics say so). Garbage
+from the first step outranks the sparse shapes' 0.6 for catastrophic sequences that are not early."""
+
+
+def engine_state(ev: Evidence) -> Finding | None:
+    split = alarms_of(ev, kind="signature", signatures=("split_twins",))
+    if split:
+        return _split(ev, split)
+    return _garbage(ev) or _probe_state(ev)
+
+
+def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
+    shapes = alarms_of(ev, kind="signature", signatures=SHAPES)  # the state faults' other shapes, where twins were few
+    steps = alarm_steps(split + shapes)
+    first, a = steps[0], split[0]
+    clean = [int(r["step"]) for r in ev.records if int(r["step"]) < first]
+    ids = list(dict.fromkeys(_split_ids(ev, alarm_steps(split)) + catastrophic_ids(ev, shapes)))[:MAX_IDS]
+    evidence = [f"step {first}: {a['message']}",
+                f"on {len(steps)} step(s); {len(ids)} request(s) in split groups among the dumped steps"]
+    if clean:
+        evidence.append(f"the run's first {len(clean)} step(s) (from step {clean[0]}) scored their twins alike: the "
+                        f"engine turned inconsistent at step {first}, as when requests first start in state slots "
+                        "other requests held before (the first wave of a run gets never-used slots)")
+        return Finding("stale_state", STALE, evidence + [TELLS], steps, ids)
+    share = _off_share(ev, first, ids)
+    if share < MANY:
+        evidence.append(f"inconsistent from the run's first step on {share:.0%} of its sequences: a few requests "
+                        "computed from state not their own, stale state (an engine that served requests before this "
+                        "run) as likely as an aliased index")
+        return Finding("stale_state", FEW, evidence + [TELLS], steps, ids)
+    evidence.append(f"inconsistent from the run's first step, before any state slot had a previous holder, on {share:.0%} "
+                    "of its sequences: a state shared between live requests (an aliased state index, past a boundary "
+                    "that more concurrency crosses) is the likelier")
+    return Finding("index_aliasing", ALIASED, evidence + [TELLS], steps, ids)
+
+
+def _off_share(ev: Evidence, step: int, ids: list[str]) -> float:
+    """The share of `step`'s sequences off: those named (from its dump), else the flagged share of its record."""
+    rows = ev.dump_rows.get(step)
+    if rows:
+        return sum(row["request_id"] in set(ids) for row in rows) / len(rows)
+    record = next((r for r in ev.records if int(r["step"]) == step), {"metrics": {}})
+    return float(record["metrics"].get(K.SEQ_FLAGGED_FRAC, 1.0))
+
+
+def _split_ids(ev: Evidence, steps: list[int]) -> list[str]:
+    """The request ids in split twin groups of the dumped alarmed steps."""
+    cfg = StatsConfig(twin_tau=StatsConfig().twin_tau * _floor_scale(ev))
+    ids: list[str] = []
+    for step in steps:
+        rows = ev.dump_rows.get(step)
+        if not rows or any(row.get("prompt_tokens") is None or row.get("response_tokens") is None for row in rows):
+            continue
+        batch = StepBatch.from_ragged(logp_rollout=[row["logp_rollout"] for row in rows],
+                                      logp_train=[row["logp_train"] for row in rows],
+                                      request_ids=[row["request_id"] for row in rows],
+                                      tokens=[row["response_tokens"] for row in rows],
+                                      prompt_tokens=[row["prompt_tokens"] for row in rows])
+        hit = split_twin_sequences(batch, cfg)
+        ids += [row["request_id"] for row, h in zip(rows, hit.tolist(), strict=True) if h and row["request_id"] not in ids]
+    return ids[:MAX_IDS]
+
+
+def _floor_scale(ev: Evidence) -> float:
+    """The run's floor relative to the bf16 reference, as its records logged it (1 where none did)."""
+    _, scales = metric_series(ev, K.FLOOR_SCALE)
+    return float(scales[-1]) if scales.size else 1.0
+
+
+def _garbage(ev: Evidence) -> Finding | None:
+    """Most sequences catastrophic from the run's first step, with the weights verified and the ids shared."""
+    if not ev.records or ev.source != "run":
+        return None
+    first = ev.records[0]
+    m = first["metrics"]
+    if m.get(K.SEQ_CATASTROPHIC_FRAC, 0.0) < 0.25 or m.get("sync/fingerprint_differs", 1.0) != 0.0:
+        return None
+    if alarms_of(ev, kind="signature", signatures=("shift_by_one", "token_id_mismatch")) or alarms_of(ev, kind="weights"):
+        return None
+    steps = alarm_steps(alarms_of(ev))
+    evidence = [f"step {first['step']}: {m[K.SEQ_CATASTROPHIC_FRAC]:.0%} of the sequences far off (mean |d| "
+                f"{m.get(K.ABS_DIFF_MEAN, 0.0):.3g}) from the run's first step, while the sync check found the engine "
+                "holding the trainer's weights and both sides scored the same token ids: the engine computes garbage "
+                "with the right weights, as an aliased recurrent state index does (a broken kernel would too)",
+                TELLS]
+    ids = [o["request_id"] for o in first.get("offenders", [])]
+    return Finding("index_aliasing", GARBAGE, evidence, steps, ids[:MAX_IDS])
+
+
+def _probe_state(ev: Evidence) -> Finding | None:
+    """A probe-only sync-check failure (fingerprints agree) on a run whose alarmed steps have a part of their
+    sequences diverging from the first token."""
+    probe = [a for a in alarms_of(ev, kind="weights")
+             if "differing" in a["details"] and not a["details"]["differing"] and a["details"].get("probe")]
+    if not probe:
+        return None
+    anomalous = set(alarm_steps(alarms_of(ev)))
+    early = [int(r["step"]) for r in ev.records if int(r["step"]) in anomalous
+             and r["metrics"].get(K.FIRST_DIV_MIN) == 0 and 0 < r["metrics"].get(K.SEQ_FLAGGED_FRAC, 0.0) < 0.5]
+    if not early:
+        return None
+    clean = int(ev.records[0]["step"]) < early[0] and not _alarmed(ev, int(ev.records[0]["step"]))
+    evidence = [f"step {probe[0]['step']}: {probe[0]['message']}",
+                f"{len(early)} alarmed step(s), from step {early[0]}, have some of their sequences (not all) diverging "
+                "from their first generated token: the engine holds the trainer's weights (every fingerprint agrees) "
+                "and computes otherwise per request, from its state",
+                TELLS]
+    steps = sorted(set(early) | {int(probe[0]["step"])})
+    ids = [o["request_id"] for r in ev.records if int(r["step"]) == early[0] for o in r.get("offenders", [])]
+    return Finding("stale_state" if clean else "index_aliasing", PROBE if clean else ALIASED, evidence, steps,
+                   ids[:MAX_IDS])
+
+
+def _alarmed(ev: Evidence, step: int) -> bool:
+    return any(int(a["step"]) == step for a in alarms_of(ev))

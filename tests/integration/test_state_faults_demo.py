@@ -1,0 +1,80 @@
+"""The two Mamba state faults as a user meets them (issue 37): `rlcheck demo`'s loop and Monitor on the
+demo's default model, the trained hybrid (trained for 120 steps here to keep the suite short; its
+answers are 3-4 tokens long, as the demo's), without the engine guard. stale-state halts at step 1, the
+first step whose requests reuse state slots, and diagnose names stale_state; index-wrap halts at step
+0 and diagnose names index_aliasing, saying what tells it from stale state. Each injection reports what
+it touched. The demo's trainers and precisions: fsdp2 with 2 ranks on fp32 (its defaults), the hf
+trainer against a bf16 engine (`--engine-dtype bfloat16`); every other cell: `benchmarks/bench_confusion.py`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlcheck.core.monitor import Monitor
+from rlcheck.demo.run import DemoOptions, monitor_config
+from rlcheck.forensics.diagnose import diagnose
+from rlcheck.loop import run_grpo
+from rlcheck.loop.presets import tiny_cpu
+
+CELLS = [("fsdp2", 2, "float32"), ("hf", 1, "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def trained_hybrid(tmp_path_factory):
+    from rlcheck.modelzoo import build_trained
+
+    return build_trained("hybrid", tmp_path_factory.mktemp("trained") / "hybrid-trained", steps=120)
+
+
+def demo_run(model, run_dir, spec: str, trainer: str, world_size: int, dtype: str):
+    """The demo's loop and Monitor (`rlcheck demo --inject SPEC --trainer T --world-size W --engine-dtype D
+    --no-wandb`), 4 steps at most; (result, {step: touched request ids})."""
+    opts = DemoOptions(run_dir=run_dir, model=model, trainer=trainer, world_size=world_size, steps=4, inject=spec,
+                       wandb=False, engine_dtype=dtype)
+    cfg = tiny_cpu(model, trainer=trainer, world_size=world_size, steps=4, fault=opts.fault, engine_dtype=dtype)
+    with Monitor(monitor_config(opts, cfg)) as mon:
+        result = run_grpo(cfg, mon)
+    lines = [json.loads(x) for x in (run_dir / "loop.jsonl").read_text().splitlines()]
+    return result, {x["step"]: set(x.get("fault_touched") or ()) for x in lines}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("trainer", "world_size", "dtype"), CELLS)
+class TestStateFaultsOnTheDemosModel:
+    def test_stale_state_halts_at_the_first_reuse_named_stale_state(self, trained_hybrid, ray_local, tmp_path,
+                                                                     trainer, world_size, dtype):
+        """Step 0 (never-used slots) clean and untouched; step 1 reuses slots: the engine scores the samples of a
+        prompt apart (split_twins, critical), the run halts there, diagnose says stale_state."""
+        result, touched = demo_run(trained_hybrid, tmp_path, "stale-state", trainer, world_size, dtype)
+        assert result.halted and result.steps_run == 2 and not result.reports[0].alarms
+        assert not touched[0] and touched[1]
+        split = [a for a in result.reports[-1].alarms if a.details.get("signature") == "split_twins"]
+        assert split and split[0].severity == "critical"
+        v = diagnose(tmp_path).verdict
+        assert (v.cause, v.affected_steps) == ("stale_state", [1]), v.evidence
+        assert set(v.affected_request_ids) <= touched[1]
+
+    def test_index_wrap_halts_at_step_0_named_index_aliasing(self, trained_hybrid, ray_local, tmp_path,
+                                                              trainer, world_size, dtype):
+        """64 live requests past 16 state blocks share state from step 0: halted there, index_aliasing, with the
+        commands that tell it from stale state."""
+        result, touched = demo_run(trained_hybrid, tmp_path, "index-wrap=16", trainer, world_size, dtype)
+        assert result.halted and result.steps_run == 1 and touched[0]
+        v = diagnose(tmp_path).verdict
+        assert v.cause == "index_aliasing", v.evidence
+        assert "--guard" in " ".join(v.evidence) and "rlcheck stress" in " ".join(v.evidence)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stop_token_on_a_model_that_stops(trained_hybrid, ray_local, tmp_path):
+    """The trained hybrid ends its answers with the stop token: stop-token touches every such sequence from
+    step 0 and diagnose names stop_token (on a model that never stops it touches nothing: the demo says so)."""
+    result, touched = demo_run(trained_hybrid, tmp_path, "stop-token", "hf", 1, "float32")
+    assert touched[0] and result.reports[0].alarms
+    v = diagnose(tmp_path).verdict
+    assert v.cause == "stop_token", v.evidence
+    assert set(v.affected_request_ids) <= touched[0]

@@ -1,0 +1,115 @@
+"""The floor of a run's precision pair (`rlcheck.core.floors`) and the Monitor judging a run by it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.floors import Floor, Precision, dtype_name
+from rlcheck.core.monitor import Monitor, MonitorConfig
+from rlcheck.errors import ConfigError
+
+
+def step_batch(level: float, seed: int = 0, n: int = 64, length: int = 32) -> StepBatch:
+    """n sequences whose |d| averages about `level` on tokens of probability 0.3 to 0.9."""
+    rng = np.random.default_rng(seed)
+    lr = [np.log(rng.uniform(0.3, 0.9, length)) for _ in range(n)]
+    lt = [x + rng.choice([-1.0, 1.0], length) * rng.exponential(level, length) for x in lr]
+    return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=[f"r{i}" for i in range(n)])
+
+
+def run(tmp_path, levels, **cfg) -> list[list]:
+    with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=(), **cfg)) as mon:
+        return [mon.observe(s, step_batch(x, seed=s)).alarms for s, x in enumerate(levels)]
+
+
+class TestPrecision:
+    @pytest.mark.parametrize("given, name", [("bf16", "bfloat16"), ("torch.float32", "float32"), ("half", "float16"),
+                                             ("auto", None), (None, None), ("FP32", "float32")])
+    def test_dtype_names(self, given, name):
+        """dtype spellings of torch, vLLM and the configs map to one name; "auto" is unknown."""
+        assert dtype_name(given) == name
+
+    def test_unknown_dtype_is_refused(self):
+        with pytest.raises(ConfigError, match="unknown precision"):
+            Precision(engine="int8")
+
+    def test_the_lower_precision_decides(self):
+        """The pair sits at its coarser side's floor; one unknown side leaves it unknown unless the known
+        one is bf16 (nothing is coarser)."""
+        assert Precision("float32", "float32").level == 1e-5
+        assert Precision("bfloat16", "float32").level == Precision("float32", "bfloat16").level == 1e-2
+        assert Precision("bfloat16", None).level == 1e-2 and Precision("float32", None).level is None
+
+    @pytest.mark.parametrize("context, pair", [
+        ({"engine": {"dtype": "float32"}, "trainer": {"dtype": "float32"}}, ("float32", "float32")),  # the loop's
+        ({"vllm_dtype": "bfloat16", "trainer_bf16": False}, ("bfloat16", None)),  # TRL's
+        ({"vllm_dtype": "float32", "trainer_fp16": True}, ("float32", "float16")),
+        ({"precision": {"engine": "bf16", "trainer": "fp32"}}, ("bfloat16", "float32")),
+        ({"engine": {"dtype": "fp8"}}, (None, None)),  # a dtype rlcheck does not know: calibrate
+        ({"engine": "vllm", "trainer": "none", "precision": "bf16"}, (None, None)),  # a stress dump's strings
+        ({}, (None, None)),
+    ])
+    def test_from_context(self, context, pair):
+        p = Precision.from_context(context)
+        assert (p.engine, p.trainer) == pair
+
+
+class TestFloorCalibration:
+    def test_a_precise_run_calibrates_to_fp32(self):
+        """Unknown dtypes: bf16 scale until calibration_steps observations, then the fp32 floor when the
+        lowest of them sits at fp32 noise; the record carries the level in effect."""
+        floor = Floor(Precision())
+        seen = []
+        for x in (3e-7, 2e-2, 1e-6, 5e-7):
+            m = {K.ABS_DIFF_CLIPPED_MEAN: x}
+            floor.observe(m)
+            seen.append((m[K.FLOOR_LEVEL], m[K.FLOOR_SCALE]))
+        assert seen[:3] == [(1e-2, 1.0)] * 3 and seen[3] == (1e-5, pytest.approx(1e-3))
+
+    def test_a_bf16_run_stays_at_bf16_and_empty_steps_do_not_count(self):
+        floor = Floor(Precision(calibration_steps=2))
+        floor.observe({K.ABS_DIFF_CLIPPED_MEAN: 1e-9}, empty=True)
+        for x in (3e-3, 5e-3):
+            floor.observe({K.ABS_DIFF_CLIPPED_MEAN: x})
+        assert floor.calibrated and floor.level == 1e-2
+
+    def test_known_dtypes_ignore_a_calibrating_state(self):
+        """A state saved while calibrating does not override dtypes given now; an unknown-dtype floor resumes it."""
+        state = json.loads(json.dumps({"level": 1e-3, "seen": [1e-4] * 4, "calibrated": True}))
+        known = Floor(Precision("float32", "float32"))
+        known.load_state_dict(state)
+        unknown = Floor(Precision())
+        unknown.load_state_dict(state)
+        assert known.level == 1e-5 and unknown.level == 1e-3 and unknown.calibrated
+
+
+class TestMonitorAtTheFloor:
+    def test_fp32_far_above_its_floor_alarms_bf16_at_its_level_does_not(self, tmp_path):
+        """A fp32/fp32 run at 1e-2 (10^4 x its floor) raises the threshold gates at once; a bf16 run at its
+        usual 5e-3 raises nothing, nor a fp32 one at 1e-6."""
+        fp32 = Precision("float32", "float32")
+        first = run(tmp_path / "a", [1e-2], precision=fp32)[0]
+        assert {a.metric for a in first} >= {K.ABS_DIFF_CLIPPED_MEAN, K.PROB_ABS_DIFF_MEAN}
+        assert all(a.details["limit"] <= 5e-5 for a in first if a.kind == "threshold")
+        assert run(tmp_path / "b", [5e-3] * 6, precision=Precision("bfloat16", "float32")) == [[]] * 6
+        assert run(tmp_path / "c", [1e-6] * 6, precision=fp32) == [[]] * 6
+
+    def test_the_context_names_the_dtypes(self, tmp_path):
+        """Without `precision`, the loop's context (engine and trainer dtypes) sets the floor."""
+        ctx = {"engine": {"dtype": "float32"}, "trainer": {"dtype": "float32"}}
+        assert run(tmp_path, [1e-2], context=ctx)[0]
+
+    def test_plain_api_calibrates_then_judges(self, tmp_path):
+        """Unknown dtypes: four fp32-level steps calibrate the floor; a step at 1e-2 after them alarms,
+        and the record says the floor; a resumed Monitor keeps the calibration."""
+        alarms = run(tmp_path, [1e-6] * 4 + [1e-2])
+        assert alarms[:4] == [[]] * 4 and alarms[4]
+        records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["metrics"][K.FLOOR_LEVEL] for r in records] == [1e-2] * 3 + [1e-5] * 2
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=())) as mon:
+            assert mon.floor.level == 1e-5 and mon.detectors["threshold"].scale == pytest.approx(1e-3)

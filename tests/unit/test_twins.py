@@ -1,0 +1,92 @@
+"""Twins (`rlcheck.core.stats.twins`): tokens scored in identical contexts within a step, and the
+`split_twins` signature an engine that scores them apart raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlcheck.core import metrics as K
+from rlcheck.core.batch import StepBatch
+from rlcheck.core.detect import SignatureDetector
+from rlcheck.core.stats import StatsConfig, compute, compute_partial, finalize, merge
+from rlcheck.core.stats.twins import split_twin_sequences
+from rlcheck.synthetic.groups import grpo_batch
+
+
+class TestTwinStats:
+    def test_a_healthy_engine_splits_nothing(self):
+        """Identical contexts scored alike on both sides: twin groups counted, none split."""
+        m, _ = compute(grpo_batch())
+        assert m[K.SIG_TWIN_GROUPS] == 4 * 3 and m[K.SIG_TWIN_SPLIT] == 0 and K.SIG_TWIN_FIRST_POS not in m
+
+    def test_stale_sequences_split_their_groups(self):
+        """Two sequences of different prompts scored off at their first tokens split their prompts'
+        groups at positions 0 and 1 (4 groups, 32 sequences in them), the spread and position named; the
+        sequences named are the two the engine scored off, not their twins."""
+        batch = grpo_batch(stale={1, 9})
+        m, _ = compute(batch)
+        assert (m[K.SIG_TWIN_SPLIT], m[K.SIG_TWIN_SPLIT_SEQS], m[K.SIG_TWIN_FIRST_POS]) == (4, 32, 0)
+        assert m[K.SIG_TWIN_SPREAD] == pytest.approx(0.3, rel=1e-5) and m[K.SIG_TWIN_TRAINER_SPLIT] == 0
+        assert np.flatnonzero(split_twin_sequences(batch, StatsConfig())).tolist() == [1, 9]  # the twins scored off
+
+    def test_a_split_on_both_sides_is_not_the_engines(self):
+        """When the trainer scores the same twins apart too, the split is counted as the trainer's only."""
+        m, _ = compute(grpo_batch(stale={1}, trainer_stale={1}))
+        assert m[K.SIG_TWIN_SPLIT] == 0 and m[K.SIG_TWIN_TRAINER_SPLIT] == 2
+
+    def test_the_bar_is_in_residual_units(self):
+        """A spread under twin_tau * (1 - p)^0.91 is no split; a lower twin_tau (a finer floor) counts it."""
+        batch = grpo_batch(stale={1})
+        assert compute(batch, StatsConfig(twin_tau=10.0))[0][K.SIG_TWIN_SPLIT] == 0
+        assert compute(batch, StatsConfig(twin_tau=1e-4))[0][K.SIG_TWIN_SPLIT] == 2
+
+    def test_masked_tokens_and_missing_ids(self):
+        """Masked tokens are not compared; without prompt or token ids there are no twin metrics."""
+        batch = grpo_batch(stale={1})
+        masked = grpo_batch(stale={1}, mask=[np.arange(6) >= 2 for _ in range(32)])
+        assert compute(masked)[0][K.SIG_TWIN_SPLIT] == 0 and compute(masked)[0][K.SIG_TWIN_GROUPS] == 4
+        bare = StepBatch.from_packed(batch.logp_rollout, batch.logp_train, batch.cu_seqlens, batch.request_ids)
+        assert K.SIG_TWIN_GROUPS not in compute(bare)[0]
+
+    def test_merge_and_torch_agree(self):
+        """Two halves merged count what the whole does (twins within a half); the torch backend agrees."""
+        batch = grpo_batch(stale={1, 9, 17})
+        whole, _ = compute(batch)
+        halves = [batch.select(np.arange(0, 16)), batch.select(np.arange(16, 32))]
+        merged, _ = finalize(merge([compute_partial(h) for h in halves]))
+        keys = (K.SIG_TWIN_GROUPS, K.SIG_TWIN_SPLIT, K.SIG_TWIN_SPLIT_SEQS, K.SIG_TWIN_SPREAD, K.SIG_TWIN_FIRST_POS)
+        assert [merged[k] for k in keys] == [whole[k] for k in keys]
+        pytest.importorskip("torch")
+        torch_m, _ = compute(batch, StatsConfig(backend="torch-eager"))
+        assert [torch_m[k] for k in keys] == [whole[k] for k in keys]
+
+
+class TestSplitTwinsSignature:
+    def test_critical_on_a_split_step(self):
+        """Two or more split groups (and 5% of them) raise a critical split_twins naming the counts."""
+        m, _ = compute(grpo_batch(stale={1, 9}))
+        (a,) = [a for a in SignatureDetector().update(3, m) if a.details["signature"] == "split_twins"]
+        assert (a.severity, a.details["split"], a.details["groups"], a.details["first_position"]) == ("critical", 4, 12, 0)
+        assert "stale state" in a.message and "index aliasing" in a.message
+
+    def test_quiet_on_one_split_group_or_none(self):
+        """One split group is below the signature's bar; a healthy step raises nothing."""
+        det = SignatureDetector()
+        one = compute(grpo_batch(stale={1}, mask=[np.arange(6) < 1 for _ in range(32)]))[0]  # first tokens only
+        assert (one[K.SIG_TWIN_SPLIT], one[K.SIG_TWIN_GROUPS]) == (1, 4)
+        assert det.update(0, one) == [] and det.update(1, compute(grpo_batch())[0]) == []
+
+    def test_an_moe_batch_warns(self):
+        """A batch carrying MoE routing (router noise reroutes near-tie tokens between batches, splitting twins
+        too) gets the signature as a warning, naming the routing metrics."""
+        import dataclasses
+
+        from rlcheck.core.moe import Routing
+
+        batch = grpo_batch(stale={1, 9})
+        experts = np.zeros((batch.num_tokens, 1, 2), dtype=np.int64)
+        routed = dataclasses.replace(batch, routing=Routing(experts, experts))
+        m, _ = compute(routed)
+        (a,) = [a for a in SignatureDetector().update(0, m) if a.details["signature"] == "split_twins"]
+        assert m[K.SIG_TWIN_ROUTED] == 1.0 and a.severity == "warn" and "moe/" in a.message
