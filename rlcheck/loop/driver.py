@@ -3,23 +3,22 @@
     with ray_session():
         result = run_grpo(LoopConfig(rollout=VLLMConfig(...), trainer=TrainerConfig(...)), monitor)
 
-Per step: the rollout actor samples G responses for each prompt of the toy task (vLLM, weights of
-version v); the trainer group recomputes their logprobs under the training weights (also version v,
-unless a sync was missed); `monitor.observe` compares the two, and each rollout's weight version
-with the trainer's (a missed sync is a `weights` alarm at the first stale step; it may raise `MismatchHalt`);
-the rewards become group-normalised advantages and the group takes one clipped-surrogate step; the gathered
-weights go to vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks whether the engine
-now computes with them; a failed check is a critical `weights` alarm at the next step, naming the stale
-decoder layers, and halts there. A halt stops the actors and returns with the evidence (the Monitor wrote the
-dump before raising). `loop.jsonl` in the run directory gets one line per step: rewards, loss, the time of
-each phase, and the step's engine restarts.
-What the trainer scores, and the first alarmed step's dump when it does not halt: `rlcheck.loop.trainer_view`.
+Per step: the rollout actor samples G responses for each prompt of the toy task (vLLM, weights of version
+v); the trainer group recomputes their logprobs under the training weights (also version v, unless a sync
+was missed); `monitor.observe` compares the two, and each rollout's weight version with the trainer's (a
+missed sync is a `weights` alarm at the first stale step; it may raise `MismatchHalt`); the rewards become
+group-normalised advantages and the group takes one clipped-surrogate step; the gathered weights go to
+vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks whether the engine now computes
+with them; a failed check is a critical `weights` alarm at the next step, naming the stale decoder layers,
+and halts there. A halt stops the actors and returns with the evidence (the Monitor wrote the dump before
+raising). `loop.jsonl` in the run directory gets one line per step: rewards, loss, the time of each
+phase, the step's engine restarts. What the trainer scores, and the first alarmed step's dump when it
+does not halt: `rlcheck.loop.trainer_view`.
 
-Quarantine and correction: the update weights each response token by what the step's report says
-(`StepReport.correction`): 0 for the sequences the Monitor quarantined (`MonitorConfig.quarantine`),
-and the importance-sampling weight of `LoopConfig.correction` (verl's names) when one is asked for;
-the step's loop.jsonl line then names the quarantined requests, the tokens dropped and the
-correction's clip fractions and ESS.
+Quarantine and correction: the update weights each response token by the step's report
+(`StepReport.correction`): 0 for the sequences the Monitor quarantined (`MonitorConfig.quarantine`), the
+importance-sampling weight of `LoopConfig.correction` (verl's names) when asked for; the step's loop.jsonl
+line names the quarantined requests, the tokens dropped, the correction's clip fractions and ESS.
 
 Lost actors (`rlcheck.loop.recovery`): a dead or hung rollout engine is replaced by a fresh one with
 the trainer's weights, up to `max_engine_restarts` times, and the step goes on; a lost trainer rank,
