@@ -49,6 +49,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `raw-logprobs` |", (SETTINGS + "test_logit_processing",)),
     ("docs/faults.md", "| SPEC | what goes wrong | shape | diagnose names |", (NAMED,)),
     # the demo's console for a sync left out every 4th update (the weights version check halts the first stale step)
+    # the halt-to-report walk-through: the second bug from the demo
+    ("docs/forensics/halt-to-report.md", "32-bit offset would): the demo halts at step 0", (WRAP,)),
     ("docs/halting.md", "halted after 5 steps", (SKIP,)),
     ("docs/halting.md", "diagnose: weights not synced, or synced late (confidence 0.99)", (SKIP,)),
     ("docs/quickstart.md", "halted after 5 steps", (SKIP,)),
