@@ -21,26 +21,15 @@ Every case runs in its own subprocess; peak = the RSS high-water mark (VmHWM, re
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import subprocess
 import sys
 import time
 
+from bench_logprobs import _peak_rss, _reset_peak_rss  # noqa: E402 (a sibling script: the RSS high-water mark)
+
 VOCAB, HIDDEN, PROMPT = 151_936, 3_584, 1_024
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _reset_peak_rss() -> int:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_rss()
 
 
 def kernel_case(tokens: int, chunk_rows: int, keep_bytes: float, keep_limit: float) -> dict:

@@ -89,15 +89,17 @@ class Precision:
 
     @classmethod
     def from_context(cls, context: Mapping[str, Any]) -> Precision:
-        """The dtypes a Monitor's context names: the loop's (`LoopConfig.context`: engine.dtype,
-        trainer.dtype), TRL's (`vllm_dtype`, `trainer_dtype`, `trainer_bf16` / `trainer_fp16`), or a `precision` entry
+        """The dtypes a Monitor's context names: the loop's (`LoopConfig.context`: engine.dtype, else
+        engine.configured_dtype; trainer.dtype), TRL's (`vllm_dtype`, `trainer_dtype`, `trainer_bf16` / `trainer_fp16`), or a `precision` entry
         {"engine": ..., "trainer": ...}; unknown where it names none (or names one rlcheck does not know)."""
         def entry(key: str) -> Mapping[str, Any]:
             value = context.get(key)
             return value if isinstance(value, Mapping) else {}  # a context may name its engine by a string
 
         given = entry("precision")
-        engine = given.get("engine") or entry("engine").get("dtype") or context.get("vllm_dtype")
+        # the loop's engine: the dtype it ran (once asked) or, before, the one configured ("auto": unknown)
+        engine = (given.get("engine") or entry("engine").get("dtype") or entry("engine").get("configured_dtype")
+                  or context.get("vllm_dtype"))
         trainer = given.get("trainer") or entry("trainer").get("dtype") or context.get("trainer_dtype")
         if trainer is None and context.get("trainer_bf16"):
             trainer = "bfloat16"

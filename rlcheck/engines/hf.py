@@ -186,8 +186,8 @@ def split_head(model: Any) -> tuple[Any, Any] | None:
     scale = (1.0 / cfg.logits_scaling if getattr(cfg, "logits_scaling", None) else 1.0) * (getattr(cfg, "logit_scale", None) or 1.0)
     cap = getattr(cfg, "final_logit_softcapping", None)
 
-    def head(hidden):
-        x = lm_head(hidden).float() * scale
+    def head(hidden):  # in the head's dtype, as the models' own forwards cast (a bf16 Mamba2's norm_f is fp32)
+        x = lm_head(hidden.to(lm_head.weight.dtype)).float() * scale
         return x if not cap else torch.tanh(x / cap) * cap
 
     device = next(model.parameters()).device

@@ -166,7 +166,7 @@ class TestRealDemo:
                    for r, x in zip(records, lines, strict=True))
 
     @pytest.mark.parametrize(("option", "value", "says"), [
-        ("--correction", "tokens", "not token or sequence"),
+        ("--correction", "tokens", "not token, sequence or geometric"),
         ("--inject", "skip-sync-every=1", "K >= 2"),
         ("--inject", "melt-gpu=3", "unknown fault"),
         ("--trainer", "megatron", "not one of"),

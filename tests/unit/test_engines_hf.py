@@ -46,6 +46,16 @@ class TestLogitsOnlyWhereCompared:
         for p, r, lp in zip(PROMPTS, RESPONSES, scorer.score(PROMPTS, RESPONSES, temperature=0.7), strict=True):
             np.testing.assert_allclose(lp, plain(model, p, r, 0.7), atol=2e-6)
 
+    @pytest.mark.parametrize("arch", ["llama", "mamba2"])
+    def test_bf16_model_splits_its_head(self, arch):
+        """A bf16 model: the decoder's last hidden states reach the LM head in its dtype, as the model's own
+        forward casts them (a bf16 Mamba2's final norm returns fp32: the head's matmul refused it)."""
+        model = tiny_causal_lm(arch, vocab_size=VOCAB).to(torch.bfloat16)
+        scorer = HFScorer(HFScorerConfig(model="in-process", dtype="bfloat16"), model=model)
+        assert scorer.split is not None
+        for p, r, lp in zip(PROMPTS, RESPONSES, scorer.score(PROMPTS, RESPONSES), strict=True):
+            np.testing.assert_allclose(lp, plain(model, p, r, 1.0), atol=0.05)
+
     def test_lm_head_sees_response_positions_in_chunks(self, monkeypatch):
         """With a 3-row chunk budget the LM head runs on at most 3 rows at a time and on the response
         positions only: 15 rows in all for 4 + 9 + 2 response tokens (no prompt position, no padding)."""

@@ -58,6 +58,18 @@ class TestPrecision:
         p = Precision.from_context(context)
         assert (p.engine, p.trainer) == pair
 
+    @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
+    def test_the_loops_own_context(self, engine_dtype):
+        """`LoopConfig.context()` as the loop hands it to its Monitor, before the engine says the dtype it ran
+        (engine.dtype None, engine.configured_dtype set): the configured dtype decides (a fp32 loop read as
+        unknown calibrated on a fault present from step 0: rope-mismatch went unalarmed)."""
+        from rlcheck.loop.presets import tiny_cpu
+
+        p = Precision.from_context(tiny_cpu("runs/models/llama", trainer="hf", engine_dtype=engine_dtype).context())
+        assert (p.engine, p.trainer) == (engine_dtype, "float32")
+        auto = Precision.from_context({"engine": {"dtype": None, "configured_dtype": "auto"}, "trainer": {"dtype": "float32"}})
+        assert auto.engine is None
+
 
 class TestFloorCalibration:
     def test_a_precise_run_calibrates_to_fp32(self):
