@@ -49,8 +49,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `raw-logprobs` |", (SETTINGS + "test_logit_processing",)),
     ("docs/faults.md", "| SPEC | what goes wrong | shape | diagnose names |", (NAMED,)),
     # the demo's console for a sync left out every 4th update (the weights version check halts the first stale step)
-    # the halt-to-report walk-through (`rlcheck demo --inject stale-state --trainer hf`, fp32, the trained hybrid):
-    # step 1 on the demo's own model; STALE's hf fp32 cell holds it to within 2 steps of that first reuse
+    # the halt-to-report walk-through (`rlcheck demo --inject stale-state --trainer hf`: STALE's hf fp32 cell)
     ("docs/forensics/halt-to-report.md", "halted after 2 steps: signature alarm on rlcheck/sig/twin_split", (STALE,)),
     ("docs/forensics/halt-to-report.md", "the first whose requests start in slots that step 0's held, and the run halts there",
      (STALE,)),
