@@ -49,7 +49,20 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `raw-logprobs` |", (SETTINGS + "test_logit_processing",)),
     ("docs/faults.md", "| SPEC | what goes wrong | shape | diagnose names |", (NAMED,)),
     # the demo's console for a sync left out every 4th update (the weights version check halts the first stale step)
-    # the halt-to-report walk-through: the second bug from the demo
+    # the halt-to-report walk-through (`rlcheck demo --inject stale-state --trainer hf`: STALE's hf fp32 cell)
+    ("docs/forensics/halt-to-report.md", "halted after 2 steps: signature alarm on rlcheck/sig/twin_split", (STALE,)),
+    ("docs/forensics/halt-to-report.md", "the first whose requests start in slots that step 0's held, and the run halts there",
+     (STALE,)),
+    ("docs/forensics/halt-to-report.md",
+     "diagnose: stale recurrent state (Mamba slot reused, decode before prefill) (confidence 0.93)", (STALE,)),
+    ("docs/forensics/halt-to-report.md",
+     "likely cause: stale recurrent state (Mamba slot reused, decode before prefill) (confidence 0.93)", (STALE,)),
+    ("docs/forensics/halt-to-report.md", "the engine turned inconsistent at step 1", (STALE,)),
+    ("docs/forensics/halt-to-report.md", "reproduced: reproduced 3 of 3; shrunk from 64 batch request(s)",
+     ("tests/integration/test_repro.py::TestFromTheDemo::test_engine_fault_is_reproduced_and_shrunk",)),
+    ("docs/forensics/halt-to-report.md", "first wave (never-used slots): 0 of 8 fail",
+     ("tests/integration/test_stress.py::TestSweepShapes::test_stale_state_spares_the_first_wave_and_grows_with_less_memory",)),
+    # the second bug from the demo
     ("docs/forensics/halt-to-report.md", "32-bit offset would): the demo halts at step 0", (WRAP,)),
     ("docs/halting.md", "halted after 5 steps", (SKIP,)),
     ("docs/halting.md", "diagnose: weights not synced, or synced late (confidence 0.99)", (SKIP,)),

@@ -4,7 +4,8 @@ answers are 3-4 tokens long, as the demo's), without the engine guard. stale-sta
 first step whose requests reuse state slots, and diagnose names stale_state; index-wrap halts at step
 0 and diagnose names index_aliasing, saying what tells it from stale state. Each injection reports what
 it touched. The demo's trainers and precisions: fsdp2 with 2 ranks on fp32 (its defaults), the hf
-trainer against a bf16 engine (`--engine-dtype bfloat16`); every other cell: `benchmarks/bench_confusion.py`."""
+trainer on fp32 (docs/forensics/halt-to-report.md's run) and against a bf16 engine (`--engine-dtype
+bfloat16`); every other cell: `benchmarks/bench_confusion.py`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rlcheck.forensics.diagnose import diagnose
 from rlcheck.loop import run_grpo
 from rlcheck.loop.presets import tiny_cpu
 
-CELLS = [("fsdp2", 2, "float32"), ("hf", 1, "bfloat16")]
+CELLS = [("fsdp2", 2, "float32"), ("hf", 1, "float32"), ("hf", 1, "bfloat16")]
 
 
 @pytest.fixture(scope="module")
