@@ -72,6 +72,7 @@ def tool_loss_run(calculator_model, ray_local, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the calculator model trains ~8 minutes: make test-extended
 @pytest.mark.timeout(900)
 class TestCalculatorLoop:
     @pytest.mark.supports("own loop", "task", "calculator (multi-turn)")

@@ -43,9 +43,10 @@ pytestmark = pytest.mark.slow
 RLCHECK = str(Path(sys.executable).with_name("rlcheck"))
 ENGINE_FAULTS = ("stale-state", "index-wrap=16", "stale-buffer", "perturb-layer=1")
 MATRIX = os.environ.get("RLCHECK_REPRO_MATRIX") == "1"
-"""`make test-repro-matrix` runs every fault from both sources (about 45 minutes here); `make test` (CI) runs
+"""`make test-repro-matrix` runs every fault from both sources (about 45 minutes here); `make test-extended`
 one case a source and fault kind: the demo's stale-state, the stress output's index-wrap and perturb-layer
-(whose stress runs TestCli shares); the other five are skipped, saying so."""
+(whose stress runs TestCli shares); the other five are skipped, saying so. `make test` (CI's time budget)
+runs the full report, the CLI and the runs with nothing to reproduce."""
 IN_CI = {("demo", "stale-state"), ("stress", "index-wrap=16"), ("stress", "perturb-layer=1")}
 
 
@@ -128,6 +129,7 @@ def check_reproduced(result, fault: str) -> None:
     assert case["fault"] == fault and case["model"] == "model" and case["engine"]["dtype"] == "float32"
 
 
+@pytest.mark.extended  # make test-extended (CI: TestFullReport, TestCli, the healthy runs)
 @pytest.mark.timeout(2400)
 class TestFromTheDemo:
     @pytest.mark.parametrize("spec", cases("demo"))
@@ -142,6 +144,7 @@ class TestFromTheDemo:
         written[out] = spec
 
 
+@pytest.mark.extended  # make test-extended (CI: TestFullReport, TestCli, the healthy runs)
 @pytest.mark.timeout(2400)
 class TestFromStress:
     @pytest.mark.parametrize("spec", cases("stress"))
@@ -153,6 +156,7 @@ class TestFromStress:
         written[out] = spec
 
 
+@pytest.mark.extended  # make test-extended (CI: TestFullReport, TestCli, the healthy runs)
 @pytest.mark.timeout(2400)  # 7 min alone; one process per fault and one for all 8 healthy runs
 class TestScripts:
     def test_repro_py_with_and_without_the_fault(self, written):
@@ -250,6 +254,7 @@ class TestNothingOrTheTrainer:
         out = repro(tmp_path / "stress", tmp_path / "out", config=QUICK)
         assert out.verdict == NOTHING and out.exit_code == 0 and "no failing request" in out.message
 
+    @pytest.mark.extended
     @pytest.mark.parametrize("spec", ["off-by-one@1", "stale-weights@1"])
     def test_trainer_side_fault_points_at_the_trainer(self, halted, tmp_path, spec):
         """The engine re-run matches the reference in both fresh engines; in the run the trainer's

@@ -108,6 +108,7 @@ def tool_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the calculator model trains ~8 minutes: make test-extended
 @pytest.mark.timeout(900)
 class TestTRLTools:
     @pytest.mark.supports("TRL", "tools", "tools= (multi-turn)")
