@@ -231,7 +231,8 @@ class TestResumedTrainer:
 
     def test_perturbed_engine_layer_caught(self, resumed_run):
         """Decoder layer 1 computes 1.5 x its attention output inside vLLM from the sync after step 5:
-        step 6 alarms, step 5 does not, the level 10x step 5's and staying there. (`rlcheck diagnose`
+        step 6 alarms, step 5 does not, the level over 5x step 5's and staying there (bf16 engine: step 5 at
+        0.009, steps 6 and 7 at 0.10 and 0.08 in one run, 9x: 10x was too tight for the sampling's spread). (`rlcheck diagnose`
         has no weight evidence in verl to name it: the sync check of rlcheck's own loop is not wired into
         verl's weight sync.)"""
         (fault,) = [f for f in resumed_run.records("faults") if f["fault"] == "perturb-layer"]
@@ -239,7 +240,7 @@ class TestResumedTrainer:
         records = journal(resumed_run.out / "rlcheck")
         assert alarms(records[6]) and not alarms(records[5])
         level = [records[s]["metrics"][K.ABS_DIFF_MEAN] for s in (5, 6, 7)]
-        assert level[1] > 10 * level[0] and level[2] > 10 * level[0]
+        assert level[1] > 5 * level[0] and level[2] > 5 * level[0]
         assert resumed_run.returncode == 0  # warn level: the run goes on, as configured
 
 
