@@ -27,7 +27,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from bench_confusion import matrix  # noqa: E402 (a sibling script)
+from bench_confusion import StopRun, matrix  # noqa: E402 (a sibling script)
 
 CALCULATOR = "runs/models/llama-calculator"
 CASES = [(spec, CALCULATOR) for spec in (
@@ -36,10 +36,6 @@ CASES = [(spec, CALCULATOR) for spec in (
 RULE_SEEDS = (0, 1)
 """The seeds the multi-turn rules were written on; held out: every other seed."""
 GUARD = "+guard"
-
-
-class StopRun(Exception):
-    """Raised by the step callback to end a run early (enough steps after its first alarm)."""
 
 
 def run_dir_of(out: Path, seed: int, spec: str, model: str) -> Path:

@@ -168,17 +168,14 @@ STASH_ATTR = "_rlcheck_stale_conv_buffers"
 
 def _stash_conv_buffers(model: Any) -> int:
     """Keep a copy of this worker's conv buffers on its model (runs inside each worker)."""
-    setattr(model, STASH_ATTR, {name: mixer.conv_weights.detach().clone() for name, mixer in conv_mixers(model)})
+    setattr(model, STASH_ATTR, conv_buffers(model))
     return len(getattr(model, STASH_ATTR))
 
 
 def _restore_conv_buffers(model: Any) -> int:
     """Put this worker's stashed conv buffers back, in storage of their own: the conv reads them, the
     reload does not reach them (runs inside each worker)."""
-    old = model.__dict__.pop(STASH_ATTR)
-    for name, mixer in conv_mixers(model):
-        mixer.conv_weights = old[name]
-    return len(old)
+    return restore_conv_buffers(model, model.__dict__.pop(STASH_ATTR))
 
 
 def conv_buffers(model: Any) -> dict[str, Any]:
