@@ -140,6 +140,16 @@ class TestDiagnose:
         assert result.source == "run" and result.num_steps == STEPS
         assert result.verdict.affected_steps == [] and result.verdict.affected_request_ids == []
 
+    def test_healthy_says_what_its_floor_hides(self, recorded):
+        """A healthy bf16 run's verdict says it was judged at the bf16 floor and how to see below it (a fault
+        within bf16's noise, as the trained hybrid's one-token left padding, reads healthy there); a fp32 run's
+        verdict needs no such line."""
+        bf16 = diagnose(recorded("clean", "bf16").path).verdict
+        assert bf16.cause == "healthy" and len(bf16.evidence) == 2
+        assert "bfloat16 floor" in bf16.evidence[1] and "float32" in bf16.evidence[1]
+        fp32 = diagnose(recorded("clean", "fp32").path).verdict
+        assert fp32.cause == "healthy" and len(fp32.evidence) == 1
+
     def test_corrupt_sequences_are_stale_state(self, runs):
         """Corrupted sequences are stale state, from the first step one of them is catastrophic (a tenth
         of its tokens at |d| >= 2: the fault's confident rollout logprobs are that far off only where the

@@ -11,6 +11,7 @@ must pass it and its contrast with the clean rows; a fault smaller than the prec
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rlcheck.core import metrics as K
@@ -47,3 +48,18 @@ def elevated_steps(ev: Any) -> list[int]:
     crossing, the gate then re-arms: these are the steps that stayed past it)."""
     steps, values = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
     return [int(s) for s, v in zip(steps, values, strict=True) if v > ELEVATED * floor_level(ev)]
+
+
+def resolution(ev: Any) -> str | None:
+    """What a healthy verdict cannot see on a run judged above the fp32 floor: a fault whose mismatch stays within
+    the precision's own noise (None on a fp32/fp32 run). On the demo's trained hybrid with a bf16 engine a
+    trainer that left-pads the one prompt a token short is such a fault: its shift (0.01-0.03 nats on the
+    padded rows, fp32) is the size of the bf16 engine's noise on the same rows (BENCHMARKS.md, "Left padding
+    under a bf16 engine's noise")."""
+    level = floor_level(ev)
+    if level <= LEVELS["float32"]:
+        return None
+    name = min(LEVELS, key=lambda k: abs(math.log(LEVELS[k] / level)))
+    return (f"judged at the {name} floor ({level:g}; the clipped mean |d| gate {ELEVATED * level:g}): a fault whose "
+            f"mismatch stays within {name}'s own noise is not seen; the engine in float32 (vLLM dtype='float32') sees to "
+            f"{LEVELS['float32']:g}")
