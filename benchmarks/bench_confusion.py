@@ -63,8 +63,12 @@ DEFAULT_PATTERNS = {"drop": "mlp", "permute": "self_attn"}
 NOISE = {"fp32": 1, "bf16": 16}
 """bf16-noise's scale: bf16-sized rounding on a fp32 engine; on a bf16 engine 1x is its own noise (no fault at
 that precision: `WITHIN_NOISE`), 16x stands past its floor."""
-WITHIN_NOISE = {("bf16-noise=1", "bf16")}
-"""(spec, precision) cells that are no fault at that precision: listed apart, not in the matrix."""
+WITHIN_NOISE = {("bf16-noise=1", "bf16", None), ("left-pad-positions", "bf16", "hybrid-trained")}
+"""(spec, precision, model or None: every model) cells whose fault stays within that precision's own noise:
+listed apart with their verdict, not in the matrix. The trained hybrid's prompts differ by at most one token:
+left-pad-positions pads the short one by a single token: its rows' shift (fp32: a median 1e-3 nats a step, at
+most 0.023) is under a bf16 engine's noise on the same rows (a median 7.7e-3; `bench_pad_floor.py`;
+BENCHMARKS.md, "Left padding under a bf16 engine's noise")."""
 AFTER = 2
 CALIBRATION = {"seed": 0, "trainer": "hf", "models": {"fp32": set(MODELS), "bf16": MAMBA | {"llama-trained"}}}
 
@@ -270,7 +274,7 @@ def diagnosed(run_dir: Path, again: bool) -> dict:
 def report(rows: list[dict]) -> str:
     """The matrix (calibration and held-out apart), the state faults' halts, the refused and failed runs."""
     lines = []
-    within = [r for r in rows if (r["spec"], r["precision"]) in WITHIN_NOISE]
+    within = [r for r in rows if within_noise(r)]
     rows = [r for r in rows if r not in within]
     ran = [r for r in rows if not r["error"] and (r["touched"] or r["spec"] == "none")]
     for title, part in (("calibration", [r for r in ran if r["calibration"]]), ("held-out", [r for r in ran if not r["calibration"]])):
@@ -286,6 +290,11 @@ def report(rows: list[dict]) -> str:
         lines.append("Within the precision's noise (no fault there, not counted): " + ", ".join(
             f"{_cell(r)} -> {r['verdict']}" for r in within))
     return "\n".join(lines)
+
+
+def within_noise(r: dict) -> bool:
+    return any(r["spec"] == spec and r["precision"] == precision and model in (None, r["model"])
+               for spec, precision, model in WITHIN_NOISE)
 
 
 def _cell(r: dict) -> str:
