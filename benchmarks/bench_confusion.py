@@ -44,12 +44,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODELS = {"hybrid-trained": ("hybrid", True), "hybrid": ("hybrid", False), "mamba2": ("mamba2", False),
-          "llama-trained": ("llama", True), "llama": ("llama", False), "moe-trained": ("moe", True)}
-"""name -> (arch, trained): runs/models/NAME, built once (`ensure_trained` / `build_model`)."""
+          "llama-trained": ("llama", True), "llama": ("llama", False), "moe-trained": ("moe", True),
+          "llama-calculator": ("llama", True)}
+"""name -> (arch, trained): runs/models/NAME, built once (`ensure_trained` / `build_model`; NAME-calculator trained
+on the multi-turn calculator task, the others on the demo's addition task)."""
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 """The engine's dtype; the trainer computes in float32."""
 TRAINERS = {"hf": 1, "fsdp2": 2, "deepspeed": 2}
-MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama"}, {"moe-trained"}
+MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama", "llama-calculator"}, {"moe-trained"}
 SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "off-by-one-early", "bf16-noise={noise}",
           "corrupt-seqs=0.03",
           "drop-sync={drop}", "permute-sync={permute}", "retokenize", "double-bos", "left-pad-positions", "stop-token")
@@ -230,7 +232,7 @@ def ensure_models(names) -> None:
         arch, trained = MODELS[name]
         path = Path("runs/models") / name
         if trained:
-            ensure_trained(path, arch)
+            ensure_trained(path, arch, **({"task": "calculator"} if name.endswith("-calculator") else {}))
         elif not (path / "config.json").is_file():
             build_model(arch, path)
 
