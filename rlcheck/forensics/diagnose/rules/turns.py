@@ -18,8 +18,7 @@ Direct evidence first: the cross-turn invariants' alarms (`rlcheck.core.turn_che
 Without invariant alarms (a framework that keeps no per-call prompts), the shape of the alarmed steps'
 per-turn statistics (`rlcheck/turn/*`): the turns' heads far above their bodies is a missing generation
 prompt; turns >= 1 far above turn 0 is history the engine saw otherwise than the trainer (re-tokenized or
-stripped: without the engine's prompts only the trained ids and the run's tokenizer can tell the two apart,
-`rlcheck.forensics.diagnose.rules.turn_history`; without those the finding says it cannot). These
+stripped: without the engine's prompts the two cannot be told apart, and the finding says so). These
 outrank `position_dependent` (0.9): later turns sit at later positions, but a mismatch that grows with the
 position raises turn 0's own tail too, where these leave turn 0 clean (the ratios are against it).
 """
@@ -34,7 +33,6 @@ from rlcheck.core import metrics as K
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
-from rlcheck.forensics.diagnose.rules.turn_history import history_cause
 
 TOOL_LOGPROB = -2.0
 """A zero-logprob run whose trainer logprobs average below this is text the model did not write."""
@@ -159,17 +157,11 @@ def _from_shape(ev: Evidence, alarms: list[dict]) -> Finding | None:
         f.evidence.insert(2, _where(ev, steps))
         return f
     if later >= LATER_RATIO:
-        told = history_cause(ev, steps)
-        cause = told.cause if told is not None else "retokenized_history"
-        f = _finding(cause, 0.92, alarms, LEADS[cause])
+        f = _finding("retokenized_history", 0.92, alarms, LEADS["retokenized_history"])
         f.evidence.insert(1, f"turns >= 1 are {later:.1f}x further off than turn 0 (median over the alarmed steps), "
                              "their heads no more than the rest: the later turns were generated on another context")
         f.evidence.insert(2, _where(ev, steps))
-        if told is not None:
-            f.evidence[3:3] = told.evidence
-        else:
-            f.evidence.append("without the engine's per-call prompt ids (TurnRecord.prompt_ids), or a dump's ids and the "
-                              "run's tokenizer to tell them by, re-tokenized history cannot be told from history the "
-                              "template stripped (stripped_history): record them to tell")
+        f.evidence.append("without the engine's per-call prompt ids (TurnRecord.prompt_ids) re-tokenized history cannot "
+                          "be told from history the template stripped (stripped_history): record them to tell")
         return f
     return None
