@@ -106,3 +106,72 @@ class TestGuardCauses:
 
         assert GUARD_CAUSE == {"prefill_from_zero": "stale_state", "slot_unique": "index_aliasing", "in_pool": "index_aliasing",
                                "offset_fits": "index_aliasing", "freed_reinit": "stale_state"}
+
+
+def record_as(tmp_path, batches, model_type=None, model=None, extra=None) -> int | None:
+    """`record` at fp32 with the dump's context naming the model (its `model_type`, or only its path)."""
+    context = {k: v for k, v in {"model_type": model_type, "model": model}.items() if v is not None}
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=PAIRS["fp32"], context=context)) as mon:
+        for step, batch in enumerate(batches):
+            try:
+                report = mon.observe(step, batch, extra=extra)
+            except MismatchHalt:
+                return step
+            if report.alarms and not list(tmp_path.glob("dumps/step_*")):
+                mon.dump(step, batch, report, reason="first alarm")
+    return None
+
+
+class TestStatelessModel:
+    """A state cause needs a state: on a model the context (or its config.json) says has no recurrent layers,
+    the split-twin and garbage shapes name no state cause; on a Mamba model, and on one of unknown type, they
+    still do."""
+
+    def test_split_twins_on_an_attention_model_are_not_stale_state(self, tmp_path):
+        batches = [grpo_batch(seed=s, noise=1e-7) for s in range(2)] + [grpo_batch(seed=2, stale=STALE, noise=1e-7)]
+        assert record_as(tmp_path / "llama", batches, model_type="llama") == 2
+        d = diagnose(tmp_path / "llama")
+        assert not {f.cause for f in d.findings} & {"stale_state", "index_aliasing"}, d.findings
+        v = d.verdict
+        assert (v.cause, v.confidence) == ("token_misalignment", 0.6), v
+        assert "no recurrent state" in " ".join(v.evidence) and set(v.affected_request_ids) == {f"r{i}" for i in STALE}
+        assert record_as(tmp_path / "mamba", batches, model_type="mamba2") == 2
+        v = diagnose(tmp_path / "mamba").verdict
+        assert (v.cause, v.confidence) == ("stale_state", 0.93)
+        assert record_as(tmp_path / "unknown", batches, model="/nonexistent/model") == 2
+        assert diagnose(tmp_path / "unknown").verdict.cause == "stale_state"  # unknown type: as before
+
+    def test_the_model_type_read_from_the_model_directory(self, tmp_path):
+        """A dump whose context names only the model's path (written before `model_type` was recorded): its
+        config.json says what it is."""
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text('{"model_type": "llama"}')
+        assert record_as(tmp_path / "run", [grpo_batch(stale=set(range(0, 32, 2)))], model=str(model)) == 0
+        assert diagnose(tmp_path / "run").verdict.cause == "token_misalignment"
+
+    def test_garbage_on_an_attention_model_is_not_aliasing(self, tmp_path):
+        b = grpo_batch(length=12)
+        garbage = StepBatch.from_packed(b.logp_rollout, b.logp_rollout - 6.0, b.cu_seqlens, b.request_ids)
+        extra = {"sync/fingerprint_differs": 0.0}
+        assert record_as(tmp_path / "llama", [garbage], model_type="llama", extra=extra) == 0
+        d = diagnose(tmp_path / "llama")
+        assert not {f.cause for f in d.findings} & {"stale_state", "index_aliasing"}, d.findings
+        assert record_as(tmp_path / "mamba", [garbage], model_type="granitemoehybrid", extra=extra) == 0
+        assert diagnose(tmp_path / "mamba").verdict.cause == "index_aliasing"
+
+    def test_a_failed_probe_on_an_attention_model_is_not_its_state(self, tmp_path):
+        """The probe-only shape (`TestProbeOnly`) on a Llama: the weights rule speaks, no state cause."""
+        from rlcheck.core.types import Alarm
+
+        probe = Alarm("weights", "rlcheck/weights/sync_check", 1, "critical", "the probe failed, the fingerprints agree",
+                      {"differing": [], "layers": [], "probe": {"mean_abs": 0.05}})
+        off = grpo_batch(seed=1, trainer_stale=set(range(8)), offset=0.6)
+        with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=PAIRS["fp32"],
+                                   context={"model_type": "llama"})) as mon:
+            mon.observe(0, grpo_batch(seed=0))
+            with pytest.raises(MismatchHalt):
+                mon.observe(1, off, alarms=[probe])
+        d = diagnose(tmp_path)
+        assert not {f.cause for f in d.findings} & {"stale_state", "index_aliasing"}, d.findings
+        assert d.verdict.cause == "weights_out_of_sync"

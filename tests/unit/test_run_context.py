@@ -63,7 +63,7 @@ def trl_dump(tmp_path, model):
     args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, report_to=[], use_vllm=True,
                           vllm_mode="colocate", temperature=0.7)
     llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype="torch.bfloat16")))
-    trainer = SimpleNamespace(args=args, model=SimpleNamespace(config=SimpleNamespace(_name_or_path=str(model))),
+    trainer = SimpleNamespace(args=args, model=SimpleNamespace(config=SimpleNamespace(_name_or_path=str(model), model_type="llama")),
                               temperature=args.temperature, vllm_importance_sampling_correction=False,
                               vllm_generation=SimpleNamespace(llm=llm))
     return write_dump(tmp_path / "trl", batch(), step=3, context=trl_context(trainer))
@@ -121,6 +121,7 @@ class TestRoundTrip:
         ctx = read_context(meta)
         assert (ctx.schema, ctx.framework, ctx.engine.name, ctx.engine.precision) == (1, framework, "vllm", dtype)
         assert ctx.model == str(model)
+        assert ctx.model_type == "llama"  # what diagnose reads to know a state cause is impossible
         assert resolve_temperature(meta, None)[0] == temperature  # replay
         assert engine_dtype(meta) == dtype  # localize: the re-run's dtype, and its tolerance
         assert tolerance_for(engine_dtype(meta), "float32") == TOLERANCES[dtype]

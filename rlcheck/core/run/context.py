@@ -11,6 +11,8 @@ every tool reads (replay, localize, diagnose, repro) through `read_context`.
 context.sampling (`Sampling`): how the engine sampled and which logprobs it returned.
 context.engine (`Engine`): the engine's precision and settings, as it ran them where the producer
 could ask it (the loop asks its rollout actor, TRL its in-process LLM, stress its engine).
+context.model_type: the model's HF `model_type`, read from its config where the producer had it (what
+diagnose needs to know whether a state cause is possible at all).
 context.schema: SCHEMA_VERSION.
 
 Dumps written before this schema are read too (`read_context`): the loop's kept `logprobs_mode` under
@@ -89,6 +91,9 @@ class DumpContext:
     """A dump's context as the tools read it."""
 
     model: str | None = None
+    model_type: str | None = None
+    """The model's Hugging Face `model_type` ("llama", "mamba2"), as the producer read it from the model's
+    config; None: not recorded (`rlcheck.core.model_types.model_type_at` reads it where the model is here)."""
     framework: str | None = None
     """"loop", "trl", "verl", "stress", or None."""
     sampling: Sampling = field(default_factory=Sampling)
@@ -129,6 +134,7 @@ def read_context(meta: dict[str, Any] | None) -> DumpContext:
     fault = ctx.get("fault")
     return DumpContext(
         model=ctx.get("model") if isinstance(ctx.get("model"), str) else None,
+        model_type=ctx.get("model_type") if isinstance(ctx.get("model_type"), str) else None,
         framework=ctx.get("framework") if isinstance(ctx.get("framework"), str) else None,
         sampling=Sampling(**s), engine=Engine(**e),
         fault=None if not fault or fault == "none" else str(fault),

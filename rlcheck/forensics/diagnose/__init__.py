@@ -116,6 +116,8 @@ def _sparse_sequences(ev: Evidence) -> Finding | None:
                 f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
     if early:
         return Finding("stale_state", 0.85, evidence, steps, ids)
+    if ev.recurrent() is False:  # far off past the first tokens on a model with no state: not a state cause
+        return None
     evidence.append("the divergence does not start at the first tokens: state-index aliasing is as likely; "
                     "the scheduler context (rlcheck stress, the engine guard) tells them apart")
     return Finding("stale_state", 0.6, evidence, steps, ids)

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.model_types import model_type_at, recurrent_type
 from rlcheck.core.run import Run
+from rlcheck.core.run.context import read_context
 from rlcheck.core.run.dump import META, SEQUENCES, read_dump
 from rlcheck.core.run.guard_files import load_guard
 from rlcheck.core.run.journal import FILENAME
@@ -45,6 +47,17 @@ class Evidence:
             return self.dump_meta
         dumps = self.run.whole_dumps() if self.run is not None else []
         return self.run.dump_meta(dumps[-1]) if dumps else {}
+
+    def recurrent(self) -> bool | None:
+        """Whether the model has recurrent (state-space) layers: from the context's `model_type`, else the
+        model directory's config.json where it is on this machine; None where neither says (an older dump
+        of a model not here), which the state rules read as today: a state cause is possible."""
+        return recurrent_type(self.model_type())
+
+    def model_type(self) -> str | None:
+        """The model's HF `model_type`: the context's, else its config.json's; None: unknown."""
+        ctx = read_context(self.meta())
+        return ctx.model_type or (model_type_at(ctx.model) if ctx.model else None)
 
 
 def load_evidence(path: Run | str | Path) -> Evidence:

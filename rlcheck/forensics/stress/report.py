@@ -43,6 +43,7 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
         (out / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
         return result
     from rlcheck.core.batch import StepBatch
+    from rlcheck.core.model_types import model_type_at
     from rlcheck.core.run.dump import write_dump
     from rlcheck.engines.vllm_env import vllm_record
     from rlcheck.forensics.stress.config import engine_config
@@ -69,7 +70,7 @@ def write_stress(out: Path, result: StressResult, prompts: list[list[int]], roll
         prompt_tokens=[np.asarray(p, dtype=np.int64) for p in prompts], meta=meta,
     )
     context = {
-        "model": cfg.model, "framework": "stress", "source": "rlcheck stress", "logp_train": JUDGES[result.judge],
+        "model": cfg.model, "model_type": model_type_at(cfg.model), "framework": "stress", "source": "rlcheck stress", "logp_train": JUDGES[result.judge],
         **vllm_record(engine_config(cfg), n=1, settings=result.settings),  # greedy: logprobs at T = 1
         "reference": {"dtype": cfg.reference_dtype, "device": cfg.reference_device} if result.judge == "reference" else None,
         "stress": {"judge": result.judge, "audits": list(cfg.audits), "fault": cfg.fault, "boundary": cfg.fault_boundary, "layer": cfg.layer, "threshold": result.threshold,

@@ -165,6 +165,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
     return {
         "framework": "trl",
         "model": getattr(trainer.model.config, "_name_or_path", None),
+        "model_type": getattr(trainer.model.config, "model_type", None),
         **record(sampling, engine),
         "vllm_mode": args.vllm_mode,
         "logit_processing": processing,

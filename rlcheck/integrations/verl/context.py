@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlcheck.core.model_types import model_type_at
 from rlcheck.core.run.context import Engine, Sampling, record
 from rlcheck.integrations.verl.preflight_checks import get
 
@@ -31,7 +32,9 @@ def verl_context(config: Any) -> dict[str, Any]:
     engine = Engine(name=str(r("name", "vllm")), configured_dtype=str(r("dtype", "bfloat16")),
                     enforce_eager=bool(r("enforce_eager", False)),
                     tensor_parallel_size=_int(r("tensor_model_parallel_size")), max_num_seqs=_int(r("max_num_seqs")))
-    return {"framework": "verl", "model": _str(get(config, "actor_rollout_ref.model.path")), **record(sampling, engine)}
+    model = _str(get(config, "actor_rollout_ref.model.path"))
+    return {"framework": "verl", "model": model, "model_type": model_type_at(model) if model else None,
+            **record(sampling, engine)}
 
 
 def _int(value: Any) -> int | None:

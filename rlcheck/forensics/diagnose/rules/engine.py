@@ -19,6 +19,11 @@ them from the scheduler's slots: `diagnose._engine_guard`).
   their sequences (not all) diverging from their first token: the weights are the trainer's and the
   engine computes otherwise per request, its state, not "weights not synced" (`stale_state` after a
   clean first step, else `index_aliasing`; above the weights rule's probe-only 0.85).
+
+None of these is a state cause on a model known to have no recurrent state (the context's `model_type`,
+`Evidence.recurrent`): there split twins say the engine was not given the ids the trainer scored
+(`token_misalignment` at 0.6, under any direct finding), and garbage or a probe-only failure is left to
+the other rules; a model of unknown type is read as before.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from rlcheck.forensics.diagnose.queries import (
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
-STALE, ALIASED, GARBAGE, PROBE, FEW = 0.93, 0.75, 0.7, 0.88, 0.8
+STALE, ALIASED, GARBAGE, PROBE, FEW, STATELESS = 0.93, 0.75, 0.7, 0.88, 0.8, 0.6
 MANY = 0.25
 """Split from the run's first step: index aliasing when at least this share of the sequences is off (every
 request past a slot boundary, and the ones it shares with), stale state for fewer (a few reused slots)."""
@@ -55,9 +60,27 @@ from the first step outranks the sparse shapes' 0.6 for catastrophic sequences t
 
 def engine_state(ev: Evidence) -> Finding | None:
     split = alarms_of(ev, kind="signature", signatures=("split_twins",))
+    if ev.recurrent() is False:  # no state to be stale or aliased: the twins say something else, the rest is not ours
+        return _split_stateless(ev, split) if split else None
     if split:
         return _split(ev, split)
     return _garbage(ev) or _probe_state(ev)
+
+
+def _split_stateless(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
+    """Split twins on a model without recurrent state: the engine cannot have read another request's state, so
+    the identical trained contexts were not identical where the engine scored them (the trainer's ids are not
+    the ones the engine was given: a re-tokenization, a history rendered again) or its kernel varies with the
+    batch. Below every direct finding (a multi-turn history cause, the sparse shapes' 0.85)."""
+    steps = alarm_steps(split)
+    ids = _split_ids(ev, steps)
+    evidence = [f"step {steps[0]}: {split[0]['message']}",
+                f"the model ({ev.model_type()}) has no recurrent state, so no request read another's: the engine was "
+                "not given the contexts the trainer scored as identical (the trained ids are not the sampled ids: a "
+                "re-tokenization, an agent's history rendered again between turns) or its kernel varies with the "
+                "batch; compare the engine's own request ids with the trained ones (a multi-turn loop: record "
+                "each call's prompt ids)"]
+    return Finding("token_misalignment", STATELESS, evidence, steps, ids)
 
 
 def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:

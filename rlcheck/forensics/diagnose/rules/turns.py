@@ -30,9 +30,11 @@ from collections import Counter
 import numpy as np
 
 from rlcheck.core import metrics as K
+from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series
+from rlcheck.forensics.diagnose.rows import abs_diff
 
 TOOL_LOGPROB = -2.0
 """A zero-logprob run whose trainer logprobs average below this is text the model did not write."""
@@ -49,7 +51,10 @@ def multiturn(ev: Evidence) -> Finding | None:
     invariants = [a for a in alarms_of(ev, kind="signature")
                   if str(a["details"].get("signature", "")).startswith("turn_")]
     if invariants:
-        return _from_invariants(invariants)
+        return _from_invariants(ev, invariants)
+    history = _rewritten_history(ev, [])
+    if history is not None:
+        return history
     shaped = [a for a in alarms_of(ev) if str(a.get("metric", "")).startswith(K.TURN_PREFIX)]
     return _from_shape(ev, shaped) if shaped else None
 
@@ -107,10 +112,13 @@ LEADS = {
 }
 
 
-def _from_invariants(alarms: list[dict]) -> Finding:
+def _from_invariants(ev: Evidence, alarms: list[dict]) -> Finding:
     by = _by_signature(alarms)
     if "stale_turn" in by:
         return _finding("stale_turn_weights", 0.99, by["stale_turn"], LEADS["stale_turn_weights"])
+    history = _rewritten_history(ev, alarms) if "prefix_break" not in by else None
+    if history is not None:  # every zero-logprob / count breach sits past an earlier divergence of its turn
+        return history
     zeros = _breaches(by.get("zero_logprobs", []))
     if "tool_in_loss" in by or any(zero_cause(e) == "tool_tokens_in_loss" for e in zeros):
         return _finding("tool_tokens_in_loss", 0.98, by.get("tool_in_loss") or by["zero_logprobs"],
@@ -165,3 +173,96 @@ def _from_shape(ev: Evidence, alarms: list[dict]) -> Finding | None:
                           "be told from history the template stripped (stripped_history): record them to tell")
         return f
     return None
+
+
+HISTORY_SHARE = 0.8
+"""The share of the diverging rows that must show the rewritten-history shape (first off in an earlier turn, the
+last turn clean), and of the zero-logprob / count breaches that must sit past such a divergence."""
+AT_START, INSIDE = 0.8, 0.2
+"""The diverging rows' share first off at their turn's first token that reads as a stripped turn start (at
+least AT_START, on at least AT_START of all rows), or as re-tokenized ids inside the text (at most INSIDE)."""
+STRIPPED_OR_RETOKENIZED = 0.85
+"""Below the invariants' direct evidence (0.96-0.99), above every other rule these runs set off (split twins on a
+stateless model 0.6, the sparse shapes' 0.85 on a recurrent one ties and the earlier rule wins)."""
+UNTOLD = 0.6
+
+
+def _rewritten_history(ev: Evidence, alarms: list[dict]) -> Finding | None:
+    """A multi-turn batch handed over without the engine's per-call prompts (turns from the loss mask's runs:
+    verl's agent loop, OpenRLHF), read from its dumped rows: the trainer scores the conversation as rendered
+    last, the engine's logprobs are those of what it generated. An earlier turn rendered otherwise (history
+    re-tokenized, or stripped by the template) then puts the rows off in an earlier turn while their last turn,
+    generated on the rendered history, is clean; a zero logprob at an earlier turn's end is the engine's
+    logprobs laid onto a shorter trained turn, not a join token, when the row is off from before it. Stripped
+    (a `<think>` block dropped at the turn's start) puts nearly every row off from a turn's first token;
+    re-tokenized (another spelling of the same text) a part of the rows, inside the text. None where the shape
+    does not hold, or the per-call prompts were recorded (their invariants say it directly)."""
+    if (ev.meta().get("turns") or {}).get("source") != "mask_runs":
+        return None
+    steps = set(alarm_steps(alarms_of(ev)))
+    rows = [(step, row) for step, rs in sorted(ev.dump_rows.items()) if step in steps for row in rs]
+    off = [(step, row) for step, row in rows if _finite(row.get("first_divergence_turn"))]
+    if not off:
+        return None
+    tau = StatsConfig().divergence_tau
+    shaped = [(step, row) for step, row in off if _earlier_turn_off(row, tau)]
+    if len(shaped) < HISTORY_SHARE * len(off):
+        return None
+    fd = {row["request_id"]: (int(row["first_divergence_turn"]), int(row["first_divergence_turn_offset"]))
+          for _, row in off}
+    breaches = _breaches(alarms)
+    downstream = [e for e in breaches if e.get("request_id") in fd and fd[e["request_id"]] < (e["turn"], e["offset"])]
+    if len(downstream) < HISTORY_SHARE * len(breaches):
+        return None
+    at_start = sum(fd[row["request_id"]][1] == 0 for _, row in off) / len(off)
+    turns = Counter(fd[row["request_id"]][0] for _, row in off)
+    ids = [row["request_id"] for _, row in shaped][:MAX_IDS]
+    first = shaped[0][1]
+    evidence = [f"{len(shaped)} of {len(off)} diverging rows ({len(rows)} dumped on the alarmed steps) are off first in "
+                f"an earlier turn (by turn: {dict(sorted(turns.items()))}) while their last turn, generated on the "
+                "history as the trainer scores it, is clean: the history the trainer scores is not what the engine "
+                "generated", f"e.g. {first['request_id']} first diverges at turn {fd[first['request_id']][0]}, offset "
+                f"{fd[first['request_id']][1]}"]
+    if downstream:
+        evidence.append(f"{len(downstream)} zero-logprob / count breach(es) sit past their row's first divergence in "
+                        "an earlier turn: the engine's logprobs laid onto a trained turn of another length, not a "
+                        "join token")
+    tell = ("record each call's prompt ids (TurnRecord.prompt_ids; verl: the agent loop's per-call prompts) and the "
+            "prefix invariant names the edit directly: ids deleted (stripped) or spelled otherwise (re-tokenized)")
+    if at_start >= AT_START and len(off) >= AT_START * len(rows):
+        cause, confidence = "stripped_history", STRIPPED_OR_RETOKENIZED
+        evidence.append(f"{at_start:.0%} of the diverging rows, {len(off)} of {len(rows)}, are off from their turn's "
+                        "first token: the start of an earlier turn is gone (a chat template dropping its <think>), "
+                        "not re-spelled (a re-tokenization moves ids inside the text, in some rows)")
+    elif at_start <= INSIDE:
+        cause, confidence = "retokenized_history", STRIPPED_OR_RETOKENIZED
+        evidence.append(f"{len(off)} of {len(rows)} rows diverge, {1 - at_start:.0%} of them inside a turn's text "
+                        "(never or seldom at its first token): the same text spelled in other ids where the model "
+                        "sampled a non-canonical tokenization, not a block stripped (which moves every row from the "
+                        "turn's start)")
+    else:
+        cause, confidence = "retokenized_history", UNTOLD
+        evidence.append(f"{at_start:.0%} of the diverging rows ({len(off)} of {len(rows)}) are off from their turn's first "
+                        "token: between a stripped turn start and ids re-spelled inside the text; without the per-call "
+                        "prompts the two cannot be told apart here")
+    return Finding(cause, confidence, [LEADS[cause], *evidence, tell], sorted({s for s, _ in shaped}), ids)
+
+
+def _finite(value) -> bool:
+    try:
+        return value is not None and np.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _earlier_turn_off(row: dict, tau: float) -> bool:
+    """The row is first off in a turn before its last one, and its last turn is within `tau` throughout, the first
+    divergence on a logprob the engine gave (not a filled-in 0.0: that is a turn's logprobs missing)."""
+    turn = np.asarray(row["turn_index"])
+    if not turn.size or int(row["first_divergence_turn"]) >= int(turn.max()):
+        return False
+    d = abs_diff(row)
+    lr = np.asarray(row["logp_rollout"], np.float64)
+    start = np.flatnonzero(turn == int(row["first_divergence_turn"]))
+    at = start[int(row["first_divergence_turn_offset"])] if int(row["first_divergence_turn_offset"]) < start.size else None
+    return bool(d[turn == turn.max()].max(initial=0.0) <= tau and (at is None or lr[at] != 0.0))
