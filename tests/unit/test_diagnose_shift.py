@@ -107,3 +107,12 @@ def test_silent_without_clean_steps_before(tmp_path):
         if r["step"] in (1, 2, 4, 5):
             r["metrics"][K.ABS_DIFF_CLIPPED_MEAN] = 0.1
     assert "engine_shift" not in findings(edited(tmp_path, RUNS[0], high))
+
+
+def test_a_precision_switched_mid_run_stays_numeric_noise():
+    """rlcheck's own loop with `bf16-noise=1@12` (tests/integration/test_faults_loop.py, recorded: an exact
+    fp32 engine at 0 nats, from step 12 on a bf16 engine's 0.014): a shift no larger than a bf16 engine's
+    noise is numeric noise first, the engine shift only under it."""
+    result = diagnose(RECORDED.parent / "loop_runs" / "bf16-noise-at-12")
+    assert [f.cause for f in result.findings] == ["numeric_noise", "engine_shift"]
+    assert result.findings[1].confidence < result.findings[0].confidence
