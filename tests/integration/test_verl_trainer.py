@@ -188,7 +188,7 @@ class TestLegacyTrainer:
     def test_healthy_steps_are_quiet_and_agree_with_verl(self, legacy_run):
         """Steps 1, 2 and 4: no alarm; rlcheck's figures equal verl's (its legacy trainer takes exp() in
         float32: to 1e-6)."""
-        assert legacy_run.returncode == 0
+        assert legacy_run.returncode == 0, legacy_run.failure()
         records = journal(legacy_run.out / "rlcheck")
         assert [alarms(records[s]) for s in (1, 2, 4)] == [[], [], []]
         agrees_with_verl(legacy_run, [1, 2, 4], 1e-6)
@@ -238,6 +238,7 @@ class TestResumedTrainer:
         (fault,) = [f for f in resumed_run.records("faults") if f["fault"] == "perturb-layer"]
         assert fault["target"] == "decoder layer 1 (attention) self_attn.o_proj"
         records = journal(resumed_run.out / "rlcheck")
+        assert sorted(records)[-1] == 7 and resumed_run.returncode == 0, resumed_run.failure()
         assert alarms(records[6]) and not alarms(records[5])
         level = [records[s]["metrics"][K.ABS_DIFF_MEAN] for s in (5, 6, 7)]
         assert level[1] > 5 * level[0] and level[2] > 5 * level[0]
@@ -283,7 +284,7 @@ def test_fully_async_trainer_quiet_with_its_lagged_rows(data, tmp_path_factory):
     out, user = tmp_path_factory.mktemp("fully-async"), tmp_path_factory.mktemp("fully-async-user")
     result = verl_run.main_ppo(out, verl_run.fully_async_command(model, train, val, user, "fully-async", 3))
     print(f"verl run fully-async: exit {result.returncode} in {result.seconds:.0f} s; log {out / 'run.log'}")
-    assert result.returncode == 0, result.log[-3000:]
+    assert result.returncode == 0, result.failure()
     records = journal(user / "rlcheck")
     batches = {r["step"]: r for r in result.records("batch")}
     assert len(records) >= 5 and sorted(records) == sorted(batches)

@@ -148,6 +148,16 @@ class Result:
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         return {int(r["step"]): r["data"] for r in rows}
 
+    def failure(self, lines: int = 40) -> str:
+        """What to show when a run ended otherwise than a test expects: its exit code, the last error
+        verl's processes logged (a traceback from any Ray worker) and the log's tail."""
+        log = self.log.splitlines()
+        starts = ([i for i, line in enumerate(log) if "Traceback (most recent call last)" in line]
+                  or [i for i, line in enumerate(log) if "Error" in line])
+        error = log[starts[0]:starts[0] + lines] if starts else []
+        return "\n".join([f"verl exited {self.returncode} after {self.seconds:.0f} s ({self.out / 'run.log'})",
+                          "first error:", *error, "log tail:", *log[-lines:]])
+
     def records(self, name: str) -> list[dict]:
         path = self.out / "records" / f"{name}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
