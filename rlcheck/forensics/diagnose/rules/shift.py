@@ -27,7 +27,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core.floors import LEVELS
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
-from rlcheck.forensics.diagnose.floors import ELEVATED, elevated_steps
+from rlcheck.forensics.diagnose.floors import ELEVATED, floor_level
 from rlcheck.forensics.diagnose.queries import affected_ids, alarm_steps, alarms_of, metric_series
 
 SHIFT = 5.0
@@ -50,24 +50,33 @@ that better, this finding ranks under it (`WITHIN_NOISE`)."""
 WITHIN_NOISE = 0.65
 
 
+MAX_STARTS = 3
+"""Alarmed steps tried as the shift's start: the first ones inside the run's last stretch of elevated steps
+(a start outside it cannot hold to the run's end). A run of thousands of alarmed steps costs one pass."""
+
+
 def engine_shift(ev: Evidence) -> Finding | None:
     steps, level = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
-    alarmed = alarm_steps(alarms_of(ev))
-    for start in alarmed:
-        found = _shift_from(ev, start, steps, level, set(alarmed))
+    if steps.size < MIN_BASELINE + MIN_STEPS:
+        return None
+    elevated = level > ELEVATED * floor_level(ev)  # (S,) past the gate at the run's floor (`floors.elevated_steps`)
+    tail = steps.size - int(np.argmin(elevated[::-1])) if not elevated.all() else 0  # first index of the last stretch
+    alarmed = np.isin(steps, alarm_steps(alarms_of(ev)))  # (S,)
+    for i in np.flatnonzero(alarmed[tail:])[:MAX_STARTS] + tail:
+        found = _shift_from(ev, int(steps[i]), steps, level, alarmed)
         if found is not None:
             return found
     return None
 
 
-def _shift_from(ev: Evidence, start: int, steps: np.ndarray, level: np.ndarray, alarmed: set[int]) -> Finding | None:
-    before = np.array([s < start and int(s) not in alarmed for s in steps], dtype=bool)
+def _shift_from(ev: Evidence, start: int, steps: np.ndarray, level: np.ndarray, alarmed: np.ndarray) -> Finding | None:
+    before = (steps < start) & ~alarmed
     after = steps >= start
     if before.sum() < MIN_BASELINE or after.sum() < MIN_STEPS:
         return None
     base = float(np.median(level[before]))
     shifted = [int(s) for s in steps[after]]
-    if not np.all(level[after] >= SHIFT * base) or not set(shifted) <= set(elevated_steps(ev)):
+    if not np.all(level[after] >= SHIFT * base):
         return None
     if not _spread(ev, shifted) or not _versions_agree(ev, shifted):
         return None
