@@ -44,12 +44,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODELS = {"hybrid-trained": ("hybrid", True), "hybrid": ("hybrid", False), "mamba2": ("mamba2", False),
-          "llama-trained": ("llama", True), "llama": ("llama", False), "moe-trained": ("moe", True)}
-"""name -> (arch, trained): runs/models/NAME, built once (`ensure_trained` / `build_model`)."""
+          "llama-trained": ("llama", True), "llama": ("llama", False), "moe-trained": ("moe", True),
+          "llama-calculator": ("llama", True)}
+"""name -> (arch, trained): runs/models/NAME, built once (`ensure_trained` / `build_model`; NAME-calculator trained
+on the multi-turn calculator task, the others on the demo's addition task)."""
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 """The engine's dtype; the trainer computes in float32."""
 TRAINERS = {"hf": 1, "fsdp2": 2, "deepspeed": 2}
-MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama"}, {"moe-trained"}
+MAMBA, ATTENTION, MOE = {"hybrid-trained", "hybrid", "mamba2"}, {"llama-trained", "llama", "llama-calculator"}, {"moe-trained"}
 SHARED = ("none", "skip-sync-every=4", "stale-weights", "off-by-one", "off-by-one-early", "bf16-noise={noise}",
           "corrupt-seqs=0.03",
           "drop-sync={drop}", "permute-sync={permute}", "retokenize", "double-bos", "left-pad-positions", "stop-token")
@@ -63,8 +65,12 @@ DEFAULT_PATTERNS = {"drop": "mlp", "permute": "self_attn"}
 NOISE = {"fp32": 1, "bf16": 16}
 """bf16-noise's scale: bf16-sized rounding on a fp32 engine; on a bf16 engine 1x is its own noise (no fault at
 that precision: `WITHIN_NOISE`), 16x stands past its floor."""
-WITHIN_NOISE = {("bf16-noise=1", "bf16")}
-"""(spec, precision) cells that are no fault at that precision: listed apart, not in the matrix."""
+WITHIN_NOISE = {("bf16-noise=1", "bf16", None), ("left-pad-positions", "bf16", "hybrid-trained")}
+"""(spec, precision, model or None: every model) cells whose fault stays within that precision's own noise:
+listed apart with their verdict, not in the matrix. The trained hybrid's prompts differ by at most one token:
+left-pad-positions pads the short one by a single token: its rows' shift (fp32: a median 1e-3 nats a step, at
+most 0.023) is under a bf16 engine's noise on the same rows (a median 7.7e-3; `bench_pad_floor.py`;
+BENCHMARKS.md, "Left padding under a bf16 engine's noise")."""
 AFTER = 2
 CALIBRATION = {"seed": 0, "trainer": "hf", "models": {"fp32": set(MODELS), "bf16": MAMBA | {"llama-trained"}}}
 
@@ -226,7 +232,7 @@ def ensure_models(names) -> None:
         arch, trained = MODELS[name]
         path = Path("runs/models") / name
         if trained:
-            ensure_trained(path, arch)
+            ensure_trained(path, arch, **({"task": "calculator"} if name.endswith("-calculator") else {}))
         elif not (path / "config.json").is_file():
             build_model(arch, path)
 
@@ -270,7 +276,7 @@ def diagnosed(run_dir: Path, again: bool) -> dict:
 def report(rows: list[dict]) -> str:
     """The matrix (calibration and held-out apart), the state faults' halts, the refused and failed runs."""
     lines = []
-    within = [r for r in rows if (r["spec"], r["precision"]) in WITHIN_NOISE]
+    within = [r for r in rows if within_noise(r)]
     rows = [r for r in rows if r not in within]
     ran = [r for r in rows if not r["error"] and (r["touched"] or r["spec"] == "none")]
     for title, part in (("calibration", [r for r in ran if r["calibration"]]), ("held-out", [r for r in ran if not r["calibration"]])):
@@ -286,6 +292,11 @@ def report(rows: list[dict]) -> str:
         lines.append("Within the precision's noise (no fault there, not counted): " + ", ".join(
             f"{_cell(r)} -> {r['verdict']}" for r in within))
     return "\n".join(lines)
+
+
+def within_noise(r: dict) -> bool:
+    return any(r["spec"] == spec and r["precision"] == precision and model in (None, r["model"])
+               for spec, precision, model in WITHIN_NOISE)
 
 
 def _cell(r: dict) -> str:

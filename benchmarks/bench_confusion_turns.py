@@ -5,6 +5,7 @@ token-in/token-out, the hf trainer, Ray); rows = the injected cause, columns = d
     .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 0 1 [--quick] [--out runs/confusion-turns]
     .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 2 3 --diagnose-only
     .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 2 --only stale-turn none
+    .venv/bin/python benchmarks/bench_confusion_turns.py --seeds 0 2 --mask-only --only none retokenized stripped
 
 Each run as `run_one` runs it (the Monitor's defaults but the robust-z warm-up at ONSET
 steps, the first alarmed step's dump kept, the run ended `AFTER` steps past its first alarm): every fault
@@ -12,16 +13,22 @@ starts at ONSET, so each run has a healthy stretch before it; healthy runs on th
 ONSET + AFTER + 4 steps. The model is the tiny Llama trained on the calculator's dialogues
 (runs/models/llama-calculator, `ensure_trained(..., task="calculator")`). The rules were written on
 `RULE_SEEDS`; the matrix of the other seeds is the held-out one, printed apart.
+
+`--mask-only`: the monitor's batches keep only the runs of the loss mask as turns, without the engine's
+per-call prompts (`TurnRecord`s), as verl's agent loop and OpenRLHF hand them over; runs under
+`<out>/mask-only`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -40,6 +47,18 @@ GUARD = "+guard"
 
 def run_dir_of(out: Path, seed: int, spec: str, model: str) -> Path:
     return out / f"seed{seed}" / f"{Path(model).name}-{spec.replace('@', '_at').replace('+', '-')}"
+
+
+def mask_only() -> contextlib.AbstractContextManager:
+    """The own loop's batches as a framework without per-call prompts has them: turns = the mask's runs."""
+    from rlcheck.loop.agent.view import EpisodeView
+
+    step_batch = EpisodeView.step_batch
+
+    def runs_only(self, *args, **kwargs):
+        return step_batch(self, *args, **kwargs).with_turns("mask_runs")
+
+    return mock.patch.object(EpisodeView, "step_batch", runs_only)
 
 
 def run_one(spec: str, model: str, seed: int, out: Path, onset: int, after: int, task: str = "addition") -> dict:
@@ -100,11 +119,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="ONSET 4, 2 steps after the first alarm (else 8 and 3)")
     ap.add_argument("--diagnose-only", action="store_true", help="diagnose the saved runs, run nothing")
     ap.add_argument("--only", nargs="*", default=None, help="the cases whose spec starts with one of these")
+    ap.add_argument("--mask-only", action="store_true", help="turns from the loss mask alone, no per-call prompts")
     args = ap.parse_args()
+    if args.mask_only:
+        args.out = args.out / "mask-only"
     onset, after = (4, 2) if args.quick else (8, 3)
     cases = [(s, m) for s, m in CASES if args.only is None or any(s.startswith(p) for p in args.only)]
     if not args.diagnose_only:
-        _run_all(cases, args.seeds, args.out, onset, after)
+        with mask_only() if args.mask_only else contextlib.nullcontext():
+            _run_all(cases, args.seeds, args.out, onset, after)
     rows = [diagnosed(p.parent) for p in sorted(args.out.glob("seed*/*/done.json"))
             if int(p.parent.parent.name.removeprefix("seed")) in args.seeds]
     for r in rows:

@@ -44,6 +44,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `double-bos@S` |", (INPUTS + "test_double_bos_halts_on_the_prompt_ids",)),
     ("docs/faults.md", "| `left-pad-positions@S` |", (INPUTS + "test_left_padding_without_positions",)),
     ("docs/faults.md", "| `stop-token@S` |", (SFD + "test_stop_token_on_a_model_that_stops",)),
+    ("docs/faults.md", "precision noise while diagnose's healthy verdict names the floor it judged at",
+     (SFD + "test_left_padding_is_never_a_bare_healthy",)),
     ("docs/faults.md", "| `stale-prefix-cache@S` |", (INPUTS + "test_stale_prefix_cache",)),
     ("docs/faults.md", "| `rope-mismatch=F` |", (SETTINGS + "test_rope_mismatch_is_position_dependent",)),
     ("docs/faults.md", "| `raw-logprobs` |", (SETTINGS + "test_logit_processing",)),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.core import metrics as K
+from rlcheck.core.floors import LEVELS
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
 from rlcheck.faults import CorruptSequences, Fault, SkipSync, parse_inject
@@ -213,7 +214,8 @@ def _print_found(found: dict[str, Any], console: Any) -> None:
         console.print(f"[bold green]found[/]: spikes every {a.details['period']} steps, phase {a.details['phase']}, "
                       f"at step {a.step}; next expected at step {a.details['next_expected']}")
     elif not found["alarms"]:
-        console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm")
+        console.print(f"[bold green]healthy[/]: {found['steps_run']} steps, no alarm"
+                      + found["reach"].unseen(fault, found.get("last", {}).get(K.FLOOR_LEVEL)))
     turns = [(t, found["last"][K.turn_metric(t, "abs_diff_mean")]) for t in range(K.TURN_MAX_INDEX + 1)
              if found.get("last", {}).get(K.turn_metric(t, "tokens"))]
     if turns:  # a multi-turn task: the last step, turn by turn
@@ -274,6 +276,14 @@ class Reach:
                     "nothing about catching it")
         steps = f"step {self.steps[0]}" if len(self.steps) == 1 else f"{len(self.steps)} steps, {self.steps[0]}-{self.steps[-1]}"
         return f"; it touched {self.sequences} of {self.total} sequences ({self.tokens} tokens) on {steps}"
+
+
+    def unseen(self, fault: Fault, level: float | None) -> str:
+        """Why a fault that touched sequences raised no alarm on a run judged above the fp32 floor ("" otherwise)."""
+        if fault.name == "none" or not self.sequences or not level or level <= LEVELS["float32"]:
+            return ""
+        return (f"; what the fault did to {self.sequences} sequences stayed within the engine's precision noise (judged "
+                f"at its floor, {level:g}): --engine-dtype float32 judges the run at the fp32 floor")
 
 
 def demo_succeeded(found: dict[str, Any]) -> bool:

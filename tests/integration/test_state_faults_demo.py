@@ -70,6 +70,23 @@ class TestStateFaultsOnTheDemosModel:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_left_padding_is_never_a_bare_healthy(trained_hybrid, ray_local, tmp_path):
+    """left-pad-positions pads the task's one short prompt by a token: on fp32 it alarms at step 0 and diagnose names
+    position_ids; with a bf16 engine its shift sits within the engine's noise (BENCHMARKS.md, "Left padding under a
+    bf16 engine's noise"): named position_ids, or healthy saying it was judged at the bf16 floor and how to see
+    below it, never a bare healthy."""
+    result, touched = demo_run(trained_hybrid, tmp_path / "fp32", "left-pad-positions", "hf", 1, "float32")
+    assert touched[0] and result.reports[0].alarms
+    assert diagnose(tmp_path / "fp32").verdict.cause == "position_ids"
+    result, touched = demo_run(trained_hybrid, tmp_path / "bf16", "left-pad-positions", "hf", 1, "bfloat16")
+    v = diagnose(tmp_path / "bf16").verdict
+    assert any(touched.values())
+    assert v.cause == "position_ids" or (v.cause == "healthy" and "bfloat16 floor" in " ".join(v.evidence)), v.evidence
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_stop_token_on_a_model_that_stops(trained_hybrid, ray_local, tmp_path):
     """The trained hybrid ends its answers with the stop token: stop-token touches every such sequence from

@@ -39,3 +39,14 @@ class TestReach:
                  "halted": False}
         assert not demo_succeeded(found)
         assert Reach().said(parse_inject(None), 5) == ""
+
+    def test_a_fault_within_the_floor_says_so(self):
+        """A fault that touched sequences and raised no alarm on a bf16-floored run says it stayed within the engine's
+        noise and how to judge at the fp32 floor; on a fp32 run, with no fault, or touching nothing, nothing is added."""
+        reach = Reach()
+        reach.add(0, report([3, 3]), ["s0-1"])
+        fault = parse_inject("left-pad-positions")
+        said = reach.unseen(fault, 1e-2)
+        assert "1 sequences stayed within the engine's precision noise" in said and "--engine-dtype float32" in said
+        assert reach.unseen(fault, 1e-5) == "" and reach.unseen(parse_inject(None), 1e-2) == ""
+        assert Reach().unseen(fault, 1e-2) == "" and reach.unseen(fault, None) == ""

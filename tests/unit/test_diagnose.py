@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.detect.signature import SignatureConfig
 from rlcheck.core.floors import Precision
@@ -139,6 +140,16 @@ class TestDiagnose:
         assert result.healthy and [f.cause for f in result.findings] == ["healthy"]
         assert result.source == "run" and result.num_steps == STEPS
         assert result.verdict.affected_steps == [] and result.verdict.affected_request_ids == []
+
+    def test_healthy_says_what_its_floor_hides(self, recorded):
+        """A healthy bf16 run's verdict says it was judged at the bf16 floor and how to see below it (a fault
+        within bf16's noise, as the trained hybrid's one-token left padding, reads healthy there); a fp32 run's
+        verdict needs no such line."""
+        bf16 = diagnose(recorded("clean", "bf16").path).verdict
+        assert bf16.cause == "healthy" and len(bf16.evidence) == 2
+        assert "bfloat16 floor" in bf16.evidence[1] and "float32" in bf16.evidence[1]
+        fp32 = diagnose(recorded("clean", "fp32").path).verdict
+        assert fp32.cause == "healthy" and len(fp32.evidence) == 1
 
     def test_corrupt_sequences_are_stale_state(self, runs):
         """Corrupted sequences are stale state, from the first step one of them is catastrophic (a tenth
@@ -379,4 +390,20 @@ class TestShortRuns:
         finally:
             PAIR["now"] = "bf16"
         v = diagnose(run.path).verdict
+        assert v.cause == "numeric_noise" and v.affected_steps == [0, 1, 2], v.evidence
+
+    def test_noise_past_the_probability_gate_alone(self, tmp_path):
+        """Recorded on the trained hybrid with a bf16 engine and the DeepSpeed trainer (`bench_confusion.py --trainers
+        deepspeed`, `bf16-noise=16`, seed 1): the probability gate warns at step 0 and every step stays past it, while
+        the clipped mean (0.02-0.05) stays under its 0.05 gate: numeric_noise over the three steps, not 'no known
+        shape' (the steps past a gate counted on the clipped mean alone left one step)."""
+        keys = (K.ABS_DIFF_MEAN, K.ABS_DIFF_CLIPPED_MEAN, K.PROB_ABS_DIFF_MEAN, K.DIFF_MEAN, K.ABS_DIFF_P50)
+        figures = [(0.02198, 0.02198, 0.01993, 0.01222, 0.01453), (0.02779, 0.02779, 0.01286, 0.00759, 0.00507),
+                   (0.05033, 0.04861, 0.02049, -0.00382, 0.02367)]
+        alarm = {"kind": "threshold", "metric": K.PROB_ABS_DIFF_MEAN, "step": 0, "severity": "warn",
+                 "message": "rlcheck/token/prob_abs_diff_mean = 0.01993 > 0.01", "details": {"value": 0.01993, "limit": 0.01}}
+        lines = [{"step": step, "metrics": {**dict(zip(keys, row, strict=True)), K.FLOOR_LEVEL: 0.01, K.FLOOR_SCALE: 1.0},
+                  "alarms": [alarm] if step == 0 else []} for step, row in enumerate(figures)]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        v = diagnose(tmp_path).verdict
         assert v.cause == "numeric_noise" and v.affected_steps == [0, 1, 2], v.evidence

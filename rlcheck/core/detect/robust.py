@@ -135,8 +135,10 @@ field streams (BENCHMARKS.md, "Slow drifts without a probe"): a 5x rise over 450
 two-ranks, bf16-long-cot, 3 x long-cot-growing). Their step-to-step wobble (AR(1), std 0.16 in log) is
 the residual's too, and the healthy floor itself grows 10x over 2,000 steps (on the gapped stream 10x
 over 1,000 observations, a third of the slow drift's rate): a lower slack or level warns on healthy
-streams (the sync check's probe has no wobble: `CONTROL_DRIFT`). Levels under 1e-2 (bf16 residual
-units; a healthy bf16 run's ~0.06) do not drift."""
+streams (the sync check's probe has no wobble: `CONTROL_DRIFT`). Even an oracle that knows the wobble's
+AR structure and the ramp, onset aside, needs a median 14-18 steps for the 3.3x rise at no false alarm
+(`benchmarks/bench_drift_bound.py`): 13-19 is at that bound. Levels under 1e-2 (bf16 residual units; a healthy
+bf16 run's ~0.06) do not drift."""
 CONTROL_TREND = DriftConfig(metrics=(K.PROBE_LEVEL,), window=256, warmup=64, slack=0.3, threshold=0.8,
                             clip=0.5, critical_ratio=2.0, floor=1e-3)
 """Slow drift of the probe (`DetectorsConfig.control_trend`): a 32-step reference follows a 5x rise

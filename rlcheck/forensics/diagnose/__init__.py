@@ -22,7 +22,7 @@ from rlcheck.core.run import Run
 from rlcheck.core.stats import StatsConfig
 from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
 from rlcheck.forensics.diagnose.findings import CAUSES, MIN_NOISE_STEPS, Diagnosis, Finding
-from rlcheck.forensics.diagnose.floors import elevated_steps
+from rlcheck.forensics.diagnose.floors import elevated_steps, resolution
 from rlcheck.forensics.diagnose.localized import load_localizations, localized_weights, name_layer
 from rlcheck.forensics.diagnose.notes import RESTART_AGE, note_quarantine, note_restart, note_sampling
 from rlcheck.forensics.diagnose.queries import (
@@ -288,7 +288,9 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     if not alarms:
         top = f"; mean |d| at most {values.max():.3g}" if values.size else ""
-        return Finding("healthy", 0.9 if len(ev.records) >= 10 else 0.6, [f"{len(ev.records)} step(s), no alarm{top}"])
+        limit = resolution(ev)
+        return Finding("healthy", 0.9 if len(ev.records) >= 10 else 0.6,
+                       [f"{len(ev.records)} step(s), no alarm{top}", *([limit] if limit else [])])
     kinds = sorted({f"{a['kind']}:{a['metric'].removeprefix(K.PREFIX)}" for a in alarms})
     return Finding("unexplained", 0.3, [f"{len(alarms)} alarm(s) ({', '.join(kinds[:6])}) fit no known shape"],
                    alarm_steps(alarms))

@@ -11,10 +11,12 @@ must pass it and its contrast with the clean rows; a fault smaller than the prec
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rlcheck.core import metrics as K
-from rlcheck.core.floors import LEVELS, Precision
+from rlcheck.core.detect.threshold import DEFAULT_RULES
+from rlcheck.core.floors import LEVELS, Precision, scale_of
 from rlcheck.forensics.diagnose.queries import metric_series
 from rlcheck.forensics.diagnose.rows import CLEAN
 
@@ -43,7 +45,30 @@ threshold detector at the run's floor (0.05 on a bf16 engine, 5e-5 on fp32/fp32)
 
 
 def elevated_steps(ev: Any) -> list[int]:
-    """The steps whose clipped mean |d| stands past the threshold gate at the run's floor (one alarm marks the
-    crossing, the gate then re-arms: these are the steps that stayed past it)."""
-    steps, values = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
-    return [int(s) for s, v in zip(steps, values, strict=True) if v > ELEVATED * floor_level(ev)]
+    """The steps that stand past one of the threshold detector's scaled gates at the run's floor (the clipped
+    mean |d| past 5x the floor's level, the mean |p_train - p_rollout| past verl's 0.01 at bf16): one alarm
+    marks the crossing, the gate then re-arms, and these are the steps that stayed past it. (A bf16 engine with
+    16x bf16 noise crossed the probability gate at step 0 and stayed past it while its clipped mean, 0.02-0.05,
+    stood under 0.05: counted on the clipped mean alone, one step, no `numeric_noise`.)"""
+    scale = scale_of(floor_level(ev))
+    out: set[int] = set()
+    for rule in DEFAULT_RULES:
+        if rule.scaled:
+            steps, values = metric_series(ev, rule.metric)
+            out.update(int(s) for s, v in zip(steps, values, strict=True) if v > rule.limit * scale)
+    return sorted(out)
+
+
+def resolution(ev: Any) -> str | None:
+    """What a healthy verdict cannot see on a run judged above the fp32 floor: a fault whose mismatch stays within
+    the precision's own noise (None on a fp32/fp32 run). On the demo's trained hybrid with a bf16 engine a
+    trainer that left-pads the one prompt a token short is such a fault: its shift on the padded rows (fp32: a
+    median 1e-3 nats a step, at most 0.023) is under the bf16 engine's own noise on the same rows (a median
+    7.7e-3; BENCHMARKS.md, "Left padding under a bf16 engine's noise")."""
+    level = floor_level(ev)
+    if level <= LEVELS["float32"]:
+        return None
+    name = min(LEVELS, key=lambda k: abs(math.log(LEVELS[k] / level)))
+    return (f"judged at the {name} floor ({level:g}; the clipped mean |d| gate {ELEVATED * level:g}): a fault whose "
+            f"mismatch stays within {name}'s own noise is not seen; the engine in float32 (vLLM dtype='float32') sees to "
+            f"{LEVELS['float32']:g}")
