@@ -88,7 +88,7 @@ constraints-verl:
 	mv requirements/constraints-verl.txt.new requirements/constraints-verl.txt && rm -rf .venv-verl-pins
 
 test-verl: $(STAMPVERL)
-	$(VENVVERL)/bin/python -m pytest -q --durations=10 tests/integration/test_verl_trainer.py tests/integration/test_verl.py tests/unit/test_integrations_verl.py
+	$(VENVVERL)/bin/python -m pytest -q --durations=10 tests/integration/test_verl_trainer.py tests/integration/test_verl_agent_loop.py tests/integration/test_verl.py tests/unit/test_integrations_verl.py
 
 # `rlcheck repro` on every engine fault from both sources (a halted demo run, a stress output): about 45
 # minutes here; `make test` runs one case a source and fault kind (tests/integration/test_repro.py).

@@ -91,6 +91,9 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         "tests/integration/test_stress.py::TestCLI::test_json_exit_code_and_diagnose")),
     ("docs/forensics/localize.md", "found at step 0: ... decoder layers [2]", (
         FL + "TestSyncCheckInTheLoop::test_an_engine_loaded_wrong_halts_before_any_sync",)),
+    ("docs/integrations/verl.md", "| legacy, lr 1e-4 | 1, 2 / 3 |", (
+        "tests/integration/test_verl_agent_loop.py::TestToolAgentLoop::test_diagnose_names_tool_tokens_in_the_loss",
+        "tests/unit/test_faults_turns.py::TestDiagnose::test_names_the_cause_from_mask_runs")),
     ("docs/integrations/trl.md", "halts at step 1 naming all four", (
         "tests/integration/test_trl.py::TestAttachMonitor::test_a_sync_that_permuted_rows_halts_naming_the_layers",)),
 ]

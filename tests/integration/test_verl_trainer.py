@@ -244,6 +244,17 @@ class TestResumedTrainer:
         assert level[1] > 5 * level[0] and level[2] > 5 * level[0]
         assert resumed_run.returncode == 0  # warn level: the run goes on, as configured
 
+    def test_diagnose_reports_the_perturbed_layer_beside_the_stop_token(self, resumed_run):
+        """`rlcheck diagnose` on the run directory (steps 1-7): the engine computing otherwise from step 6 on
+        with the weight versions in order is reported, with the `rlcheck localize` command (`engine_shift`;
+        recorded runs: tests/unit/test_diagnose_shift.py), under the stop token of step 3 where diagnose
+        names that (TestLegacyTrainer asks it of the stop token)."""
+        result = diagnose(resumed_run.out / "rlcheck")
+        causes = [f.cause for f in result.findings]
+        (shift,) = [f for f in result.findings if f.cause == "engine_shift"]
+        assert shift.affected_steps == [6, 7] and "rlcheck localize" in shift.evidence[2]
+        assert "stop_token" not in causes or causes[0] == "stop_token", causes
+
 
 @pytest.mark.supports("verl", "trainer", "bypass mode",
                       status="refused: ConfigError before verl starts its workers (the plugin), at attach "

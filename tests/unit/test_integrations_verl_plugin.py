@@ -267,3 +267,9 @@ class TestV1Rows:
         assert both["uid"].tolist() == ["a", "a"] and both["min_global_steps"].tolist() == [2, 2]
         partial = tq_batch.non_tensors(keys, [{"min_global_steps": 2}, {"min_global_steps": None}])
         assert "min_global_steps" not in partial
+
+    def test_turn_counts_as_the_legacy_trainers(self):
+        """The v1 rows' `num_turns` field becomes `__num_turns__`, which the agent-loop adapter reads."""
+        found = tq_batch.non_tensors(["a_0_0", "a_1_0"], [{}, {}], [6, 2])
+        assert found["__num_turns__"].tolist() == [6, 2]
+        assert "__num_turns__" not in tq_batch.non_tensors(["a_0_0"], [{}])

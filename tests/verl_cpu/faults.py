@@ -11,9 +11,10 @@ rlcheck sees what the fault did). Both are set by environment variables (`tests.
 | perturb-layer=L@K | vLLM workers | from the sync that gives the engine version K (after step K) on, decoder layer L's attention output projection computes 1.5 x its output, inside the engine only |
 | stop-token@K | driver (legacy) | at step K the actor scores every response that ends with EOS without its EOS (attention 0 there: verl's old_log_probs is 0 where the engine has its logprob of EOS) |
 | corrupt-rows=N@K | driver | at step K, N rows' engine logprobs are 3 nats lower on every token (an engine that computed garbage for a few sequences) |
+| tool-in-loss@K | driver (legacy, v1) | at step K every multi-turn row's tool replies (response_mask 0 between the model's turns) get response_mask 1: the tool's tokens counted in verl's loss, as a mask bug of an agent loop does (rllm #497) |
 
 Records (one JSON line each): `batch.jsonl` (driver: each step's weight versions as verl put them in the
-batch), `verl_debug.jsonl` (driver: verl's `calculate_debug_metrics` on the step's batch in float64), `loss.jsonl` (actor worker: each call of verl's `ppo_loss`, the
+batch, and the agent loop's `__num_turns__` per row), `verl_debug.jsonl` (driver: verl's `calculate_debug_metrics` on the step's batch in float64), `loss.jsonl` (actor worker: each call of verl's `ppo_loss`, the
 rows it masks out and the importance weights it multiplies by).
 """
 
@@ -107,6 +108,18 @@ def _without_stop(batch: Any, eos: int) -> tuple[Any, list[int]]:
     return scored, rows
 
 
+def _tool_in_loss(mask: torch.Tensor) -> list[int]:
+    """Set `mask` to 1 between each row's first and last 1 (the tool replies between the model's turns), in
+    place; the rows changed."""
+    rows = []
+    for i in range(mask.shape[0]):
+        ones = torch.nonzero(mask[i]).flatten()
+        if len(ones) and int(ones[-1] - ones[0] + 1) > len(ones):
+            mask[i, int(ones[0]): int(ones[-1]) + 1] = 1
+            rows.append(i)
+    return rows
+
+
 def _legacy_step(module: ModuleType) -> None:
     trainer = module.RayPPOTrainer
     original = trainer.__dict__["_compute_old_log_prob"]
@@ -119,7 +132,12 @@ def _legacy_step(module: ModuleType) -> None:
         record("batch", trainer="legacy" if version is None else "fully_async", step=step, param_version=version,
                min_global_steps=[int(v) for v in nt["min_global_steps"]],
                max_global_steps=[int(v) for v in nt["max_global_steps"]],
-               num_rows=len(batch), ends_with_eos=int(_ends_with(batch, self.tokenizer.eos_token_id)))
+               num_rows=len(batch), ends_with_eos=int(_ends_with(batch, self.tokenizer.eos_token_id)),
+               num_turns=[int(v) for v in nt["__num_turns__"]] if "__num_turns__" in nt else None,
+               model_tokens=batch.batch["response_mask"].sum(-1).tolist())
+        if active("tool-in-loss", step) is not None:
+            rows = _tool_in_loss(batch.batch["response_mask"])
+            record("faults", fault="tool-in-loss", step=step, rows=rows, uids=[str(nt["uid"][i]) for i in rows])
         n = active("corrupt-rows", step)
         if n is not None:
             rows = _corrupt(*_rows_of(batch.batch), n)
@@ -164,10 +182,13 @@ def _v1_step(module: ModuleType) -> None:
         step = int(self.global_steps)
         tags = list(batch.tags)
         record("batch", trainer="v1", step=step, min_global_steps=sorted({int(t["min_global_steps"]) for t in tags}),
-               max_global_steps=sorted({int(t["max_global_steps"]) for t in tags}), num_rows=len(tags))
+               max_global_steps=sorted({int(t["max_global_steps"]) for t in tags}), num_rows=len(tags),
+               num_turns=_num_turns_v1(batch))
         n = active("corrupt-rows", step)
         if n is not None:
             _corrupt_v1(batch, n, step)
+        if active("tool-in-loss", step) is not None:
+            _tool_in_loss_v1(batch, step)
         out = original(self, batch, metrics, *args, **kwargs)
         import transfer_queue as tq
 
@@ -191,6 +212,29 @@ def _corrupt_v1(batch: Any, num_rows: int, step: int) -> None:
     fields = {"rollout_log_probs": response_to_nested(padded["rollout_log_probs"], stored["response_mask"])}
     tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(keys)))
     record("faults", fault="corrupt-rows", step=step, rows=rows, keys=[keys[i] for i in rows])
+
+
+def _num_turns_v1(batch: Any) -> list[int]:
+    import transfer_queue as tq
+
+    stored = tq.kv_batch_get(keys=list(batch.keys), partition_id=batch.partition_id, select_fields=["num_turns"])
+    return [int(n) for n in stored.pop("num_turns").tolist()]
+
+
+def _tool_in_loss_v1(batch: Any, step: int) -> None:
+    """`_tool_in_loss` on the v1 rows in the TransferQueue: their response_mask and the loss_mask copy of it."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import response_to_nested
+
+    keys = list(batch.keys)
+    stored = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["response_mask"])
+    mask = stored.to_padded_tensor()["response_mask"]
+    rows = _tool_in_loss(mask)
+    nested = response_to_nested(mask, stored["response_mask"])
+    tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+                    fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(keys)))
+    record("faults", fault="tool-in-loss", step=step, rows=rows, keys=[keys[i] for i in rows])
 
 
 # ---- the engine: one layer off -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGINS = "tests.verl_cpu.platform,tests.verl_cpu.faults,rlcheck.integrations.verl.plugin"
+PLUGINS = "tests.verl_cpu.platform,tests.verl_cpu.faults,tests.verl_cpu.calculator,rlcheck.integrations.verl.plugin"
 
 CPU_OVERRIDES = (
     "+ray_kwargs.ray_init.num_gpus=1",  # a fake GPU: verl places its workers on Ray's "GPU" resource
@@ -120,6 +120,16 @@ def fully_async_command(model: Path, train: Path, val: Path, ckpt: Path, name: s
     argv = [a for a in command(model, train, val, ckpt, name, steps) if a not in replaced]
     argv[argv.index("verl.trainer.main_ppo")] = "verl.experimental.fully_async_policy.fully_async_main"
     return [*argv, *FULLY_ASYNC_OVERRIDES, *extra]
+
+
+def tool_agent_command(model: Path, train: Path, val: Path, ckpt: Path, name: str, steps: int, *extra: str) -> list[str]:
+    """`command` for verl's tool agent loop on the calculator (tests/verl_cpu/calculator.py): the rows of
+    `train` name the agent loop, the overrides its tool, parser and lengths; `extra` replaces any same key."""
+    from tests.verl_cpu.calculator import OVERRIDES
+
+    replaced = {o.split("=", 1)[0] for o in (*OVERRIDES, *extra)}
+    argv = [a for a in command(model, train, val, ckpt, name, steps) if a.split("=", 1)[0] not in replaced]
+    return [*argv, *OVERRIDES, *extra]
 
 
 @dataclass

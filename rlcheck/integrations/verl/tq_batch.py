@@ -4,6 +4,10 @@ the fields it compares, right-padded, into a `DataProto` (`observe_v1`) and writ
 as verl's own rollout correction does (`response_mask`, and `rollout_is_weights`), plus `loss_mask`: the
 v1 agent loop stores a copy of the response mask there, and verl's FSDP engine counts the tokens of the
 loss's denominator from it, so a quarantined row leaves both the loss and its normalisation.
+
+An agent loop's turn count is the row's `num_turns` field (what the legacy trainer's `DataProto` carries as
+`non_tensor_batch["__num_turns__"]`; verl's v1 metrics read it from there too): read beside the compared
+fields, it gives multi-turn rows their turns (`rlcheck.integrations.verl.turns`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import numpy as np
 
 from rlcheck.core.types import StepReport
 from rlcheck.integrations.verl.fields import MASK_KEY, RESPONSES_KEY, ROLLOUT_KEY, TRAIN_KEY, WEIGHTS_KEY
+from rlcheck.integrations.verl.turns import NUM_TURNS_KEY
 
 FIELDS = [TRAIN_KEY, ROLLOUT_KEY, MASK_KEY, RESPONSES_KEY]
 LOSS_MASK_KEY = "loss_mask"
 VERSION_TAGS = ("min_global_steps", "max_global_steps")
+TURNS_FIELD = "num_turns"
 
 
 def uid_of(key: str) -> str:
@@ -26,14 +32,26 @@ def uid_of(key: str) -> str:
     return parts[0] if len(parts) == 3 else str(key)
 
 
-def non_tensors(keys: list[str], tags: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """The rows' uid and, where every tag has them, their weight versions (`min/max_global_steps`)."""
+def non_tensors(keys: list[str], tags: list[dict[str, Any]], num_turns: Any = None) -> dict[str, np.ndarray]:
+    """The rows' uid, where every tag has them their weight versions (`min/max_global_steps`), and the agent
+    loop's turn counts (`num_turns`, one per row) as the legacy trainer's `__num_turns__`."""
     out = {"uid": np.array([uid_of(k) for k in keys], dtype=object)}
     for name in VERSION_TAGS:
         values = [tag.get(name) for tag in tags]
         if values and all(v is not None for v in values):
             out[name] = np.array(values, dtype=object)
+    if num_turns is not None:
+        out[NUM_TURNS_KEY] = np.asarray(num_turns, dtype=np.int64).reshape(-1)
     return out
+
+
+def _num_turns(tq: Any, batch: Any) -> list[int] | None:
+    """The rows' `num_turns` field as verl's v1 agent loop stored it (None where the rows have none)."""
+    try:
+        stored = tq.kv_batch_get(keys=list(batch.keys), partition_id=batch.partition_id, select_fields=[TURNS_FIELD])
+        return [int(n) for n in stored.pop(TURNS_FIELD).tolist()]
+    except (KeyError, ValueError, RuntimeError):  # a row source that writes no turn count
+        return None
 
 
 def observe_v1(session: Any, step: int, batch: Any, metrics: dict) -> StepReport:
@@ -45,7 +63,7 @@ def observe_v1(session: Any, step: int, batch: Any, metrics: dict) -> StepReport
     keys = list(batch.keys)
     stored = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=FIELDS)
     padded = stored.to_padded_tensor()  # (B, R) each, right-padded with 0
-    data = DataProto(batch=padded, non_tensor_batch=non_tensors(keys, list(batch.tags)))
+    data = DataProto(batch=padded, non_tensor_batch=non_tensors(keys, list(batch.tags), _num_turns(tq, batch)))
     before = data.batch[MASK_KEY]
     report = session.observe(step, data, metrics, request_ids=[str(k) for k in keys], global_steps=step)
     if data.batch[MASK_KEY] is not before:

@@ -12,6 +12,7 @@ Direct evidence first: the cross-turn invariants' alarms (`rlcheck.core.turn_che
 | a later call's prompt lacks a run of an earlier output's ids (deleted)    | stripped_history           |
 | a later call's prompt holds other ids inside an earlier output            | retokenized_history        |
 | a zero-logprob token at a turn's end; a trained turn one token longer     | join_token_mask            |
+| zero-logprob runs in sequences whose turns merged (fewer than counted)     | tool_tokens_in_loss        |
 | a zero-logprob run inside a turn, the trainer's logprobs ordinary, or in a | turn_logprobs_missing      |
 | turn >= 80% exactly 0.0 (sure tokens too); fewer logprobs than sampled ids |                            |
 
@@ -112,6 +113,18 @@ LEADS = {
 }
 
 
+MERGED_ZEROS = ("fewer turns found in the loss mask than the framework counts, and engine logprobs of exactly 0.0 "
+                "inside the merged turns: the tool replies between the turns are in the loss mask")
+"""The lead when the zero-logprob runs sit in sequences whose turns merged (verl's real trainer with its
+tool replies put in the loss: the trained calculator model finds some replies likely, mean logprob -1.15
+over a 4-token run, so the zeros alone read as a turn's logprobs missing; a turn's logprobs filled with 0.0
+merges no turns)."""
+
+
+def _ids(alarms: list[dict]) -> set[str]:
+    return {r for a in alarms for r in a["details"].get("request_ids", [])}
+
+
 def _from_invariants(ev: Evidence, alarms: list[dict]) -> Finding:
     by = _by_signature(alarms)
     if "stale_turn" in by:
@@ -127,11 +140,13 @@ def _from_invariants(ev: Evidence, alarms: list[dict]) -> Finding:
         votes = Counter(prefix_cause(e) for e in _breaches(by["prefix_break"]))
         cause = votes.most_common(1)[0][0] if votes else "retokenized_history"
         return _finding(cause, 0.97, by["prefix_break"], LEADS[cause])
+    merged = [e for e in _breaches(by.get("turn_count", [])) if e["found"] < e["framework"]]
+    if merged and by.get("zero_logprobs") and _ids(by["zero_logprobs"]) <= _ids(by["turn_count"]):
+        return _finding("tool_tokens_in_loss", 0.97, by["zero_logprobs"] + by["turn_count"], MERGED_ZEROS)
     counted = _breaches(by.get("zero_logprobs", []) + by.get("logprob_count", []))
     if counted:
         cause = Counter(zero_cause(e) for e in counted).most_common(1)[0][0]
         return _finding(cause, 0.96, by.get("zero_logprobs") or by["logprob_count"], LEADS[cause])
-    merged = [e for e in _breaches(by.get("turn_count", [])) if e["found"] < e["framework"]]
     lead = ("fewer turns found in the loss mask than the framework counts: tool replies masked in merge the turns"
             if merged else "the turns found disagree with the framework's count")
     return _finding("tool_tokens_in_loss" if merged else "join_token_mask", 0.7, by["turn_count"], lead)

@@ -1,0 +1,112 @@
+"""The diagnose rule for an engine that computes otherwise than the trainer from one step on while the
+weight versions agree (`engine_shift`): its weights (a partial sync, a bad load) or a layer or kernel
+changed under the same version tag. verl's real trainer with one decoder layer perturbed inside vLLM
+from a sync on (`tests/verl_cpu/faults.py`, `perturb-layer=1@5`) is the recorded case: clean steps at
+0.008-0.011 nats, then 0.20 and 0.15 on every sequence, the versions verl put in the batch in order.
+
+It fires when, from an alarmed step S to the run's last step (at least `MIN_STEPS` steps):
+
+- every step's clipped mean |d| is at least `SHIFT` x the median of the unalarmed steps before S (at
+  least `MIN_BASELINE` of them: a fault present from the run's first step has no clean level to shift
+  from) and past the precision's gate (`floors.elevated_steps`);
+- the rise is spread over the tokens (median |d| >= `SPREAD` x the mean: not a few far-off sequences);
+- every one of those steps logged the weights lag (`rlcheck/weights/max_lag`) at 0 and raised no
+  weights alarm: the versions agree, so "not synced" is not what the tags say.
+
+Its confidence (`CONFIDENCE`; `WITHIN_NOISE` for a shift no larger than a bf16 engine's noise) ranks it
+under every rule with a signature or direct evidence: it names
+what the level alone can say, the engine side and the step it started, and the command that tells a layer
+from the weights (`rlcheck localize` on a dump of those steps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlcheck.core import metrics as K
+from rlcheck.core.floors import LEVELS
+from rlcheck.forensics.diagnose.evidence import Evidence
+from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import ELEVATED, floor_level
+from rlcheck.forensics.diagnose.queries import affected_ids, alarm_steps, alarms_of, metric_series
+
+SHIFT = 5.0
+"""Level over the clean steps before it (the verl case: 14x and 16x; bf16's step-to-step spread of a
+healthy run stays under 2x)."""
+MIN_BASELINE = 2
+MIN_STEPS = 2
+"""Steps from the shift to the run's end: one step off is a spike (rows, a batch), not a changed engine."""
+SPREAD = 0.1
+"""Median |d| over mean |d| on the shifted steps: a rise on many tokens, not a few far-off sequences (whose
+median stays at the floor, < 0.05 of the mean); the verl runs: 0.15 to 0.52."""
+CONFIDENCE = 0.75
+"""Under every rule with a signature or direct evidence (>= 0.8), over numeric noise (0.7) and a temperature
+slope seen on a minority of the alarmed steps (0.6 + 0.3 x share: a verl run's perturbed layer sloped one
+of its steps), when the shifted level stands past a bf16 engine's noise (`NOISE_CEILING`)."""
+NOISE_CEILING = ELEVATED * LEVELS["bfloat16"]
+"""0.05: a shift to no more than a bf16 engine's gate may be a precision changed mid-run (an fp32 engine
+switched to bf16: 0 to 0.014 in `tests/integration/test_faults_loop.py`'s bf16-noise@12): numeric noise names
+that better, this finding ranks under it (`WITHIN_NOISE`)."""
+WITHIN_NOISE = 0.65
+
+
+MAX_STARTS = 3
+"""Alarmed steps tried as the shift's start: the first ones inside the run's last stretch of elevated steps
+(a start outside it cannot hold to the run's end). A run of thousands of alarmed steps costs one pass."""
+
+
+def engine_shift(ev: Evidence) -> Finding | None:
+    steps, level = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
+    if steps.size < MIN_BASELINE + MIN_STEPS:
+        return None
+    elevated = level > ELEVATED * floor_level(ev)  # (S,) past the gate at the run's floor (`floors.elevated_steps`)
+    tail = steps.size - int(np.argmin(elevated[::-1])) if not elevated.all() else 0  # first index of the last stretch
+    alarmed = np.isin(steps, alarm_steps(alarms_of(ev)))  # (S,)
+    for i in np.flatnonzero(alarmed[tail:])[:MAX_STARTS] + tail:
+        found = _shift_from(ev, int(steps[i]), steps, level, alarmed)
+        if found is not None:
+            return found
+    return None
+
+
+def _shift_from(ev: Evidence, start: int, steps: np.ndarray, level: np.ndarray, alarmed: np.ndarray) -> Finding | None:
+    before = (steps < start) & ~alarmed
+    after = steps >= start
+    if before.sum() < MIN_BASELINE or after.sum() < MIN_STEPS:
+        return None
+    base = float(np.median(level[before]))
+    shifted = [int(s) for s in steps[after]]
+    if not np.all(level[after] >= SHIFT * base):
+        return None
+    if not _spread(ev, shifted) or not _versions_agree(ev, shifted):
+        return None
+    ratio = float(np.min(level[after])) / base if base > 0 else float("inf")
+    dumps = [s for s in shifted if s in ev.dump_rows]
+    where = (f"RUN/dumps/step_{dumps[0]:06d}" if dumps else
+             "a dump of one of these steps (none was written: rlcheck dumps a step when it halts or first alarms)")
+    confidence = CONFIDENCE if float(np.min(level[after])) > NOISE_CEILING else WITHIN_NOISE
+    return Finding("engine_shift", confidence, [
+        f"from step {start} on the engine and the trainer part: clipped mean |d| "
+        f"{', '.join(f'{v:.3g}' for v in level[after])} at steps {', '.join(map(str, shifted))}, "
+        f"at least {ratio:.0f}x the {int(before.sum())} clean steps before ({base:.3g}), on most tokens",
+        "every one of those steps carries the trainer's weight version (weights lag 0): the engine holds what "
+        "the tags say and computes otherwise with it, its weights (a partial sync, a bad load) or a layer or kernel",
+        f"to tell a layer from the weights: `rlcheck localize {where}` re-runs the worst requests through a "
+        "fresh engine and the reference layer by layer (a first divergent layer there is the engine's code or "
+        "config; none diverging points at the weights the live engine held)",
+    ], shifted, affected_ids(ev, shifted[:1], 0.0)[:20])
+
+
+def _spread(ev: Evidence, shifted: list[int]) -> bool:
+    p50_steps, p50 = metric_series(ev, K.ABS_DIFF_P50)
+    mean_steps, mean = metric_series(ev, K.ABS_DIFF_MEAN)
+    by_step = dict(zip(p50_steps.tolist(), p50.tolist(), strict=True))
+    means = dict(zip(mean_steps.tolist(), mean.tolist(), strict=True))
+    return all(s in by_step and s in means and by_step[s] >= SPREAD * means[s] for s in shifted)
+
+
+def _versions_agree(ev: Evidence, shifted: list[int]) -> bool:
+    lag_steps, lags = metric_series(ev, K.WEIGHTS_MAX_LAG)
+    lag = dict(zip(lag_steps.tolist(), lags.tolist(), strict=True))
+    weights = set(alarm_steps(alarms_of(ev, kind="weights")))
+    return all(s in lag and lag[s] == 0 and s not in weights for s in shifted)
