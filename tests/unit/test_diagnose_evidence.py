@@ -157,6 +157,21 @@ def stop_unscored(step: int) -> Step:
     return s
 
 
+def stop_zeroed(step: int) -> Step:
+    """verl's legacy trainer scoring the stopped responses without their EOS (its real run, a bf16 engine): the
+    trainer's logprob of each EOS is exactly 0.0 and |d| is the engine's own logprob there, which a confident
+    model makes tiny on most rows (one run: 0.002 to 4.8 nats, median 0.049, mean 0.73); no trainer ids."""
+    s = IdsUnknown(**dataclasses.asdict(step_of(step)))
+    rng = np.random.default_rng([13, step])
+    for t, lr, lt in zip(s.tokens, s.lr, s.lt, strict=True):
+        if t[-1] == EOS:  # a confident model's EOS: 9 rows in 16 near-certain, the rest not
+            lr[-1] = -0.005 * np.exp(rng.standard_normal()) if rng.random() < 0.6 else -np.exp(rng.normal(0, 1))
+            lt[-1] = lr[-1] + noise(rng, lr[-1:])[0]
+            if step >= ONSET:
+                lt[-1] = 0.0
+    return s
+
+
 def left_padded(step: int) -> Step:
     """From ONSET, each row off by 0.01 x the pad tokens its prompt would get (rows of the longest prompt exact)."""
     s = step_of(step)
@@ -250,7 +265,7 @@ def bos_and_shift(step: int) -> Step:
 
 
 CASES = {"double_bos": double_bos, "bos_and_shift": bos_and_shift, "retokenized": retokenized, "stop_dropped": stop_dropped,
-         "stop_unscored": stop_unscored,
+         "stop_unscored": stop_unscored, "stop_zeroed": stop_zeroed,
          "left_padded": left_padded, "left_padded_one": left_padded_one,
          "rope": rope, "stale_prefix": stale_prefix, "hotter": hotter, "nucleus": nucleus, "sparse": sparse,
          "sparse_small": lambda s: sparse(s, 0.01),
@@ -325,6 +340,15 @@ class TestEvidenceRules:
         floored at 10x the precision's noise, 0.1, not at its noise)."""
         v = diagnose(runs("stop_unscored")).verdict
         assert v.cause == "stop_token" and f"token {EOS}" in v.evidence[0], v.evidence
+
+    def test_stop_token_zeroed_on_one_side(self, runs, pair):
+        """The trainer's logprob of each EOS exactly 0.0 (a stop token it never scored), the engine confident of
+        most of them: the median EOS |d| sits under the contrast at a bf16 floor (verl's legacy run once read
+        'unexplained' so), the exact zeros where the engine was unsure name it: stop_token, saying which side."""
+        v = diagnose(runs("stop_zeroed")).verdict
+        assert v.cause == "stop_token" and v.affected_steps == [ONSET], v.evidence
+        assert f"token {EOS}" in v.evidence[0]
+        assert pair == "fp32" or any("the trainer's logprob of token" in e for e in v.evidence), v.evidence
 
     def test_left_padding(self, runs):
         """Rows off with their prompt's padding, the longest prompts' rows exact: position_ids, naming the padded rows."""
