@@ -18,10 +18,10 @@ PAIRS = {"fp32": Precision("float32", "float32"), "bf16": Precision("bfloat16", 
 STALE = {1, 9, 17, 26}
 
 
-def record(tmp_path, batches, precision, extra=None) -> int | None:
+def record(tmp_path, batches, precision, extra=None, context=None) -> int | None:
     """Observe `batches` (step by step) until a halt; the halting step, or None. The loop's first
     alarmed step without a halt keeps its dump, as `keep_first_alarm` does."""
-    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=precision)) as mon:
+    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=precision, context=context or {})) as mon:
         for step, batch in enumerate(batches):
             try:
                 report = mon.observe(step, batch, extra=extra)
@@ -111,15 +111,7 @@ class TestGuardCauses:
 def record_as(tmp_path, batches, model_type=None, model=None, extra=None) -> int | None:
     """`record` at fp32 with the dump's context naming the model (its `model_type`, or only its path)."""
     context = {k: v for k, v in {"model_type": model_type, "model": model}.items() if v is not None}
-    with Monitor(MonitorConfig(run_dir=tmp_path, sinks=(), precision=PAIRS["fp32"], context=context)) as mon:
-        for step, batch in enumerate(batches):
-            try:
-                report = mon.observe(step, batch, extra=extra)
-            except MismatchHalt:
-                return step
-            if report.alarms and not list(tmp_path.glob("dumps/step_*")):
-                mon.dump(step, batch, report, reason="first alarm")
-    return None
+    return record(tmp_path, batches, PAIRS["fp32"], extra, context)
 
 
 class TestStatelessModel:
