@@ -16,10 +16,12 @@ from rlcheck.forensics.diagnose import diagnose
 from rlcheck.forensics.diagnose.rules.shift import SHIFT
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "verl_runs"
-RUNS = ("perturbed-layer-a", "perturbed-layer-b", "perturbed-layer-c")
+RUNS = ("perturbed-layer-a", "perturbed-layer-b", "perturbed-layer-c", "perturbed-layer-d")
 """a: clean 0.008-0.011, steps 6 and 7 at 0.147 and 0.131 (clipped mean |d|); b: 0.098 and 0.070, step 7
 sloped (a `systematic_slope` alarm); c: 0.091 and 0.090, a journal of before the precision floors (no
-`rlcheck/floor/level`)."""
+`rlcheck/floor/level`); d: ~0.08 at steps 6 and 7, their median token |d| only 0.084 to 0.097 of the mean
+(a confident model: most tokens barely move) but over every clean step's median (`make test-verl` failed on
+it before)."""
 
 
 def findings(run_dir: Path) -> dict[str, object]:
