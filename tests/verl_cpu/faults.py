@@ -9,7 +9,7 @@ rlcheck sees what the fault did). Both are set by environment variables (`tests.
 |---|---|---|
 | skip-sync@K | driver | the weight sync after step K is not made: the engine keeps the weights (and the version, K-1) it had, step K+1 generates on them |
 | perturb-layer=L@K | vLLM workers | from the sync that gives the engine version K (after step K) on, decoder layer L's attention output projection computes 1.5 x its output, inside the engine only |
-| stop-token@K | driver (legacy) | at step K the actor scores every response that ends with EOS without its EOS (attention 0 there: verl's old_log_probs is 0 where the engine has its logprob of EOS) |
+| stop-token@K | driver (legacy) | at step K the actor scores every response that ends with EOS without its EOS (attention 0 there: verl's old_log_probs is 0 where the engine has its logprob of EOS; the engine's logprobs of those EOS recorded: the fault's size) |
 | corrupt-rows=N@K | driver | at step K, N rows' engine logprobs are 3 nats lower on every token (an engine that computed garbage for a few sequences) |
 | tool-in-loss@K | driver (legacy, v1) | at step K every multi-turn row's tool replies (response_mask 0 between the model's turns) get response_mask 1: the tool's tokens counted in verl's loss, as a mask bug of an agent loop does (rllm #497) |
 
@@ -145,7 +145,9 @@ def _legacy_step(module: ModuleType) -> None:
         scored = batch
         if active("stop-token", step) is not None:
             scored, rows = _without_stop(batch, self.tokenizer.eos_token_id)
-            record("faults", fault="stop-token", step=step, rows=rows)
+            lengths = batch.batch["response_mask"].sum(-1)
+            eos = [float(batch.batch["rollout_log_probs"][i, int(lengths[i]) - 1]) for i in rows]
+            record("faults", fault="stop-token", step=step, rows=rows, eos_logprobs=eos)  # the fault's size: |each|
         out = original(self, scored, *args, **kwargs)
         fields = {k: batch.batch[k] for k in ("rollout_log_probs", "response_mask", "responses")}
         _record_debug_metrics(step, {**fields, "old_log_probs": out[0].batch["old_log_probs"]})
