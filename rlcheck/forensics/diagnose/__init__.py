@@ -36,6 +36,7 @@ from rlcheck.forensics.diagnose.queries import (
     spearman,
 )
 from rlcheck.forensics.diagnose.rules import EVIDENCE_RULES
+from rlcheck.forensics.diagnose.rules.engine import SHAPES
 from rlcheck.forensics.diagnose.rules.moe import moe_routing
 
 __all__ = ["CAUSES", "RESTART_AGE", "RULES", "Diagnosis", "Finding", "diagnose"]
@@ -107,7 +108,7 @@ def _logit_processing(ev: Evidence) -> Finding | None:
 def _sparse_sequences(ev: Evidence) -> Finding | None:
     early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
     sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic", "many_catastrophic"))
-    if not early and not sparse:
+    if (not early and not sparse) or ev.recurrent() is False:  # far-off sequences on a model with no state: no state cause
         return None
     steps = alarm_steps(early + sparse)
     ids = catastrophic_ids(ev, early + sparse)
@@ -116,8 +117,6 @@ def _sparse_sequences(ev: Evidence) -> Finding | None:
                 f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
     if early:
         return Finding("stale_state", 0.85, evidence, steps, ids)
-    if ev.recurrent() is False:  # far off past the first tokens on a model with no state: not a state cause
-        return None
     evidence.append("the divergence does not start at the first tokens: state-index aliasing is as likely; "
                     "the scheduler context (rlcheck stress, the engine guard) tells them apart")
     return Finding("stale_state", 0.6, evidence, steps, ids)
@@ -263,7 +262,10 @@ def _numeric_noise(ev: Evidence) -> Finding | None:
     anomalous = alarm_steps([a for a in alarms_of(ev) if a["kind"] != "weights"])  # its own evidence only
     if anomalous and len(anomalous) < MIN_NOISE_STEPS:  # a gate warns once and re-arms: the steps past it count
         anomalous = sorted(set(anomalous) | set(elevated_steps(ev)))
-    if len(anomalous) < MIN_NOISE_STEPS or alarms_of(ev, kind="signature") or alarms_of(ev, kind="periodic"):
+    signatures = alarms_of(ev, kind="signature")
+    if ev.recurrent() is False:  # far-off sequences are no state shape on a model without state: noise may make a few
+        signatures = [a for a in signatures if a["details"].get("signature") not in SHAPES]  # (a random Llama, bf16 x 16)
+    if len(anomalous) < MIN_NOISE_STEPS or signatures or alarms_of(ev, kind="periodic"):
         return None
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     after = steps >= anomalous[0]

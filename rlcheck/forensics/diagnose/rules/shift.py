@@ -14,6 +14,14 @@ It fires when, from an alarmed step S to the run's last step (at least `MIN_STEP
 - every one of those steps logged the weights lag (`rlcheck/weights/max_lag`) at 0 and raised no
   weights alarm: the versions agree, so "not synced" is not what the tags say.
 
+From the run's first step there is no clean level to shift from; on a model with no recurrent state (the
+context's `model_type`: no state to be stale) the rule also fires when every step from the first is past a bf16
+engine's gate (`NOISE_CEILING`) on most tokens and skewed (`SKEW`), with the sync check's fingerprints agreeing at the first step
+(the weights checked directly, not by their tags) and the versions agreeing after: the engine computes otherwise
+with the trainer's weights from its start, its config (a RoPE base x 4 on the tiny trained Llama: 0.18 to 0.20
+nats every step, 15-25% of the sequences catastrophic and no trend with the position, which `position_dependent`
+reads on a model that is close at short distances), a layer or a kernel (`_from_first_step`).
+
 Its confidence (`CONFIDENCE`; `WITHIN_NOISE` for a shift no larger than a bf16 engine's noise) ranks it
 under every rule with a signature or direct evidence: it names
 what the level alone can say, the engine side and the step it started, and the command that tells a layer
@@ -52,6 +60,13 @@ that better, this finding ranks under it (`WITHIN_NOISE`)."""
 WITHIN_NOISE = 0.65
 
 
+SKEW = 0.3
+"""From the first step: the median step's mean d at most -SKEW x its mean |d|. An engine sampling from its own
+distribution gets its samples scored lower by the trainer (the mean of d is -KL(engine || trainer)), a precision's
+noise leaves d symmetric (`numeric_noise` asks |mean d| <= 0.3 x the level): the trained Llama with a RoPE base
+x 4 at -0.4 to -0.59."""
+
+
 MAX_STARTS = 3
 """Alarmed steps tried as the shift's start: the first ones inside the run's last stretch of elevated steps
 (a start outside it cannot hold to the run's end). A run of thousands of alarmed steps costs one pass."""
@@ -60,7 +75,7 @@ MAX_STARTS = 3
 def engine_shift(ev: Evidence) -> Finding | None:
     steps, level = metric_series(ev, K.ABS_DIFF_CLIPPED_MEAN)
     if steps.size < MIN_BASELINE + MIN_STEPS:
-        return None
+        return _from_first_step(ev, steps, level)
     elevated = level > ELEVATED * floor_level(ev)  # (S,) past the gate at the run's floor (`floors.elevated_steps`)
     tail = steps.size - int(np.argmin(elevated[::-1])) if not elevated.all() else 0  # first index of the last stretch
     alarmed = np.isin(steps, alarm_steps(alarms_of(ev)))  # (S,)
@@ -68,7 +83,7 @@ def engine_shift(ev: Evidence) -> Finding | None:
         found = _shift_from(ev, int(steps[i]), steps, level, alarmed)
         if found is not None:
             return found
-    return None
+    return _from_first_step(ev, steps, level)
 
 
 def _shift_from(ev: Evidence, start: int, steps: np.ndarray, level: np.ndarray, alarmed: np.ndarray) -> Finding | None:
@@ -96,6 +111,35 @@ def _shift_from(ev: Evidence, start: int, steps: np.ndarray, level: np.ndarray, 
         f"to tell a layer from the weights: `rlcheck localize {where}` re-runs the worst requests through a "
         "fresh engine and the reference layer by layer (a first divergent layer there is the engine's code or "
         "config; none diverging points at the weights the live engine held)",
+    ], shifted, affected_ids(ev, shifted[:1], 0.0)[:20])
+
+
+def _from_first_step(ev: Evidence, steps: np.ndarray, level: np.ndarray) -> Finding | None:
+    """Every step off on most tokens from the run's first, past a bf16 engine's gate, the first step's fingerprints
+    agreeing, on a model with no recurrent state (see the module docstring)."""
+    if ev.recurrent() is not False or not steps.size or ev.source != "run":
+        return None
+    shifted = [int(s) for s in steps]
+    first = next((r for r in ev.records if int(r["step"]) == shifted[0]), {"metrics": {}})
+    if first["metrics"].get("sync/fingerprint_differs") != 0.0 or float(level.min()) <= max(NOISE_CEILING, ELEVATED * floor_level(ev)):
+        return None
+    if not _spread(ev, shifted, []) or not _versions_agree(ev, shifted):
+        return None
+    signed, size = (float(np.median(metric_series(ev, key)[1])) for key in (K.DIFF_MEAN, K.ABS_DIFF_MEAN))
+    if not -signed > SKEW * size:  # symmetric: precision noise of that size (`numeric_noise`), not another distribution
+        return None
+    return Finding("engine_shift", CONFIDENCE, [
+        f"from the run's first step the engine and the trainer part: clipped mean |d| "
+        f"{', '.join(f'{v:.3g}' for v in level[:6])}{' ...' if level.size > 6 else ''} at steps "
+        f"{', '.join(map(str, shifted[:6]))}{' ...' if level.size > 6 else ''}, on most tokens; the trainer scores the "
+        f"engine's samples lower (mean d {signed:.3g} against mean |d| {size:.3g}): the engine samples from a "
+        "distribution of its own",
+        f"the sync check's fingerprints found the trainer's weights in the engine at step {shifted[0]}, and the model "
+        f"({ev.model_type()}) has no recurrent state: the engine computes otherwise with the right weights from its "
+        "start, its config (RoPE base or scaling, sliding window, norm epsilon: compare the engine's effective model "
+        "config, hf_overrides included, with the trainer's; `rlcheck preflight`), a layer or a kernel",
+        "to tell them apart: `rlcheck localize RUN/dumps/step_...` re-runs the worst requests through a fresh engine "
+        "and the reference layer by layer (a first divergent attention layer with equal weights is a config or kernel)",
     ], shifted, affected_ids(ev, shifted[:1], 0.0)[:20])
 
 
