@@ -30,12 +30,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
+from rlcheck.core.floors import LEVELS
 from rlcheck.core.stats import StatsConfig
 from rlcheck.core.stats.twins import split_twin_sequences
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
+from rlcheck.forensics.diagnose.floors import floor_level
 from rlcheck.forensics.diagnose.queries import (
     MAX_IDS,
     alarm_steps,
@@ -47,7 +51,7 @@ from rlcheck.forensics.diagnose.queries import (
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
-STALE, ALIASED, GARBAGE, PROBE, FEW, STATELESS = 0.93, 0.75, 0.7, 0.88, 0.8, 0.6
+STALE, ALIASED, GARBAGE, PROBE, FEW, STATELESS, ROUTED = 0.93, 0.75, 0.7, 0.88, 0.8, 0.6, 0.8
 MANY = 0.25
 """Split from the run's first step: index aliasing when at least this share of the sequences is off (every
 request past a slot boundary, and the ones it shares with), stale state for fewer (a few reused slots)."""
@@ -71,9 +75,14 @@ def _split_stateless(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
     """Split twins on a model without recurrent state: the engine cannot have read another request's state, so
     the identical trained contexts were not identical where the engine scored them (the trainer's ids are not
     the ones the engine was given: a re-tokenization, a history rendered again) or its kernel varies with the
-    batch. Below every direct finding (a multi-turn history cause, the sparse shapes' 0.85)."""
+    batch. Below every direct finding (a multi-turn history cause, the sparse shapes' 0.85). On an MoE model
+    judged at the fp32 floor whose routing differed between the sides on those steps, the routing
+    (`_split_rerouted`)."""
     steps = alarm_steps(split)
     ids = _split_ids(ev, steps)
+    rerouted = _split_rerouted(ev, steps, ids, split[0])
+    if rerouted is not None:
+        return rerouted
     evidence = [f"step {steps[0]}: {split[0]['message']}",
                 f"the model ({ev.model_type()}) has no recurrent state, so no request read another's: the engine was "
                 "not given the contexts the trainer scored as identical (the trained ids are not the sampled ids: a "
@@ -81,6 +90,30 @@ def _split_stateless(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
                 "batch; compare the engine's own request ids with the trained ones (a multi-turn loop: record "
                 "each call's prompt ids)"]
     return Finding("token_misalignment", STATELESS, evidence, steps, ids)
+
+
+def _split_rerouted(ev: Evidence, steps: list[int], ids: list[str], first: dict[str, Any]) -> Finding | None:
+    """`moe_routing` for split twins on an MoE model whose engine routed some response tokens to other experts than
+    the trainer on the split steps, at the fp32 floor: there both sides compute the router within 1e-6 and agree on
+    every token of a healthy run (the tiny trained MoE: 8 of 8 steps), so a rerouted token is a routing
+    difference, not rounding (under a bf16 engine 0 to 5% of the tokens reroute from rounding alone). The rerouted
+    response tokens need not carry the mismatch (`rules.moe`'s test): a prompt token routed otherwise in one
+    request's prefill moves its whole response, and the routing record holds the response tokens only
+    (`moe-route-flip=0.1`: 1-3% of the response tokens rerouted, carrying 3-90% of a step's |d|)."""
+    if floor_level(ev) > LEVELS["float32"]:
+        return None
+    agree_steps, agree = metric_series(ev, K.MOE_ROUTE_AGREE_FRAC)
+    on = np.isin(agree_steps, steps) & (agree < 1.0)
+    if not on.any():
+        return None
+    hit = [int(s) for s in agree_steps[on]]
+    evidence = [f"step {steps[0]}: {first['message']}",
+                f"the model is an MoE ({ev.model_type()}), both sides at fp32, and on step(s) {', '.join(map(str, hit[:6]))} "
+                f"the engine sent up to {1.0 - float(np.min(agree[on])):.1%} of the response tokens to other experts than the "
+                "trainer (a healthy fp32 run agrees on every token): requests of one prompt routed otherwise (their "
+                "prompt tokens too, which the routing record of the responses does not hold) scored the same "
+                "context apart; routing replay (the engine's experts in the trainer) or the router's kernel"]
+    return Finding("moe_routing", ROUTED, evidence, sorted(set(steps) | set(hit)), ids)
 
 
 def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
