@@ -5,6 +5,7 @@ the seed-1 confusion matrix a fault read healthy). Runs `rlcheck demo`'s loop as
     .venv/bin/python benchmarks/bench_pad_floor.py --seeds 1 2 3 --precision bf16 --out runs/pad-floor
     .venv/bin/python benchmarks/bench_pad_floor.py --seeds 1 2 3 --precision fp32 --out runs/pad-floor
     .venv/bin/python benchmarks/bench_pad_floor.py --out runs/pad-floor --report       # the table, run nothing
+    .venv/bin/python benchmarks/bench_pad_floor.py --model moe-trained --seeds 1 2 --precision bf16 --out runs/pad-floor-moe
 
 Per run and step: the clipped mean |d| (what the threshold gate reads) and, where the step has prompts shorter
 than its longest (the rows the fault pads), the padded rows' mean |d| and its ratio to the other rows'. On
@@ -42,15 +43,15 @@ def dump_every_step() -> None:
     Monitor.observe = observe_and_dump
 
 
-def run(seeds, precision: str, trainer: str, steps: int, out: Path) -> None:
+def run(seeds, precision: str, trainer: str, steps: int, out: Path, model: str = "hybrid-trained") -> None:
     from rlcheck.loop import ray_session
 
     dump_every_step()
     bc.AFTER = steps  # no early end after an alarm: every step of both runs
-    bc.ensure_models(["hybrid-trained"])
+    bc.ensure_models([model])
     with ray_session(num_cpus=4, log_to_driver=False):
         for seed in seeds:
-            bc.run_shared([bc.Cell(s, "hybrid-trained", precision, trainer, seed) for s in SPECS], out, steps)
+            bc.run_shared([bc.Cell(s, model, precision, trainer, seed) for s in SPECS], out, steps)
 
 
 def step_rows(dump: Path) -> dict:
@@ -67,9 +68,9 @@ def step_rows(dump: Path) -> dict:
     return {"padded": float(row[padded].mean()), "other": float(row[~padded].mean()), "rows": int(padded.sum())}
 
 
-def collect(out: Path) -> list[dict]:
+def collect(out: Path, model: str = "hybrid-trained") -> list[dict]:
     rows = []
-    for run_dir in sorted(out.glob("seed*/hybrid-trained-*/*")):
+    for run_dir in sorted(out.glob(f"seed*/{model}-*/*")):
         if not (run_dir / "done.json").is_file():
             continue
         done = json.loads((run_dir / "done.json").read_text())
@@ -120,12 +121,13 @@ def main() -> None:
     ap.add_argument("--precision", choices=list(bc.PRECISIONS), default="bf16")
     ap.add_argument("--trainer", choices=list(bc.TRAINERS), default="hf")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--model", choices=list(bc.MODELS), default="hybrid-trained")
     ap.add_argument("--out", type=Path, default=Path("runs/pad-floor"))
     ap.add_argument("--report", action="store_true", help="the table of the finished runs, run nothing")
     args = ap.parse_args()
     if not args.report:
-        run(args.seeds, args.precision, args.trainer, args.steps, args.out)
-    print(report(collect(args.out)))
+        run(args.seeds, args.precision, args.trainer, args.steps, args.out, args.model)
+    print(report(collect(args.out, args.model)))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "precision noise while diagnose's healthy verdict names the floor it judged at",
      (SFD + "test_left_padding_is_never_a_bare_healthy",)),
     ("docs/faults.md", "| `stale-prefix-cache@S` |", (INPUTS + "test_stale_prefix_cache",)),
-    ("docs/faults.md", "| `rope-mismatch=F` |", (SETTINGS + "test_rope_mismatch_is_position_dependent",)),
+    ("docs/faults.md", "| `rope-mismatch=F` |", (SETTINGS + "test_rope_mismatch_is_position_dependent",
+                                                   "tests/unit/test_diagnose_configured.py::test_rope_base_from_the_preflight")),
     ("docs/faults.md", "| `raw-logprobs` |", (SETTINGS + "test_logit_processing",)),
     ("docs/faults.md", "| SPEC | what goes wrong | shape | diagnose names |", (NAMED,)),
     # the demo's console for a sync left out every 4th update (the weights version check halts the first stale step)

@@ -13,6 +13,7 @@ import typer
 
 from rlcheck.cli.base import app
 from rlcheck.cli.paths import existing_dir, optional_dir
+from rlcheck.errors import InputError
 
 
 @app.command()
@@ -35,6 +36,9 @@ def preflight(
                                "is installed)."),
     trainer_device: str = typer.Option(None, "--trainer-device", help="Where the probe's HF forward runs, as the "
                                        "trainer does (cpu, cuda, cuda:N); default: the GPU when there is one."),
+    hf_overrides: str = typer.Option(None, "--hf-overrides", help="The engine's vLLM hf_overrides, as JSON (e.g. "
+                                     "'{\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 40000}}'): "
+                                     "compared as the engine runs them."),
     as_json: bool = typer.Option(False, "--json", help="Print the findings (key, severity, both values, fix) as JSON."),
 ) -> None:
     """List every setting on which the engine and the trainer would differ, each with its fix; then score a
@@ -50,8 +54,21 @@ def preflight(
     cfg = PreflightConfig(model=str(model), engine_model=None if engine_model is None else str(engine_model),
                           temperature=temperature, top_p=top_p, top_k=top_k, logprobs_mode=logprobs_mode, dtype=dtype,
                           trainer_dtype=trainer_dtype, prefix_caching=prefix_caching, resets_prefix_cache=resets,
-                          trainer_device=trainer_device)
+                          trainer_device=trainer_device, engine_overrides=_overrides(hf_overrides))
     result = run_preflight(cfg, probe=probe)
     typer.echo(json.dumps(result.to_dict(), indent=1) if as_json else render(result))
     if result.differs:
         raise typer.Exit(1)
+
+
+def _overrides(text: str | None) -> dict | None:
+    """--hf-overrides: a JSON object, else a usage error naming the option."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InputError(f"--hf-overrides is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"--hf-overrides must be a JSON object of config fields, got {text!r}")
+    return value

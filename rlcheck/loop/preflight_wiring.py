@@ -3,10 +3,12 @@
     findings = check_loop(cfg)        # GRPOLoop.__init__: one warning block; critical findings refused
     cfg.context()["preflight"]        # the same findings, in every dump's meta.json
 
-The engine side is `cfg.rollout` (rlcheck's `VLLMEngine`: its dtype, logprobs mode, temperature, and any
-logit processing in `sampling`; greedy decoding reports logprobs at T = 1; `sync_weights` resets the
-prefix cache after every sync), the trainer side `cfg.trainer` (its model folder, dtype and temperature:
-it scores log_softmax(logits / T) over the whole vocabulary). An engine on a GPU that runs eager
+The engine side is `cfg.rollout` as the engine will run it (rlcheck's `VLLMEngine`: its dtype, logprobs mode,
+temperature, any logit processing in `sampling`, vLLM's `hf_overrides` in `engine_kwargs`; greedy decoding
+reports logprobs at T = 1; `sync_weights` resets the prefix cache after every sync), the trainer side
+`cfg.trainer` (its model folder, dtype and temperature: it scores log_softmax(logits / T) over the whole
+vocabulary); both with an injected fault's settings (`Fault.rollout_config`, `trainer_config`: a RoPE base
+set through hf_overrides is what the engine runs, and what the preflight must see). An engine on a GPU that runs eager
 (`VLLMConfig.enforce_eager`, True by default) is said, as an info finding: it runs no CUDA graphs.
 """
 
@@ -26,10 +28,10 @@ def _number(sampling: dict[str, Any], key: str, neutral: float) -> float:
 
 def loop_preflight_config(cfg: Any) -> PreflightConfig:
     """The two sides' settings of a `LoopConfig` (module docstring)."""
-    r, t = cfg.rollout, cfg.trainer
+    r, t = cfg.fault.rollout_config(cfg.rollout), cfg.fault.trainer_config(cfg.trainer)
     s = dict(r.sampling)
     return PreflightConfig(
-        model=t.model, engine_model=r.model, temperature=1.0 if r.greedy else r.temperature,
+        model=t.model, engine_model=r.model, engine_overrides=r.engine_kwargs.get("hf_overrides"), temperature=1.0 if r.greedy else r.temperature,
         top_p=_number(s, "top_p", 1.0), top_k=int(_number(s, "top_k", 0)), min_p=_number(s, "min_p", 0.0),
         repetition_penalty=_number(s, "repetition_penalty", 1.0), logprobs_mode=r.logprobs_mode, dtype=r.dtype,
         trainer_dtype=t.dtype, trainer_temperature=t.temperature,

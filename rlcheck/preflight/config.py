@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from rlcheck.errors import ConfigError
 
@@ -49,6 +50,9 @@ class PreflightConfig:
     """The trainer's model folder (HF layout): the config, tokenizer and weights it scores with."""
     engine_model: str | None = None
     """The engine's model folder; None: the same as `model`."""
+    engine_overrides: dict[str, Any] | None = None
+    """vLLM's `hf_overrides` of the engine: config fields set over the engine model's config.json, as vLLM
+    sets them (`rlcheck.preflight.sides.with_overrides`); None: none."""
     temperature: float = 1.0
     """The engine's sampling temperature."""
     top_p: float = 1.0
@@ -83,6 +87,9 @@ class PreflightConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("model must name the trainer's model folder")
+        if self.engine_overrides is not None and not isinstance(self.engine_overrides, dict):
+            raise ConfigError(f"engine_overrides must be a dict of config fields (vLLM's hf_overrides), "
+                              f"got {type(self.engine_overrides).__name__}")
         object.__setattr__(self, "logprobs_mode", canonical_mode(self.logprobs_mode))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype"))
         trainer_dtype = canonical_dtype(self.trainer_dtype, "trainer_dtype")

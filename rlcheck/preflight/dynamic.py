@@ -26,7 +26,7 @@ from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult
 from rlcheck.errors import ConfigError
 from rlcheck.preflight.config import PreflightConfig, canonical_dtype
 from rlcheck.preflight.findings import Finding, Preflight, worst_first
-from rlcheck.preflight.sides import Side, config_dtype, load_side
+from rlcheck.preflight.sides import Side, config_dtype, load_side, with_overrides
 from rlcheck.preflight.static import resolve_engine_dtype, run_static
 
 PROBE_TEXTS = ("12+7=19. 3*4=", "The cat sat on the", "Once upon a time, there was a", "The sum of 25 and 17 is")
@@ -52,8 +52,9 @@ def open_engine(cfg: PreflightConfig, dtype: str, engine_config: dict[str, Any] 
 
     kv = cfg.kv_cache_bytes or (None if torch.cuda.is_available() else CPU_KV_CACHE_BYTES)
     positions = int((engine_config or {}).get("max_position_embeddings") or MAX_MODEL_LEN)
+    overrides = {"hf_overrides": dict(cfg.engine_overrides)} if cfg.engine_overrides else {}
     return VLLMEngine(VLLMConfig(model=cfg.engine_path, dtype=dtype, engine_id="preflight", kv_cache_bytes=kv,
-                                 max_model_len=min(MAX_MODEL_LEN, positions)))
+                                 max_model_len=min(MAX_MODEL_LEN, positions), engine_kwargs=overrides))
 
 
 def probe_device(cfg: PreflightConfig, cuda: bool | None = None) -> str:
@@ -118,7 +119,8 @@ def run_preflight(cfg: PreflightConfig, *, probe: bool | None = None, engine: An
     trainer = load_side("trainer", cfg.model)
     engine_side = load_side("engine", cfg.engine_path) if cfg.engine_path != cfg.model else None
     result = run_static(cfg, trainer, engine_side)
-    engine_side = engine_side or Side("engine", trainer.path, trainer.config, trainer.generation, trainer.tokenizer)
+    engine_side = with_overrides(engine_side or Side("engine", trainer.path, trainer.config, trainer.generation,
+                                                     trainer.tokenizer), cfg.engine_overrides)
     note = _skip_reason(result, trainer, probe)
     if note is not None:
         return dataclasses.replace(result, probe_note=note)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,19 @@ def side_of_model(name: str, model: Any, tokenizer: Any = None) -> Side:
     config = to_dict() if callable(to_dict) else on_disk.config
     problems = tuple(p for p in on_disk.problems if "config.json" not in p or config is None)
     return Side(name, path, config, on_disk.generation, on_disk.tokenizer or tokenizer, problems)
+
+
+def with_overrides(side: Side, overrides: dict[str, Any] | None) -> Side:
+    """`side` with vLLM's `hf_overrides` set over its config, as vLLM 0.32 sets them (`ModelConfig`): a value
+    replaces the field, a dict merges into a nested config (`text_config`, ...) and replaces any other
+    field (`rope_parameters` is replaced whole)."""
+    if not overrides or side.config is None:
+        return side
+    config = dict(side.config)
+    for key, value in overrides.items():
+        nested = key.endswith("_config") and isinstance(value, dict) and isinstance(config.get(key), dict)
+        config[key] = {**config[key], **value} if nested else value
+    return replace(side, config=config)
 
 
 def config_dtype(config: dict[str, Any] | None) -> str | None:

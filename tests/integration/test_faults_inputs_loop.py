@@ -91,11 +91,17 @@ class TestEngineSettingFaultsNamed:
 
     def test_rope_mismatch_is_position_dependent(self, llama, ray_local, tmp_path):
         """RoPE base x 4 in the engine: 10^3-10^4 x the fp32 floor from step 0 (a warning at once, no longer a
-        wait for the sync check's probe), and diagnose names position_dependent."""
-        _, result, touched, alarms = _run(llama, tmp_path, "rope-mismatch=4", 2)
+        wait for the sync check's probe), and diagnose names position_dependent. The loop's preflight sees the
+        engine's hf_overrides (a rope_theta error in the warning at start and in the dump's context) and the
+        verdict's evidence cites it where the position shape alone ranks lower."""
+        with pytest.warns(RuntimeWarning, match=r"(?s)rlcheck preflight \(rlcheck's loop.*rope_theta"):
+            _, result, touched, alarms = _run(llama, tmp_path, "rope-mismatch=4", 2)
         assert alarms and alarms[0] == 0 and len(touched[0]) == 64
-        v = diagnose(tmp_path).verdict
-        assert v.cause == "position_dependent", v.evidence
+        _, meta = _dump(tmp_path, alarms[0])
+        assert [(f["key"], f["severity"]) for f in meta["context"]["preflight"]] == [("rope_theta", "error")]
+        d = diagnose(tmp_path)
+        assert d.verdict.cause == "position_dependent", d.verdict.evidence
+        assert any("rope_theta differing" in f.evidence[0] for f in d.findings if f.cause == "position_dependent")
 
     @pytest.mark.parametrize("spec", ["raw-logprobs", "top-p=0.9"])
     def test_logit_processing(self, llama, ray_local, tmp_path, spec):

@@ -58,12 +58,26 @@ class TestPreflightCommand:
         assert "fix: Load the engine with the trainer's RoPE settings" in result.stdout
         assert result.stdout.rstrip().endswith("1 setting(s) would make the two sides differ (1 error)")
 
+    def test_hf_overrides_are_the_engines(self, models):
+        """--hf-overrides: vLLM's hf_overrides of the engine, compared as the engine runs them: the other
+        RoPE base on one model is a rope_theta error (exit 1); the folder's own is nothing (exit 0)."""
+        rope = json.loads((models[0] / "config.json").read_text())["rope_parameters"]
+        other = json.dumps({"rope_parameters": {**rope, "rope_theta": 4 * rope["rope_theta"]}})
+        result = run("--model", models[0], "--no-probe", "--json", "--hf-overrides", other)
+        assert result.exit_code == 1, result.output
+        found = json.loads(result.stdout)["findings"]
+        assert [(f["key"], f["engine"]) for f in found if f["severity"] != "info"] == [("rope_theta", 4 * rope["rope_theta"])]
+        same = run("--model", models[0], "--no-probe", "--hf-overrides", json.dumps({"rope_parameters": rope}))
+        assert same.exit_code == 0, same.output
+
     @pytest.mark.parametrize("args, says", [
         (("--model", "/nonexistent/model"), "does not exist"),
         (("--logprobs-mode", "logits"), "logprobs_mode must be raw, processed"),
         (("--dtype", "int4"), "int4"),
         (("--top-p", "1.5"), "top_p"),
         (("--trainer-device", "gpu"), "trainer_device must be cpu, cuda or cuda:N"),
+        (("--hf-overrides", "{rope"), "--hf-overrides"),
+        (("--hf-overrides", "[1]"), "JSON object"),
     ])
     def test_bad_input_exits_2(self, models, args, says):
         """A missing folder or a bad setting: one `rlcheck: error:` line, exit 2."""

@@ -136,6 +136,21 @@ class TestVerl:
         assert [(f.key, f.trainer) for f in found] == [("rms_norm_eps", 1e-3), ("logprobs_mode", "T=0.6")]
         assert preflight(self.config(llama, override_config={"rope_theta": 1e6})) == ()
 
+    def test_engine_hf_overrides_are_the_engines(self, llama):
+        """`rollout.engine_kwargs.vllm.hf_overrides` reaches vLLM (verl spreads engine_kwargs.vllm over its
+        arguments): a RoPE base there is the engine's alone, an error; as vLLM's command line's JSON text too.
+        Failed before: verl's preflight read the engine's folder only and found nothing."""
+        from rlcheck.integrations.verl import preflight
+
+        rope = json.loads((llama / "config.json").read_text())["rope_parameters"]
+        theta = {"rope_parameters": {**rope, "rope_theta": 4 * rope["rope_theta"]}}
+        for overrides in (theta, json.dumps(theta)):
+            with pytest.warns(RuntimeWarning, match="rope_theta"):
+                found = preflight(self.config(llama, engine_kwargs={"vllm": {"hf_overrides": overrides}}))
+            assert [(f.key, f.trainer, f.engine) for f in found] == [
+                ("rope_theta", rope["rope_theta"], 4 * rope["rope_theta"])]
+        assert preflight(self.config(llama, engine_kwargs={"vllm": {"hf_overrides": {"rope_parameters": rope}}})) == ()
+
     def test_logits_mode_is_refused(self, llama):
         """A *_logits mode leaves nothing to compare: ConfigError before verl starts."""
         from rlcheck.integrations.verl import preflight
@@ -173,7 +188,8 @@ class TestLoop:
         from rlcheck.loop.config import LoopConfig
         from rlcheck.trainers import TrainerConfig
 
-        return LoopConfig(rollout=VLLMConfig(model=str(model), **rollout), trainer=TrainerConfig(model=str(model)))
+        return LoopConfig(rollout=VLLMConfig(model=str(model), **rollout),
+                          trainer=TrainerConfig(model=str(model), temperature=rollout.get("temperature", 1.0)))
 
     def test_mapping(self, llama):
         """The engine side is VLLMConfig's (dtype, mode, sampling; the loop resets the prefix cache), the
@@ -194,6 +210,26 @@ class TestLoop:
             assert [f.key for f in check_loop(cfg)] == ["dtype"]
         assert [f["key"] for f in cfg.context()["preflight"]] == ["dtype"]
         assert self.loop_config(llama).context()["preflight"] == []
+
+    def test_the_engine_as_it_runs(self, llama):
+        """vLLM's hf_overrides in `VLLMConfig.engine_kwargs` are the engine's config, and an injected fault's
+        settings are what the actors run (`Fault.rollout_config`, `trainer_config`): rope-mismatch=4 is a
+        rope_theta error, raw-logprobs a logprobs_mode error, in the warning and in the run's context.
+        Failed before: the loop's preflight read the engine's folder and the unfaulted configs (nothing)."""
+        from dataclasses import replace
+
+        from rlcheck.faults import parse_inject
+        from rlcheck.loop.preflight_wiring import check_loop
+
+        rope = json.loads((llama / "config.json").read_text())["rope_parameters"]
+        own = self.loop_config(llama, engine_kwargs={"hf_overrides": {"rope_parameters": {**rope, "rope_theta": 1e6}}})
+        with pytest.warns(RuntimeWarning, match="rope_theta"):
+            assert [(f.key, f.engine) for f in check_loop(own)] == [("rope_theta", 1e6)]
+        faulted = replace(self.loop_config(llama), fault=parse_inject("rope-mismatch=4"))
+        (finding,) = faulted.context()["preflight"]
+        assert (finding["key"], finding["severity"], finding["engine"]) == ("rope_theta", "error", 4 * rope["rope_theta"])
+        raw = replace(self.loop_config(llama, temperature=0.7), fault=parse_inject("raw-logprobs"))
+        assert [f["key"] for f in raw.context()["preflight"]] == ["logprobs_mode"]
 
     def test_an_eager_engine_on_a_gpu_is_said(self, llama):
         """An engine on a GPU with VLLMConfig's default enforce_eager=True: an info finding (no CUDA

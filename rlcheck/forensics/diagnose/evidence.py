@@ -48,6 +48,13 @@ class Evidence:
         dumps = self.run.whole_dumps() if self.run is not None else []
         return self.run.dump_meta(dumps[-1]) if dumps else {}
 
+    def preflight(self) -> list[dict[str, Any]]:
+        """The static preflight's findings as the run's context recorded them (`rlcheck.preflight`: the loop,
+        TRL and verl record them at attach time, key "preflight"); [] where none were recorded."""
+        ctx = self.meta().get("context")
+        found = ctx.get("preflight") if isinstance(ctx, dict) else None
+        return [f for f in found if isinstance(f, dict)] if isinstance(found, list) else []
+
     def recurrent(self) -> bool | None:
         """Whether the model has recurrent (state-space) layers: from the context's `model_type`, else the
         model directory's config.json where it is on this machine; None where neither says (an older dump

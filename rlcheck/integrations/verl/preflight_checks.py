@@ -2,7 +2,8 @@
 (`actor_rollout_ref`), run before verl starts its workers and vLLM (`rlcheck.integrations.verl.preflight`).
 
 What each side loads, as verl 0.9 does it:
-- engine: vLLM serves `model.path` as it is on disk (verl passes it no config override), in
+- engine: vLLM serves `model.path` as it is on disk, with `rollout.engine_kwargs.vllm.hf_overrides` on top
+  (verl spreads `engine_kwargs.vllm` over vLLM's arguments, its own quantization overrides under it), in
   `rollout.dtype`, with `rollout.logprobs_mode`, `rollout.enable_prefix_caching`, and the sampling of
   `rollout.temperature` / `top_p` / `top_k` / `repetition_penalty`; verl resets the prefix cache after
   every weight update (`update_weights` -> `clear_kv_cache`).
@@ -14,7 +15,9 @@ What each side loads, as verl 0.9 does it:
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +52,32 @@ def trainer_side(config: Any, path: str) -> Side:
     return Side("trainer", path, cfg, side.generation, tok, side.problems)
 
 
+def engine_overrides(config: Any) -> dict[str, Any] | None:
+    """`rollout.engine_kwargs.vllm.hf_overrides`: a dict, or the JSON text vLLM's command line takes; None
+    without (an unreadable text is left to vLLM, which refuses it)."""
+    value = get(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides", None)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return _plain(value) if isinstance(value, Mapping) and value else None
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf node (or any mapping / sequence) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
+
+
 def preflight_config(config: Any, path: str) -> PreflightConfig:
     """The two sides' settings from verl's `actor_rollout_ref` (see the module docstring)."""
     rollout = "actor_rollout_ref.rollout"
     return PreflightConfig(
-        model=path, temperature=float(get(config, f"{rollout}.temperature", 1.0)),
+        model=path, engine_overrides=engine_overrides(config), temperature=float(get(config, f"{rollout}.temperature", 1.0)),
         top_p=float(get(config, f"{rollout}.top_p", 1.0)), top_k=int(get(config, f"{rollout}.top_k", -1)),
         repetition_penalty=float(get(config, f"{rollout}.repetition_penalty", 1.0)),
         logprobs_mode=str(get(config, f"{rollout}.logprobs_mode", "processed_logprobs")),
