@@ -1,7 +1,8 @@
 """The two Mamba state faults as a user meets them (issue 37): `rlcheck demo`'s loop and Monitor on the
 demo's default model, the trained hybrid (trained for 120 steps here to keep the suite short; its
 answers are 3-4 tokens long, as the demo's), without the engine guard. stale-state halts at step 1, the
-first step whose requests reuse state slots, and diagnose names stale_state; index-wrap halts at step
+first step whose requests reuse state slots (with a bf16 engine on an AVX512-BF16 CPU: warned there, halted
+within 2 steps of it), and diagnose names stale_state; index-wrap halts at step
 0 and diagnose names index_aliasing, saying what tells it from stale state. Each injection reports what
 it touched. The demo's trainers and precisions: fsdp2 with 2 ranks on fp32 (its defaults), the hf
 trainer on fp32 (docs/forensics/halt-to-report.md's run) and against a bf16 engine (`--engine-dtype
@@ -48,15 +49,21 @@ class TestStateFaultsOnTheDemosModel:
     def test_stale_state_halts_at_the_first_reuse_named_stale_state(self, trained_hybrid, ray_local, tmp_path,
                                                                      trainer, world_size, dtype):
         """Step 0 (never-used slots) clean and untouched; step 1 reuses slots: the engine scores the samples of a
-        prompt apart (split_twins, critical), the run halts there, diagnose says stale_state."""
+        prompt apart (split_twins, critical), the run halts there, diagnose says stale_state. With a bf16 engine the
+        CPU decides how far apart: on an AVX512-BF16 CPU (vLLM's native bf16 kernels) the previous holders' states
+        put step 1's twins 0.03-0.04 nats apart, under the bf16 twin bar (0.2 (1 - p)^0.91: 0.12 there), and every
+        sequence 0.1-1.8 nats off from its first token: a warning at step 1 (the clipped mean 0.075 past 0.05), the
+        split and the halt at step 3. Both paths: halted within 2 steps of the first reuse (issue 37's contract),
+        alarmed at it, named stale_state."""
         result, touched = demo_run(trained_hybrid, tmp_path, "stale-state", trainer, world_size, dtype)
-        assert result.halted and result.steps_run == 2 and not result.reports[0].alarms
-        assert not touched[0] and touched[1]
+        assert result.halted and not result.reports[0].alarms and not touched[0] and touched[1]
+        halt = result.steps_run - 1
+        assert halt == 1 if dtype == "float32" else (1 <= halt <= 3 and result.reports[1].alarms), halt
         split = [a for a in result.reports[-1].alarms if a.details.get("signature") == "split_twins"]
         assert split and split[0].severity == "critical"
         v = diagnose(tmp_path).verdict
-        assert (v.cause, v.affected_steps) == ("stale_state", [1]), v.evidence
-        assert set(v.affected_request_ids) <= touched[1]
+        assert (v.cause, v.affected_steps) == ("stale_state", [halt]), v.evidence
+        assert set(v.affected_request_ids) <= touched[halt]
 
     def test_index_wrap_halts_at_step_0_named_index_aliasing(self, trained_hybrid, ray_local, tmp_path,
                                                               trainer, world_size, dtype):
