@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--vllm-tp", type=int, default=1, help="vllm_tensor_parallel_size: processes sharing one colocated vLLM "
         "(divides the process count; default: %(default)s)")
     arg("--wandb", action="store_true", help="rlcheck also logs to W&B (offline unless WANDB_MODE says otherwise)")
+    arg("--check-every-sync", action="store_true", help="check every weight sync (TRLOptions.sync_check_budget=None; "
+        "default: the checks take at most 2%% of the wall time, so which syncs are checked depends on timing)")
     return ap.parse_args(argv)
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=dataset(),
         monitor=MonitorConfig(run_dir=os.path.join(run_dir, "rlcheck"),
                               sinks=("jsonl", "console") + (("wandb",) if args.wandb else ())),
-        rlcheck_options=TRLOptions(inject=args.inject),
+        rlcheck_options=TRLOptions(inject=args.inject, **({"sync_check_budget": None} if args.check_every_sync else {})),
     )
     print(f"rlcheck: vLLM weight sync = {trainer.rlcheck.sync.method}; run dir {run_dir}", flush=True)
     try:

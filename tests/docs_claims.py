@@ -77,6 +77,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/sync-check.md", "halted after 2 steps", (SYNC,)),
     ("docs/sync-check.md", "diagnose: weights not synced, or synced late", (SYNC,)),
     ("docs/sync-check.md", "`--inject stale-buffer` halts at step 1", (SYNC,)),
+    ("docs/quarantine.md", "the trained hybrid's first splits stay under the bf16 twin bar: warned at step 1, halted at step 3",
+     (STALE,)),
     ("docs/quarantine.md", "real loop's stale-state halts at step 1", (
         "tests/integration/test_quarantine_loop.py::TestQuarantineInTheLoop::test_stale_state_is_too_much_to_quarantine", STALE)),
     ("docs/forensics/guard.md", "stale-state` halts at step 1 on invariants (i) and (v)", (

@@ -51,7 +51,7 @@ class TRLOptions:
     TRL streams, fingerprinted as they stream (`rlcheck.core.sync_check`); a mismatch is a critical
     `weights` alarm at the next step."""
     sync_check_budget: float | None = 0.02
-    """The sync check's share of the run's wall time: the first sync is checked, each later one when
+    """The sync check's share of the run's wall time: the first three syncs are checked, each later one when
     the checks so far plus one more stay within this share of the time since the first (a sync that
     keeps failing is caught within a few steps); None: every sync."""
     inject: str | Fault | None = None

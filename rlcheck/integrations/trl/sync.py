@@ -185,15 +185,18 @@ class WeightSync:
             self.pending = self._compare(step, fp, clock[0])
 
     def _due(self) -> bool:
-        """Whether this sync is checked: its cost (the last check's) fits what the budget has accrued
-        (`budget` x the seconds since the last sync, up to `BURST` checks' worth, full at the start)."""
+        """Whether this sync is checked: one of the first `BURST` syncs, whatever they cost (a sync fault in a
+        run's first steps is caught on any machine's clock: two ranks' tensor-parallel fingerprints under a
+        loaded CPU once cost the second check more than the bucket held), or its cost (the last check's) fits
+        what the budget has accrued (`budget` x the seconds since the last sync, up to `BURST` checks' worth,
+        full at the start; the first checks' cost is drawn from it too, so the share holds over the run)."""
         now = time.perf_counter()
         if self.budget is None or not self.checked:
             self._clock = now
             return True
         self._credit = min(BURST * self._last, self._credit + self.budget * (now - self._clock))
         self._clock = now
-        return self._credit >= self._last
+        return len(self.checked) < BURST or self._credit >= self._last
 
     def _compare(self, step: int, trainer: dict, streamed_seconds: float):
         """The check of the sync just made: the engine's fingerprint against the streamed weights'
