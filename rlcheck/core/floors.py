@@ -17,12 +17,20 @@ them), the run calibrates itself: judged at the bf16 scale (the lenient one) for
 observations, then at the finest precision whose level is at least `CALIBRATION_MARGIN` times the
 lowest clipped mean |d| those steps showed (a fault only adds to the floor, so the lowest step is the
 nearest to it). A run faulty from its first step calibrates on the fault: pass the dtypes.
+
+A model can sit above its precision's level: the trained tiny MoE's bf16 engine is 0.02-0.15 off its
+fp32 trainer on an AVX512-BF16 CPU, where the table says 1e-2. The trainer can measure that without the
+engine: its own forward at the engine's precision (`rlcheck.trainers.precision`) against its fp32
+logprobs, on the step's tokens (`measured_level`; the loop does it every step of a mixed pair). No engine fault reaches
+that measurement, and a trainer-input fault moves both forwards alike. Given to `Monitor.observe(...,
+floor_sample=)`, the step is judged at max(level, sample) (logged beside the level: `rlcheck/floor/measured`);
+never under the table's level, and the twin bar keeps the table's (twins compare the engine with itself).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +65,33 @@ def dtype_name(dtype: Any) -> str | None:
 
 def scale_of(level: float) -> float:
     return level / LEVELS[REFERENCE]
+
+
+def check_sample(sample: float | None) -> float | None:
+    """A measured floor sample as a float (None: none this step); ConfigError for a negative or non-finite one."""
+    if sample is None:
+        return None
+    value = float(sample)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ConfigError(f"floor_sample must be a finite level >= 0 (a clipped mean |d|), got {sample!r}")
+    return value
+
+
+def measured_level(low: Sequence[Any], full: Sequence[Any], clip: float) -> float | None:
+    """The clipped mean |d| between the trainer's logprobs at the engine's precision (`low`) and at its
+    own (`full`), per sequence, over every response token: the model's own noise at that precision on
+    these tokens (`Floor`; None when there is no token)."""
+    import numpy as np
+
+    if not low:
+        return None
+    a = np.concatenate([np.asarray(x, np.float64) for x in low])
+    b = np.concatenate([np.asarray(x, np.float64) for x in full])
+    if a.shape != b.shape:
+        raise ConfigError(f"floor sample: {a.size} low-precision logprobs against {b.size} of the trainer's own")
+    d = np.abs(a - b)
+    d = d[np.isfinite(d)]
+    return float(np.minimum(d, clip).mean()) if d.size else None
 
 
 
@@ -121,6 +156,7 @@ class Floor:
         self.seen: list[float] = []  # the calibration observations' clipped mean |d|, until calibrated
         self.level = precision.level
         self.calibrated = self.level is not None
+        self.measured: float | None = None  # this step's sample of the model's own noise, when given
         self._apply()
 
     @classmethod
@@ -129,24 +165,34 @@ class Floor:
         return cls(cfg.precision or Precision.from_context(cfg.context), detectors)
 
     @property
-    def current(self) -> float:
-        """The level the run is judged at now (bf16's while it calibrates)."""
+    def base(self) -> float:
+        """The precision's level (bf16's while it calibrates), without a measured sample."""
         return self.level if self.level is not None else LEVELS[REFERENCE]
+
+    @property
+    def current(self) -> float:
+        """The level the run is judged at now: the precision's, or this step's measured sample above it."""
+        return max(self.base, self.measured or 0.0)
 
     @property
     def scale(self) -> float:
         return scale_of(self.current)
 
     def stats(self, stats: Any) -> Any:
-        """`stats` (a StatsConfig, set at the bf16 floor) with its twin bar at this floor."""
+        """`stats` (a StatsConfig, set at the bf16 floor) with its twin bar at the precision's floor (not a
+        measured sample: twins compare the engine with itself)."""
         import dataclasses
 
-        return stats if self.scale == 1.0 else dataclasses.replace(stats, twin_tau=stats.twin_tau * self.scale)
+        scale = scale_of(self.base)
+        return stats if scale == 1.0 else dataclasses.replace(stats, twin_tau=stats.twin_tau * scale)
 
-    def observe(self, metrics: dict[str, float], empty: bool = False) -> None:
+    def observe(self, metrics: dict[str, float], empty: bool = False, sample: float | None = None) -> None:
         """Count one step's metrics toward the calibration (a step with no token does not count); when it
-        completes, the detectors judge this step at the calibrated floor. Adds the floor's level and scale
-        to `metrics` (`rlcheck/floor/*`)."""
+        completes, the detectors judge this step at the calibrated floor. `sample`: this step's measured
+        level of the model's own noise (`measured_level`); the step is judged at the larger of the two.
+        Adds the precision's level and scale to `metrics` (`rlcheck/floor/level`, `floor/scale`) and the sample
+        (`floor/measured`): the step is judged at the larger of the two levels."""
+        self.measured = check_sample(sample)
         clipped = None if empty else metrics.get(K.ABS_DIFF_CLIPPED_MEAN)
         if not self.calibrated and clipped is not None and math.isfinite(clipped):
             self.seen.append(float(clipped))
@@ -154,8 +200,10 @@ class Floor:
                 low = min(self.seen)
                 self.level = min((v for v in LEVELS.values() if v >= CALIBRATION_MARGIN * low), default=LEVELS[REFERENCE])
                 self.calibrated = True
-                self._apply()
-        metrics.update({K.FLOOR_LEVEL: self.current, K.FLOOR_SCALE: self.scale})
+        self._apply()
+        metrics.update({K.FLOOR_LEVEL: self.base, K.FLOOR_SCALE: scale_of(self.base)})
+        if self.measured is not None:
+            metrics[K.FLOOR_MEASURED] = self.measured
 
     def _apply(self) -> None:
         for det in self.detectors.values():

@@ -63,6 +63,7 @@ SEQ_LEVEL_SPREAD = "rlcheck/seq/level_spread"  # p90 - p50 of the sequences' log
 PROBE_LEVEL = "rlcheck/probe/abs_diff_clipped_mean"  # the sync check's fixed probe batch, when observed with one
 FLOOR_LEVEL = "rlcheck/floor/level"  # the run's precision floor: a healthy clipped mean |d| stays under it (`core.floors`)
 FLOOR_SCALE = "rlcheck/floor/scale"  # ... over the bf16 floor the detectors' defaults were set at
+FLOOR_MEASURED = "rlcheck/floor/measured"  # the model's own noise at the engine's precision, the trainer's measure this step (`core.floors`)
 
 # signature statistics
 SIG_SLOPE = "rlcheck/sig/slope"

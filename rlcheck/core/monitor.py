@@ -100,13 +100,14 @@ class Monitor:
 
     def observe(self, step: int, batch: StepBatch, extra: Mapping[str, float] | None = None,
                 alarms: Sequence[Alarm] = (), *, trainer_version: int | None = None,
-                probe: StepBatch | None = None) -> StepReport:
+                probe: StepBatch | None = None, floor_sample: float | None = None) -> StepReport:
         """Compare one step's logprobs; log, alarm, and raise `MismatchHalt` if the policy says so.
         `extra`: the caller's own scalars (reward, timings; keys outside `rlcheck/`), logged beside the
         metrics, never seen by the detectors. `alarms`: found outside the Monitor for this step (the
         engine guard's), judged by the halt policy like the detectors' own. `trainer_version`: the
         trainer's weights version, compared with the batch's `weight_version` (`rlcheck.core.weights`).
-        `probe`: the sync check's fixed probe batch scored this step, the drift detectors' control."""
+        `probe`: the sync check's fixed probe batch scored this step, the drift detectors' control. `floor_sample`:
+        the trainer's measure of its own noise at the engine's precision (`rlcheck.core.floors`)."""
         t0 = time.perf_counter()
         step, trainer_version = check_step(step), check_version(trainer_version)
         batch = (turned := turn_step(batch, self.cfg.turn_checks, trainer_version, self.cfg.max_weight_lag)).batch
@@ -118,7 +119,7 @@ class Monitor:
                **turned.metrics()}
         correction, tally = batch_tally(batch, keep, self.cfg.correction)
         report = self._observe(step, partial, batch, t0, extra, [*alarms, *turned.alarms(step, verdict, self.cfg.quarantine)],
-                               trainer_version, verdict=verdict, quarantine_batch=batch, own=own, tally=tally)
+                               trainer_version, verdict=verdict, quarantine_batch=batch, own=own, tally=tally, floor_sample=floor_sample)
         if correction is not None:  # the loss's `report.correction(...)` of the same settings: not computed again
             report.corrections[self.cfg.correction] = correction
         return report
@@ -127,17 +128,16 @@ class Monitor:
                         extra: Mapping[str, float] | None = None, alarms: Sequence[Alarm] = (), *,
                         trainer_version: int | None = None, verdict: Q.Verdict | None = None,
                         quarantine_batch: StepBatch | None = None, probe: StepBatch | None = None,
-                        tally: Tally | None = None) -> StepReport:
-        """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`);
-        `batch` (this rank's sequences) goes into the dump on halt when given; `verdict`: the
-        quarantine verdict of every rank's sequences (in rank order), `quarantine_batch` its
-        quarantined sequences (for their dump); `tally`: the ranks' merged `batch_tally` (the
-        correction and MoE metrics; from `batch` when not given). No `seq/level_spread` (it needs every rank's sequences)."""
+                        tally: Tally | None = None, floor_sample: float | None = None) -> StepReport:
+        """Like `observe` for statistics already reduced across ranks (`rlcheck.distributed`); `batch` (this
+        rank's sequences) goes into the dump on halt when given; `verdict`: the quarantine verdict of every
+        rank's sequences (in rank order), `quarantine_batch` its quarantined sequences (for their dump); `tally`:
+        the ranks' merged `batch_tally` (correction, MoE; from `batch` when not given). No `seq/level_spread`."""
         if tally is None and batch is not None:
             _, tally = batch_tally(batch, None if verdict is None else verdict.keep, self.cfg.correction)
         return self._observe(check_step(step), partial, batch, time.perf_counter(), extra, alarms,
                              check_version(trainer_version), verdict=verdict, quarantine_batch=quarantine_batch,
-                             own=levels.probe_level(probe, self.cfg.stats.clip), tally=tally)
+                             own=levels.probe_level(probe, self.cfg.stats.clip), tally=tally, floor_sample=floor_sample)
 
     def dump(self, step: int, batch: StepBatch, report: StepReport | None = None, reason: str = "on demand",
              selected: Mapping[str, Any] | None = None) -> Path:
@@ -169,7 +169,7 @@ class Monitor:
                  extra: Mapping[str, float] | None = None, outside: Sequence[Alarm] = (),
                  trainer_version: int | None = None, verdict: Q.Verdict | None = None,
                  quarantine_batch: StepBatch | None = None, own: Mapping[str, float] | None = None,
-                 tally: Tally | None = None) -> StepReport:
+                 tally: Tally | None = None, floor_sample: float | None = None) -> StepReport:
         extra = check_extra(extra)
         outside = check_alarms(outside, step)  # before any state changes
         if not self._has_state:  # the fresh state, with the offset the first line will start at
@@ -184,7 +184,7 @@ class Monitor:
             self._noted_identical = True
             warnings.warn(inputs.IDENTICAL_NOTE.format(count=metrics[K.TOKEN_COUNT], step=step), stacklevel=3)
         metrics.update({} if empty else own or {})  # a whole batch's (`rlcheck.core.stats.levels`)
-        self.floor.observe(metrics, empty)  # calibrates (unknown dtypes) and logs the floor
+        self.floor.observe(metrics, empty, floor_sample)  # calibrates (unknown dtypes), takes the sample, logs it
         if empty:
             warnings.warn(f"rlcheck: step {step} has no token to compare ({metrics.get(K.SEQ_COUNT, 0):.0f} "
                           f"sequences, {metrics.get(K.TOKEN_MASKED_COUNT, 0):.0f} tokens masked out): logged as "

@@ -168,8 +168,9 @@ class TrainerWorker:
         self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size)
         return f"rank {self.rank}/{self.world_size} on {_node_ip()} ({self.cfg.backend})"
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None):
-        return self.trainer.logprobs(seqs, plan, temperature)
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None,
+                 at: str | None = None):
+        return self.trainer.logprobs(seqs, plan, temperature, at)
 
     def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int, routing: bool = False):
         return self.trainer.topk_logprobs(seqs, plan, top_k, routing)

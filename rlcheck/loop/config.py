@@ -73,6 +73,11 @@ class LoopConfig:
     """How the weights reach the engine after each update (`rlcheck.loop.weight_sync`): Ray's object
     store (the default), or `WeightSyncConfig("collective", bucket_mb=512)`: rank 0 broadcasts them to
     the engine over a gloo group of their own, in buckets (BENCHMARKS.md, "Weight sync scaling")."""
+    measure_floor: bool = True
+    """With an engine in a coarser dtype than the trainer's (a bf16 engine, a fp32 trainer): every step the
+    trainer scores the step's tokens once more with its matmuls in the engine's dtype, and the Monitor
+    judges the step at that measured noise where it is above the precision's level
+    (`rlcheck.loop.floor_sample`; one more forward a step). False: the precision's level only."""
     keep_reports: int = 10_000
     """Most recent steps whose reports, timings and rewards `LoopResult` holds in memory (a long run
     would otherwise grow by a few kB a step); metrics.jsonl and loop.jsonl have every step."""
@@ -162,7 +167,8 @@ StepCallback = Callable[[int, StepReport, dict[str, Any]], None]
 def record_context(monitor: Any, cfg: LoopConfig, engine: Any) -> None:
     """Make every dump of the run record how its rollout engine samples and runs, over whatever the
     caller's `MonitorConfig.context` said of it: the sampling and settings as the fault leaves them,
-    and the dtype the engine runs, asked of the rollout actor (`engine`: its `RolloutSupervisor`)."""
+    and the dtype the engine runs, asked of the rollout actor (`engine`: its `RolloutSupervisor`); the
+    same in the run's context.json, for a run that never dumps (its preflight's findings, for diagnose)."""
     from rlcheck.core.model_types import model_type_at
     from rlcheck.engines.vllm_env import vllm_record
 
@@ -171,3 +177,4 @@ def record_context(monitor: Any, cfg: LoopConfig, engine: Any) -> None:
     context = {"model": cfg.rollout.model, "model_type": model_type_at(cfg.rollout.model), "framework": "loop",
                **monitor.cfg.context, **own}
     monitor.cfg = dataclasses.replace(monitor.cfg, context=context)
+    monitor.run.write_context(context)  # context.json: what diagnose reads of a run that never dumps

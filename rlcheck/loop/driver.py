@@ -11,20 +11,20 @@ group-normalised advantages and the group takes one clipped-surrogate step; the 
 vLLM as version v + 1, and the sync check (`rlcheck.loop.sync_check`) asks whether the engine now computes
 with them; a failed check is a critical `weights` alarm at the next step, naming the stale decoder layers,
 and halts there. A halt stops the actors and returns with the evidence (the Monitor wrote the dump before
-raising). `loop.jsonl` in the run directory gets one line per step: rewards, loss, the time of each
-phase, the step's engine restarts. What the trainer scores, and the first alarmed step's dump when it
-does not halt: `rlcheck.loop.trainer_view`.
+raising). `loop.jsonl` gets one line per step: rewards, loss, each phase's time, the step's engine restarts.
+What the trainer scores, and the first alarmed step's dump when it does not halt: `rlcheck.loop.trainer_view`;
+the floor a bf16 engine's step is judged at: `rlcheck.loop.floor_sample`.
 
 Quarantine and correction: the update weights each response token by the step's report
 (`StepReport.correction`): 0 for the sequences the Monitor quarantined (`MonitorConfig.quarantine`), the
 importance-sampling weight of `LoopConfig.correction` (verl's names) when asked for; the step's loop.jsonl
 line names the quarantined requests, the tokens dropped, the correction's clip fractions and ESS.
 
-Lost actors (`rlcheck.loop.recovery`): a dead or hung rollout engine is replaced by a fresh one with
-the trainer's weights, up to `max_engine_restarts` times, and the step goes on; a lost trainer rank,
-or an engine past that bound, stops the run: every actor is killed within seconds (no rank is left
-waiting in a collective), and the result comes back with `halted`, the `reason` naming the actor and
-phase, and `error` (an `ActorDiedError`). The Monitor's files hold every step observed until then.
+Lost actors (`rlcheck.loop.recovery`): a dead or hung rollout engine is replaced by a fresh one with the
+trainer's weights, up to `max_engine_restarts` times, and the step goes on; a lost trainer rank, or an
+engine past that bound, stops the run: every actor is killed within seconds (no rank is left waiting in a
+collective), and the result comes back with `halted`, the `reason` naming the actor and phase, and `error`
+(an `ActorDiedError`). The Monitor's files hold every step observed until then.
 The run's config and result (`LoopConfig`, `LoopResult`, `PHASES`) are `rlcheck.loop.config`.
 """
 
@@ -44,6 +44,7 @@ from rlcheck.errors import ActorDiedError, MismatchHalt
 from rlcheck.loop.agent.wiring import apply_in_loop, rollouts_of, view_of
 from rlcheck.loop.audit import audit_step
 from rlcheck.loop.config import PHASES, LoopConfig, LoopResult, StepCallback, record_context
+from rlcheck.loop.floor_sample import floor_sample
 from rlcheck.loop.prefill_limits import check_prefills, check_prompts
 from rlcheck.loop.preflight_wiring import check_loop
 from rlcheck.loop.recovery import ActorLost, EngineRestart
@@ -68,13 +69,12 @@ class GRPOLoop:
         from rlcheck.loop.group import TrainerGroup
         from rlcheck.loop.recovery import RolloutSupervisor
         from rlcheck.loop.resources import check_cluster
+        from rlcheck.loop.sync_check import SyncChecker
 
         check_cluster(cfg.placement, cfg.world_size)  # ClusterResourcesError now, not a wait forever
         self.preflight = check_loop(cfg)  # before any actor starts: one warning block, critical findings refused
         self.cfg, self.monitor = cfg, monitor
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model)
-        from rlcheck.loop.sync_check import SyncChecker
-
         self.prefill_limit = check_prefills(cfg, self.tokenizer)  # every step's prompts are checked against it
         self.checker = SyncChecker(cfg, self.tokenizer)  # refuses a probe that cannot run, before the actors
         from rlcheck.loop.guarding import with_run_dir
@@ -94,10 +94,8 @@ class GRPOLoop:
 
         self.send_weights = make_sync(cfg.weight_sync, self.group, self.engine, cfg.collective_timeout_s,
                                       cfg.trainer.device)
-        self.version = 0  # the trainer's weights; vLLM holds `self.synced`
-        self.synced = 0
-        self.spoiled = False  # the last sync was spoiled by the fault (self-tests' ground truth)
-        self.fault_touched: list[str] = []
+        self.version = self.synced = 0  # the trainer's weights; vLLM holds `self.synced`
+        self.spoiled, self.fault_touched = False, list[str]()  # the fault's doing (self-tests' ground truth)
         self.phase = "start"
         self._step_restarts: list[EngineRestart] = []
         self._stopped = False
@@ -173,6 +171,7 @@ class GRPOLoop:
         with t("recompute"):  # with the engine's top-k on, also both sides' top-k (rlcheck.loop.topk_wiring)
             logp_train, topk, routing = recompute(self.group, view.seqs, plan, view.rollouts(rollouts),
                                                   self.rollout_cfg.top_logprobs)
+            sample = floor_sample(self, view.seqs, plan, logp_train)  # the model's own noise at the engine's dtype
         rewards = cfg.task.rewards(rollouts, items)
         extra = {
             "loop/reward_mean": float(rewards.mean()),
@@ -189,7 +188,8 @@ class GRPOLoop:
         with t("monitor"):
             # each rollout carries the engine's weight version; the trainer's is `version` (before this update)
             report = self.monitor.observe(step, batch, extra=extra, alarms=guard_alarms + prompt_alarms(step, batch),
-                                          trainer_version=self.version, probe=self.checker.take_probe())
+                                          trainer_version=self.version, probe=self.checker.take_probe(),
+                                          floor_sample=sample)
         keep_first_alarm(self.monitor, report, batch)  # a step that alarms without halting keeps its evidence
         with t("update"):
             adv = group_advantages(rewards, cfg.group_size)

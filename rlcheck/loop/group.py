@@ -68,14 +68,15 @@ class TrainerGroup:
     def plan(self, seqs: Sequences) -> MicroBatchPlan:
         return plan_micro_batches(seqs, self.world_size, self.cfg.micro_batch_tokens)
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None) -> list[np.ndarray]:
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None,
+                 at: str | None = None) -> list[np.ndarray]:
         """Each sequence's response-token logprobs under the current weights, in sequence order (at
-        the trainer's temperature unless `temperature` is given)."""
+        the trainer's temperature unless `temperature` is given; at the dtype `at` if given)."""
         import ray
 
         ref = ray.put(seqs)
         merged: dict[int, np.ndarray] = {}
-        for part in self._all(lambda w: w.logprobs.remote(ref, plan, temperature)):
+        for part in self._all(lambda w: w.logprobs.remote(ref, plan, temperature, at)):
             merged.update(part)
         return [merged[i] for i in range(len(seqs))]
 

@@ -39,10 +39,16 @@ class PolicyTrainer:
 
     # ---- the three calls of the loop ------------------------------------------------------------
 
-    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None) -> dict[int, np.ndarray]:
+    def logprobs(self, seqs: Sequences, plan: MicroBatchPlan, temperature: float | None = None,
+                 at: str | None = None) -> dict[int, np.ndarray]:
         """This rank's share of the plan: sequence index -> float32 logprobs of its response tokens
-        (at the config's temperature, or `temperature`: the sync check's probe scores at 1)."""
-        return {i: s[0] for i, s in self._score_share(seqs, plan, temperature).items()}
+        (at the config's temperature, or `temperature`: the sync check's probe scores at 1). `at`: a
+        dtype ("bfloat16") the forward computes in, the model's own noise at an engine's precision
+        (`rlcheck.trainers.precision`: the run's measured floor)."""
+        from rlcheck.trainers.precision import at_precision
+
+        with at_precision(self, at):
+            return {i: s[0] for i, s in self._score_share(seqs, plan, temperature).items()}
 
     def topk_logprobs(self, seqs: Sequences, plan: MicroBatchPlan, top_k: int, routing: bool = False) -> dict[int, tuple]:
         """As `logprobs`, with more from the same forward: sequence index -> (logp (L,) float32,

@@ -54,8 +54,17 @@ class TestStateFaultsOnTheDemosModel:
         put step 1's twins 0.03-0.04 nats apart, under the bf16 twin bar (0.2 (1 - p)^0.91: 0.12 there), and every
         sequence 0.1-1.8 nats off from its first token: a warning at step 1 (the clipped mean 0.075 past 0.05), the
         split and the halt at step 3. Both paths: halted within 2 steps of the first reuse (issue 37's contract),
-        alarmed at it, named stale_state."""
+        alarmed at it, named stale_state. With the bf16 engine the trainer measured its own bf16 noise on every
+        step's tokens (the floor the step is judged at where it is above the bf16 level: under it here, 0.002-0.008
+        on the trained hybrid), with fp32 on both sides it measured nothing."""
         result, touched = demo_run(trained_hybrid, tmp_path, "stale-state", trainer, world_size, dtype)
+        records = [json.loads(x)["metrics"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        measured = [r.get("rlcheck/floor/measured") for r in records]
+        if dtype == "float32":
+            assert measured == [None] * len(records)
+        else:
+            assert all(m is not None and 0.0 < m < 0.05 for m in measured), measured
+            assert {r["rlcheck/floor/level"] for r in records} == {0.01}
         assert result.halted and not result.reports[0].alarms and not touched[0] and touched[1]
         halt = result.steps_run - 1
         assert halt == 1 if dtype == "float32" else (1 <= halt <= 3 and result.reports[1].alarms), halt

@@ -10,7 +10,12 @@ import pytest
 
 from rlcheck.forensics.diagnose import diagnose
 from rlcheck.forensics.diagnose.evidence import load_evidence
-from rlcheck.forensics.diagnose.rules.configured import CAUSE_OF, CONFIDENCE, configured_difference
+from rlcheck.forensics.diagnose.rules.configured import (
+    CAUSE_OF,
+    CONFIDENCE,
+    QUIET_CONFIDENCE,
+    configured_difference,
+)
 from tests.unit.test_diagnose_llama_runs import RECORDED, ROPE, edited
 
 ROPE_FINDING = {"key": "rope_theta", "severity": "error", "trainer": 10000.0, "engine": 40000.0,
@@ -54,8 +59,9 @@ def test_each_setting_its_cause(tmp_path, finding, cause):
 
 
 def test_only_what_makes_the_sides_differ(tmp_path):
-    """A warning (a bf16 engine's dtype), a note (the prefix cache) or a key with no cause: the shape decides; on
-    a run with no alarm the rule is silent whatever its preflight said (the warning at start said it)."""
+    """A warning (a bf16 engine's dtype), a note (the prefix cache) or a key with no cause: the shape decides. On
+    a run with no alarm the setting is still named, at QUIET_CONFIDENCE, never healthy (failed before: silent, the
+    verdict healthy); without an error setting the rule stays silent."""
     quiet = [{"key": "dtype", "severity": "warn"}, {"key": "prefix_cache", "severity": "info"},
              {"key": "double_bos", "severity": "error"}]
     assert diagnose(edited(tmp_path, ROPE, edit_context=with_preflight(*quiet))).verdict.cause == "engine_shift"
@@ -63,7 +69,13 @@ def test_only_what_makes_the_sides_differ(tmp_path):
     def no_alarms(record):
         record["alarms"] = []
     run = edited(tmp_path / "calm", ROPE, edit_record=no_alarms, edit_context=with_preflight(ROPE_FINDING))
-    assert configured_difference(load_evidence(run)) is None
+    found = configured_difference(load_evidence(run))
+    assert (found.cause, found.confidence, found.affected_steps) == ("position_dependent", QUIET_CONFIDENCE, [])
+    assert "no alarm" in found.evidence[1] and "hf_overrides" in found.evidence[1]
+    d = diagnose(run)  # its dumps' rows still read as an engine shift, ranked above the quiet setting
+    assert not d.healthy and "position_dependent" in [f.cause for f in d.findings]
+    calm = edited(tmp_path / "calm-quiet", ROPE, edit_record=no_alarms, edit_context=with_preflight(*quiet))
+    assert configured_difference(load_evidence(calm)) is None
 
 
 def test_raw_logprobs_on_the_bf16_moe():
@@ -81,3 +93,25 @@ def test_raw_logprobs_shape_alone(tmp_path):
     """The same run without the preflight on record: the shape alone names numeric noise (why the setting matters)."""
     v = diagnose(edited(tmp_path, "moe-bf16-raw-logprobs-s1", edit_context=with_preflight())).verdict
     assert v.cause == "numeric_noise", v.evidence
+
+
+def test_a_run_that_never_dumped_names_its_setting(tmp_path):
+    """A run within its noise raises no alarm and writes no dump, so the dumps' context never held its preflight:
+    the loop writes the context to context.json at start (`Run.write_context`), and diagnose reads it there. The
+    recorded RoPE run without its alarms and dumps: the setting named, not healthy (failed before: healthy, the
+    findings nowhere); without context.json, healthy."""
+    import shutil
+
+    from rlcheck.core.run.run import Run
+
+    def no_alarms(record):
+        record["alarms"] = []
+    run = edited(tmp_path, ROPE, edit_record=no_alarms)
+    shutil.rmtree(run / "dumps")
+    assert diagnose(run).healthy
+    context = {"model_type": "llama", "framework": "loop", "preflight": [ROPE_FINDING]}
+    Run.open(run).write_context(context)
+    assert Run.open(run).context() == context and Run.open(run).saved_context() == context
+    d = diagnose(run)  # its records past the gates (the alarms taken out) read as an engine shift too
+    assert not d.healthy
+    assert ("position_dependent", QUIET_CONFIDENCE) in [(f.cause, f.confidence) for f in d.findings], d.findings

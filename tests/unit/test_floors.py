@@ -15,10 +15,10 @@ from rlcheck.errors import ConfigError
 
 
 def step_batch(level: float, seed: int = 0, n: int = 64, length: int = 32) -> StepBatch:
-    """n sequences whose |d| averages about `level` on tokens of probability 0.3 to 0.9."""
+    """n sequences whose |d| averages about `level` on tokens of probability 0.3 to 0.9 (kept under 1)."""
     rng = np.random.default_rng(seed)
     lr = [np.log(rng.uniform(0.3, 0.9, length)) for _ in range(n)]
-    lt = [x + rng.choice([-1.0, 1.0], length) * rng.exponential(level, length) for x in lr]
+    lt = [np.minimum(x + rng.choice([-1.0, 1.0], length) * rng.exponential(level, length), -1e-6) for x in lr]
     return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=[f"r{i}" for i in range(n)])
 
 
@@ -125,3 +125,64 @@ class TestMonitorAtTheFloor:
         assert [r["metrics"][K.FLOOR_LEVEL] for r in records] == [1e-2] * 3 + [1e-5] * 2
         with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=())) as mon:
             assert mon.floor.level == 1e-5 and mon.detectors["threshold"].scale == pytest.approx(1e-3)
+
+
+class TestMeasuredFloor:
+    """A floor the trainer measured (`Floor.observe(sample=)`, `Monitor.observe(floor_sample=)`): its own
+    forward at the engine's precision against its own logprobs, the model's noise at that precision."""
+
+    def test_a_sample_above_the_level_judges_that_step_only(self):
+        """The step is judged at the sample where it is above the pair's level, the next step without one at
+        the level again; a sample under the level changes nothing; the twin bar keeps the level's."""
+        from rlcheck.core.detect.threshold import ThresholdDetector
+        from rlcheck.core.stats import StatsConfig
+
+        det = ThresholdDetector()
+        floor = Floor(Precision("bfloat16", "float32"), {"threshold": det})
+        m = {K.ABS_DIFF_CLIPPED_MEAN: 0.05}
+        floor.observe(m, sample=0.03)  # the record: the precision's level, and the sample beside it
+        assert (m[K.FLOOR_LEVEL], m[K.FLOOR_SCALE], m[K.FLOOR_MEASURED]) == (1e-2, 1.0, 0.03)
+        assert det.scale == pytest.approx(3.0) and floor.current == 0.03
+        assert floor.stats(StatsConfig()).twin_tau == StatsConfig().twin_tau
+        m = {K.ABS_DIFF_CLIPPED_MEAN: 0.05}
+        floor.observe(m)
+        assert (m[K.FLOOR_LEVEL], K.FLOOR_MEASURED in m, det.scale) == (1e-2, False, 1.0)
+        floor.observe(m := {}, sample=2e-3)
+        assert m[K.FLOOR_MEASURED] == 2e-3 and det.scale == 1.0
+
+    @pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
+    def test_a_bad_sample_is_refused_before_anything_is_logged(self, tmp_path, bad):
+        with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=())) as mon:
+            with pytest.raises(ConfigError, match="floor_sample"):
+                mon.observe(0, step_batch(5e-3), floor_sample=bad)
+            mon.observe(0, step_batch(5e-3))
+        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+    def test_measured_level(self):
+        """Clipped mean |d| over every response token of every sequence; None without a token."""
+        from rlcheck.core.floors import measured_level
+
+        low = [np.array([-1.0, -2.0]), np.array([-0.5])]
+        full = [np.array([-1.1, -2.0]), np.array([-1.5])]
+        assert measured_level(low, full, clip=0.5) == pytest.approx((0.1 + 0.0 + 0.5) / 3)
+        assert measured_level([], [], clip=0.5) is None
+        with pytest.raises(ConfigError, match="floor sample"):
+            measured_level(low, full[:1], clip=0.5)
+
+    def test_a_noisy_model_at_its_measured_floor_does_not_alarm(self, tmp_path):
+        """A bf16 run 3x the bf16 level (the tiny MoE's bf16 engine on an AVX512-BF16 CPU) alarms at the
+        precision's level (failed before: the sample was not taken) and not at the floor its trainer measured;
+        a fault 10x over that measured floor still alarms."""
+        bf16 = MonitorConfig(run_dir=tmp_path / "a", sinks=(), precision=Precision("bfloat16", "float32"))
+        levels = [0.03] * 6
+
+        def alarms(cfg, samples, xs):
+            with Monitor(cfg) as mon:
+                return [mon.observe(s, step_batch(x, seed=s), floor_sample=f).alarms
+                        for s, (x, f) in enumerate(zip(xs, samples, strict=True))]
+
+        assert any(alarms(bf16, [None] * 6, levels))
+        import dataclasses
+
+        assert alarms(dataclasses.replace(bf16, run_dir=tmp_path / "b"), [0.03] * 6, levels) == [[]] * 6
+        assert alarms(dataclasses.replace(bf16, run_dir=tmp_path / "c"), [0.03] * 6, [0.03] * 3 + [0.3] * 3)[3]

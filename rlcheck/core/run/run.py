@@ -8,9 +8,11 @@ opens it once (`Run.open`) and reads each file through it, at most once:
     RUN_DIR/quarantine/step_N/  a step's quarantined sequences, a dump of the same form
     RUN_DIR/guard/          the engine guard's record (`guard_files`)
     RUN_DIR/loop.jsonl      the GRPO loop's per-step lines (reward, loss, restarts)
+    RUN_DIR/context.json    the run's context as the loop recorded it at start (`write_context`)
     RUN_DIR/.lock           the live writer (`files.RunDirLock`)
 
-The context of a run (model, engine, sampling, trainer, fault) is the one its newest dump carries.
+The context of a run (model, engine, sampling, trainer, fault, the preflight's findings) is the one its
+newest dump carries, else context.json's: a run that never dumped still says how it was set up.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from rlcheck.core.run.dump import (
 )
 from rlcheck.core.run.guard_files import GuardData, load_guard
 from rlcheck.core.run.journal import FILENAME as JOURNAL_FILE
-from rlcheck.core.run.journal import Journal, Records, read_jsonl
+from rlcheck.core.run.journal import Journal, Records, read_jsonl, to_jsonable
 from rlcheck.errors import InputError, RunDirError
 
 LOOP_FILE = "loop.jsonl"
+CONTEXT_FILE = "context.json"
 _UNREAD = object()
 
 
@@ -216,8 +219,22 @@ class Run:
         )
 
     def context(self) -> dict[str, Any]:
-        """The newest dump's context; {} without one."""
-        return next((d.context for d in reversed(self.dumps()) if d.context), {})
+        """The newest dump's context, else context.json's (`saved_context`); {} without either."""
+        return next((d.context for d in reversed(self.dumps()) if d.context), None) or self.saved_context()
+
+    def write_context(self, context: dict[str, Any]) -> None:
+        """context.json: the run's context as set up (the loop at start), atomically, beside the dumps'."""
+        files.atomic_write_text(self.path / CONTEXT_FILE, json.dumps(to_jsonable(context), default=str, allow_nan=False))
+
+    def saved_context(self) -> dict[str, Any]:
+        """context.json as written (`write_context`); {} without one or when unreadable."""
+        def read() -> dict[str, Any]:
+            try:
+                found = json.loads((self.path / CONTEXT_FILE).read_text())
+            except (OSError, ValueError):
+                return {}
+            return found if isinstance(found, dict) else {}
+        return self._once("context", read)
 
     def guard(self) -> GuardData | None:
         """The engine guard's record (run_dir/guard), None when it did not run."""

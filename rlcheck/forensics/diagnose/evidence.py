@@ -42,11 +42,17 @@ class Evidence:
         return self.run.guard() if self.run is not None else load_guard(self.path)
 
     def meta(self) -> dict[str, Any]:
-        """The meta.json of the dump read ("dump"), or of the run's newest whole dump; {} without."""
+        """The meta.json of the dump read ("dump"), or of the run's newest whole dump; a run that never dumped:
+        its context.json as {"context": ...} (`Run.saved_context`); {} without either."""
         if self.dump_meta is not None:
             return self.dump_meta
-        dumps = self.run.whole_dumps() if self.run is not None else []
-        return self.run.dump_meta(dumps[-1]) if dumps else {}
+        if self.run is None:
+            return {}
+        dumps = self.run.whole_dumps()
+        if dumps:
+            return self.run.dump_meta(dumps[-1])
+        context = self.run.saved_context()
+        return {"context": context} if context else {}
 
     def preflight(self) -> list[dict[str, Any]]:
         """The static preflight's findings as the run's context recorded them (`rlcheck.preflight`: the loop,

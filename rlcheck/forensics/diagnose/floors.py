@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from rlcheck.core import metrics as K
 from rlcheck.core.detect.threshold import DEFAULT_RULES
 from rlcheck.core.floors import LEVELS, Precision, scale_of
@@ -25,13 +27,32 @@ CLEAN_RATIO = CLEAN / LEVELS["float32"]
 
 
 def floor_level(ev: Any) -> float:
-    """The run's precision floor: the last record's, else its context's dtypes', else fp32's."""
+    """The run's precision floor: the last record's, else its context's dtypes', else fp32's; where the trainer
+    measured the model's own noise at the engine's precision (`floor/measured`, `rlcheck.core.floors`), the
+    median of its samples when that is higher (a run's level, not one step's)."""
+    _, measured = metric_series(ev, K.FLOOR_MEASURED)
+    return max(precision_level(ev), float(np.median(measured)) if measured.size else 0.0)
+
+
+def precision_level(ev: Any) -> float:
+    """The floor of the run's precision pair alone: the last record's `floor/level`, else its context's
+    dtypes', else fp32's."""
     _, levels = metric_series(ev, K.FLOOR_LEVEL)
     if levels.size:
         return float(levels[-1])
     context = ev.meta().get("context") or {}
     level = Precision.from_context(context).level if isinstance(context, dict) else None
     return level if level is not None else LEVELS["float32"]
+
+
+def step_levels(ev: Any) -> dict[int, float]:
+    """The level each record's step was judged at: its precision's, or its measured sample where higher."""
+    steps, levels = metric_series(ev, K.FLOOR_LEVEL)
+    out = {int(s): float(v) for s, v in zip(steps, levels, strict=True)}
+    steps, measured = metric_series(ev, K.FLOOR_MEASURED)
+    for s, v in zip(steps, measured, strict=True):
+        out[int(s)] = max(out.get(int(s), 0.0), float(v))
+    return out
 
 
 def clean_level(ev: Any) -> float:
@@ -50,12 +71,13 @@ def elevated_steps(ev: Any) -> list[int]:
     marks the crossing, the gate then re-arms, and these are the steps that stayed past it. (A bf16 engine with
     16x bf16 noise crossed the probability gate at step 0 and stayed past it while its clipped mean, 0.02-0.05,
     stood under 0.05: counted on the clipped mean alone, one step, no `numeric_noise`.)"""
-    scale = scale_of(floor_level(ev))
+    level, at = floor_level(ev), step_levels(ev)
     out: set[int] = set()
     for rule in DEFAULT_RULES:
         if rule.scaled:
             steps, values = metric_series(ev, rule.metric)
-            out.update(int(s) for s, v in zip(steps, values, strict=True) if v > rule.limit * scale)
+            out.update(int(s) for s, v in zip(steps, values, strict=True)
+                       if v > rule.limit * scale_of(at.get(int(s), level)))
     return sorted(out)
 
 

@@ -74,6 +74,8 @@ def position_ids(ev: Evidence) -> Finding | None:
         if padded < clean_level(ev) or padded < CONTRAST * clean or rho < 0.4 or not separated(off, pad > 0, 0.95):
             continue
         levels = ", ".join(f"{int(k)}: {off[pad == k].mean():.2g}" for k in np.unique(pad)[:5])
+        if ev.recurrent() and _onset_after_clean(ev, step):
+            return _padded_rows_of_state(step, rows, pad, padded, clean, levels)
         return Finding("position_ids", 0.92, [
             f"step {step}: the rows whose prompt would be left-padded to the step's longest are off (mean |d| "
             f"{padded:.3g}), the {int((pad == 0).sum())} rows of the longest prompts are not ({clean:.2g})",
@@ -81,6 +83,28 @@ def position_ids(ev: Evidence) -> Finding | None:
             "shift by the padding: pass position_ids (cumsum of the attention mask - 1) with left-padded rows"],
             [step], _ids(rows, np.flatnonzero(pad > 0)))
     return None
+
+
+STATE_ONSET = 0.85
+"""`_padded_rows_of_state`: over the state rules' few-rows 0.8, under their split twins' 0.93."""
+
+
+def _padded_rows_of_state(step: int, rows, pad: np.ndarray, padded: float, clean: float, levels: str) -> Finding:
+    """The padded rows off, on a model with recurrent state, from a step after clean first steps: a trainer that
+    left-pads without position ids is off on every step that pads a prompt, from the first; an engine whose
+    requests start from a state slot another request held is off from the first step that reuses slots (the first
+    wave gets never-used ones), on whichever requests the stale state reaches: with a bf16 engine on an
+    AVX512-BF16 CPU, every sample of the trained hybrid's shorter prompts, alike, so no twin split (BENCHMARKS.md,
+    "A floor measured on the run's model")."""
+    from rlcheck.forensics.diagnose.rules.engine import TELLS
+
+    return Finding("stale_state", STATE_ONSET, [
+        f"step {step}: the rows of the shorter prompts are off (mean |d| {padded:.3g}; by pad tokens {levels}), the "
+        f"{int((pad == 0).sum())} rows of the longest prompts are not ({clean:.2g}), and the run's first step was clean",
+        "the model has recurrent state: a trainer's left padding without position ids would be off from the first "
+        "step that padded a prompt, a stale state slot from the first step whose requests reuse slots, on the "
+        f"requests it reaches (here whole prompts' samples alike); {TELLS}"],
+        [step], _ids(rows, np.flatnonzero(pad > 0)))
 
 
 def position_dependent(ev: Evidence) -> Finding | None:

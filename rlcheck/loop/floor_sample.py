@@ -1,0 +1,39 @@
+"""The loop's measured floor: with an engine coarser than the trainer (a bf16 engine, a fp32 trainer) the
+trainer scores each step's tokens once more with its matmuls in the engine's dtype, and the clipped mean
+|d| against its own logprobs is the model's noise at that precision on those tokens, which the Monitor
+judges the step at where it is above the precision's level (`rlcheck.core.floors`).
+
+    sample = floor_sample(loop, seqs, plan, logp_train)    # None: same dtypes, or measure_floor=False
+    monitor.observe(step, batch, ..., floor_sample=sample)
+
+Why (BENCHMARKS.md, "A floor measured on the run's model"): the trained tiny MoE with a bf16 engine on an
+AVX512-BF16 CPU sits 0.02-0.15 off its fp32 trainer, past the bf16 level the gates were set at, and its
+healthy runs alarmed. The trainer's own bf16 noise on the same tokens is 0.5-1.2x the engine's; no engine
+fault reaches it, and a fault in what the trainer scores moves both of its forwards alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rlcheck.core.floors import LEVELS, dtype_name, measured_level
+
+
+def coarser_engine(engine_dtype: str | None, trainer_dtype: str | None) -> str | None:
+    """The engine's dtype when it is coarser than the trainer's (the dtype to measure the floor at), else None."""
+    engine, trainer = dtype_name(engine_dtype), dtype_name(trainer_dtype)
+    if engine is None or trainer is None or LEVELS[engine] <= LEVELS[trainer]:
+        return None
+    return engine
+
+
+def floor_sample(loop: Any, seqs: Any, plan: Any, logp_train: list[np.ndarray]) -> float | None:
+    """This step's measured floor (see the module docstring), or None where none is measured."""
+    if not loop.cfg.measure_floor or not len(seqs):
+        return None
+    dtype = coarser_engine(loop.checker.engine_dtype(loop), loop.cfg.trainer.dtype)
+    if dtype is None:
+        return None
+    low = loop.group.logprobs(seqs, plan, at=dtype)
+    return measured_level(low, logp_train, loop.monitor.cfg.stats.clip)

@@ -1,0 +1,53 @@
+"""Diagnose on recorded runs of `rlcheck demo`'s loop with the stale-state fault on the trained hybrid and a bf16
+engine on an AVX512-BF16 CPU (tests/data/loop_runs, `benchmarks/bench_confusion.py --seed 1 --models
+hybrid-trained --precisions bf16 --trainers hf fsdp2 --only stale-state`): at step 1, the first whose requests
+reuse state slots, every sample of the two shorter prompts is off from its first token (0.17-0.64 nats a row),
+alike, so no twin split, and the longest prompts' rows are clean; the step read as a trainer's left padding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlcheck.core import metrics as K
+from rlcheck.forensics.diagnose import diagnose
+from rlcheck.forensics.diagnose.rules.position import STATE_ONSET
+from tests.unit.test_diagnose_llama_runs import RECORDED, edited
+
+RUNS = ("hybrid-bf16-stale-state-hf-s1", "hybrid-bf16-stale-state-fsdp2-s1")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_padded_rows_after_a_clean_first_step_are_stale_state(name):
+    """On a model with recurrent state, rows off from a step after a clean first one are the state slots' first
+    reuse, not the trainer's padding (which would be off from the first step that padded a prompt). Failed before:
+    position_ids (0.92), on both trainers."""
+    v = diagnose(RECORDED / name).verdict
+    assert (v.cause, v.confidence, v.affected_steps) == ("stale_state", STATE_ONSET, [1]), v.evidence
+    assert "first step was clean" in v.evidence[0] and "--guard" in v.evidence[1] and len(v.affected_request_ids) == 16
+
+
+def test_padding_from_the_first_step_or_without_state_is_padding(tmp_path):
+    """The same rows off from the run's first step (its record as far off as step 1's), or on a model without
+    recurrent state (the context's model_type a Llama): the trainer's padding, as before."""
+    def first_off(record):
+        if record["step"] == 0:
+            record["metrics"][K.ABS_DIFF_MEAN] = 0.05
+    assert diagnose(edited(tmp_path / "a", RUNS[0], edit_record=first_off)).verdict.cause == "position_ids"
+
+    def llama(context):
+        context["model_type"] = "llama"
+    assert diagnose(edited(tmp_path / "b", RUNS[0], edit_context=llama)).verdict.cause == "position_ids"
+
+
+def test_the_recording_is_what_the_docstring_says():
+    """Step 0 clean, step 1 off on the two 6-token prompts' 16 rows and no split twins alarm in the run."""
+    from rlcheck.core.run.dump_read import read_dump
+
+    rows, _ = read_dump(RECORDED / RUNS[0] / "dumps" / "step_000001")
+    short = {len(r["prompt_tokens"]) for r in rows if (abs(r["logp_rollout"] - r["logp_train"])).mean() > 0.1}
+    assert short == {6} and sum(len(r["prompt_tokens"]) == 6 for r in rows) == 16
+    records = [json.loads(x) for x in (RECORDED / RUNS[0] / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["metrics"][K.ABS_DIFF_CLIPPED_MEAN] < 0.01
+    assert not any(a.get("details", {}).get("signature") == "split_twins" for r in records for a in r.get("alarms", []))
