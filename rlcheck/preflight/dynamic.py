@@ -24,9 +24,10 @@ import numpy as np
 
 from rlcheck.core.sync_check import PROBE_TOLERANCE, ProbeResult
 from rlcheck.errors import ConfigError
+from rlcheck.preflight import sides
 from rlcheck.preflight.config import PreflightConfig, canonical_dtype
 from rlcheck.preflight.findings import Finding, Preflight, worst_first
-from rlcheck.preflight.sides import Side, config_dtype, load_side, with_overrides
+from rlcheck.preflight.sides import Side, config_dtype, load_side
 from rlcheck.preflight.static import resolve_engine_dtype, run_static
 
 PROBE_TEXTS = ("12+7=19. 3*4=", "The cat sat on the", "Once upon a time, there was a", "The sum of 25 and 17 is")
@@ -117,10 +118,9 @@ def run_preflight(cfg: PreflightConfig, *, probe: bool | None = None, engine: An
     """The static checks, then the probe (`probe` None: when vLLM is installed); a critical static
     finding, or no trainer tokenizer, skips the probe (said in `probe_note`)."""
     trainer = load_side("trainer", cfg.model)
-    engine_side = load_side("engine", cfg.engine_path) if cfg.engine_path != cfg.model else None
-    result = run_static(cfg, trainer, engine_side)
-    engine_side = with_overrides(engine_side or Side("engine", trainer.path, trainer.config, trainer.generation,
-                                                     trainer.tokenizer), cfg.engine_overrides)
+    read = load_side("engine", cfg.engine_path) if cfg.engine_path != cfg.model else None  # read once, for both
+    result = run_static(cfg, trainer, read)
+    engine_side = sides.engine_side(cfg, trainer, read)  # as vLLM runs it: the overrides over its config
     note = _skip_reason(result, trainer, probe)
     if note is not None:
         return dataclasses.replace(result, probe_note=note)

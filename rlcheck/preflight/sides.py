@@ -80,6 +80,15 @@ def side_of_model(name: str, model: Any, tokenizer: Any = None) -> Side:
     return Side(name, path, config, on_disk.generation, on_disk.tokenizer or tokenizer, problems)
 
 
+def engine_side(cfg: Any, trainer: Side, engine: Side | None = None) -> Side:
+    """The engine's side as vLLM runs it: `engine` (already read), else the trainer's own folder when the engine
+    loads the same one (`cfg.engine_path == cfg.model`: read once), else `cfg.engine_path` read; with
+    `cfg.engine_overrides` (vLLM's `hf_overrides`) over its config (`with_overrides`). `cfg`: a `PreflightConfig`."""
+    if engine is None and cfg.engine_path == cfg.model:
+        engine = Side("engine", trainer.path, trainer.config, trainer.generation, trainer.tokenizer)
+    return with_overrides(engine or load_side("engine", cfg.engine_path), cfg.engine_overrides)
+
+
 def with_overrides(side: Side, overrides: dict[str, Any] | None) -> Side:
     """`side` with vLLM's `hf_overrides` set over its config, as vLLM 0.32 sets them (`ModelConfig`): a value
     replaces the field, a dict merges into a nested config (`text_config`, ...) and replaces any other

@@ -23,7 +23,7 @@ from typing import Any
 from rlcheck.preflight.config import PreflightConfig, canonical_dtype
 from rlcheck.preflight.findings import Finding, Preflight, worst_first
 from rlcheck.preflight.models import check_configs, check_generation_defaults
-from rlcheck.preflight.sides import Side, config_dtype, load_side, with_overrides
+from rlcheck.preflight.sides import Side, config_dtype, engine_side, load_side
 from rlcheck.preflight.tokens import check_double_bos, check_tokenizer_size, check_tokenizers
 
 FILTERS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -144,9 +144,7 @@ def run_static(cfg: PreflightConfig, trainer: Side | None = None, engine: Side |
     """Every static check; `trainer` / `engine`: sides already built (e.g. a model in memory), else read
     from `cfg.model` / `cfg.engine_path` (once when they are the same folder)."""
     trainer = trainer or load_side("trainer", cfg.model)
-    if engine is None and cfg.engine_path == cfg.model:
-        engine = Side("engine", trainer.path, trainer.config, trainer.generation, trainer.tokenizer)
-    engine = with_overrides(engine or load_side("engine", cfg.engine_path), cfg.engine_overrides)
+    engine = engine_side(cfg, trainer, engine)
     findings = check_sides(trainer, engine) + check_dtype(cfg, trainer, engine)
     findings += check_sampling(cfg) + check_prefix_cache(cfg) + check_eager(cfg)
     return Preflight(str(trainer.path or cfg.model), str(engine.path or cfg.engine_path), worst_first(findings))
