@@ -99,6 +99,17 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         "tests/unit/test_faults_turns.py::TestDiagnose::test_names_the_cause_from_mask_runs")),
     ("docs/integrations/trl.md", "halts at step 1 naming all four", (
         "tests/integration/test_trl.py::TestAttachMonitor::test_a_sync_that_permuted_rows_halts_naming_the_layers",)),
+    ("docs/detectors.md", "The MoE's healthy runs raise nothing in 12 steps", (
+        "tests/unit/test_measured_floor.py::test_healthy_at_its_measured_floor",
+        "tests/unit/test_measured_floor.py::test_diagnose_reads_the_measured_floor")),
+    ("docs/detectors.md", "every token alarms at once, at the noisiest step too", (
+        "tests/unit/test_measured_floor.py::test_a_fault_above_the_measured_floor_still_alarms",)),
+    ("docs/forensics/diagnose.md", "on a model with recurrent state from a step after a clean first step, `stale_state` instead", (
+        "tests/unit/test_diagnose_state_runs.py::test_padded_rows_after_a_clean_first_step_are_stale_state",
+        "tests/unit/test_diagnose_state_runs.py::test_padding_from_the_first_step_or_without_state_is_padding")),
+    ("docs/forensics/diagnose.md", "A run with no alarm is named too, at 0.6, never healthy", (
+        "tests/unit/test_diagnose_configured.py::test_only_what_makes_the_sides_differ",
+        "tests/unit/test_diagnose_configured.py::test_a_run_that_never_dumped_names_its_setting")),
 ]
 
 PATTERNS = (r"halt(s|ed)? (at|within) step \d+", r"halted after \d+ steps?", r"found at step \d+",
