@@ -33,7 +33,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "| `off-by-one-early@S` |", ("tests/unit/test_diagnose.py::TestDiagnose::test_off_by_one_is_token_misalignment",)),
     ("docs/faults.md", "| `bf16-noise=X@S` |", (NAMED,)),
     ("docs/faults.md", "| `corrupt-seqs=R@S` |", (NAMED,)),
-    ("docs/faults.md", "| `stale-state` |", (STALE,)),
+    ("docs/faults.md", "| `stale-state` |", (STALE, "tests/unit/test_diagnose_state_runs.py::test_padded_rows_after_a_clean_first_step_are_stale_state")),
     ("docs/faults.md", "| `index-wrap=B` |", (WRAP,)),
     ("docs/faults.md", "| `perturb-layer=K` |", (FL + "TestSyncCheckInTheLoop::test_an_engine_loaded_wrong_halts_before_any_sync",
                                                   "tests/integration/test_localize.py::TestStressDumps::test_perturb_layer_names_the_attention_layer")),
