@@ -21,8 +21,8 @@ nearest to it). A run faulty from its first step calibrates on the fault: pass t
 A model can sit above its precision's level: the trained tiny MoE's bf16 engine is 0.02-0.15 off its
 fp32 trainer on an AVX512-BF16 CPU, where the table says 1e-2. The trainer can measure that without the
 engine: its own forward at the engine's precision (`rlcheck.trainers.precision`) against its fp32
-logprobs, on the step's tokens (`measured_level`; the loop does it every step of a mixed pair). No engine fault reaches
-that measurement, and a trainer-input fault moves both forwards alike. Given to `Monitor.observe(...,
+logprobs, on the step's tokens (`measured_level`; the loop does it every step of a mixed pair). No engine
+fault reaches that measurement, and a trainer-input fault moves both forwards alike. Given to `Monitor.observe(...,
 floor_sample=)`, the step is judged at max(level, sample) (logged beside the level: `rlcheck/floor/measured`);
 never under the table's level, and the twin bar keeps the table's (twins compare the engine with itself).
 """
@@ -191,7 +191,7 @@ class Floor:
         completes, the detectors judge this step at the calibrated floor. `sample`: this step's measured
         level of the model's own noise (`measured_level`); the step is judged at the larger of the two.
         Adds the precision's level and scale to `metrics` (`rlcheck/floor/level`, `floor/scale`) and the sample
-        (`floor/measured`): the step is judged at the larger of the two levels."""
+        (`floor/measured`)."""
         self.measured = check_sample(sample)
         clipped = None if empty else metrics.get(K.ABS_DIFF_CLIPPED_MEAN)
         if not self.calibrated and clipped is not None and math.isfinite(clipped):

@@ -46,13 +46,12 @@ def precision_level(ev: Any) -> float:
 
 
 def step_levels(ev: Any) -> dict[int, float]:
-    """The level each record's step was judged at: its precision's, or its measured sample where higher."""
-    steps, levels = metric_series(ev, K.FLOOR_LEVEL)
-    out = {int(s): float(v) for s, v in zip(steps, levels, strict=True)}
+    """The level each step with a measured sample is judged at: the run's precision level (`precision_level`:
+    the calibrated one for a run that calibrated) or its sample, the larger; steps without a sample are not
+    listed (the run's level)."""
+    level = precision_level(ev)
     steps, measured = metric_series(ev, K.FLOOR_MEASURED)
-    for s, v in zip(steps, measured, strict=True):
-        out[int(s)] = max(out.get(int(s), 0.0), float(v))
-    return out
+    return {int(s): max(level, float(v)) for s, v in zip(steps, measured, strict=True)}
 
 
 def clean_level(ev: Any) -> float:
@@ -71,7 +70,7 @@ def elevated_steps(ev: Any) -> list[int]:
     marks the crossing, the gate then re-arms, and these are the steps that stayed past it. (A bf16 engine with
     16x bf16 noise crossed the probability gate at step 0 and stayed past it while its clipped mean, 0.02-0.05,
     stood under 0.05: counted on the clipped mean alone, one step, no `numeric_noise`.)"""
-    level, at = floor_level(ev), step_levels(ev)
+    level, at = precision_level(ev), step_levels(ev)
     out: set[int] = set()
     for rule in DEFAULT_RULES:
         if rule.scaled:
