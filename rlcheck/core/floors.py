@@ -94,8 +94,6 @@ def measured_level(low: Sequence[Any], full: Sequence[Any], clip: float) -> floa
     return float(np.minimum(d, clip).mean()) if d.size else None
 
 
-
-
 @dataclass(frozen=True)
 class Precision:
     """The dtypes the two sides compute their logprobs in; None: unknown (the run calibrates itself)."""

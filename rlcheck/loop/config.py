@@ -75,7 +75,7 @@ class LoopConfig:
     the engine over a gloo group of their own, in buckets (BENCHMARKS.md, "Weight sync scaling")."""
     measure_floor: bool = True
     """With an engine in a coarser dtype than the trainer's (a bf16 engine, a fp32 trainer): every step the
-    trainer scores the step's tokens once more with its matmuls in the engine's dtype, and the Monitor
+    trainer scores the step's tokens once more at the engine's dtype (`rlcheck.trainers.precision`), and the Monitor
     judges the step at that measured noise where it is above the precision's level
     (`rlcheck.loop.floor_sample`; one more forward a step). False: the precision's level only."""
     keep_reports: int = 10_000

@@ -1,5 +1,5 @@
 """The loop's measured floor: with an engine coarser than the trainer (a bf16 engine, a fp32 trainer) the
-trainer scores each step's tokens once more with its matmuls in the engine's dtype, and the clipped mean
+trainer scores each step's tokens once more at the engine's dtype (`rlcheck.trainers.precision`), and the clipped mean
 |d| against its own logprobs is the model's noise at that precision on those tokens, which the Monitor
 judges the step at where it is above the precision's level (`rlcheck.core.floors`).
 
@@ -8,7 +8,7 @@ judges the step at where it is above the precision's level (`rlcheck.core.floors
 
 Why (BENCHMARKS.md, "A floor measured on the run's model"): the trained tiny MoE with a bf16 engine on an
 AVX512-BF16 CPU sits 0.02-0.15 off its fp32 trainer, past the bf16 level the gates were set at, and its
-healthy runs alarmed. The trainer's own bf16 noise on the same tokens is 0.5-1.2x the engine's; no engine
+healthy runs alarmed. The hf trainer's bf16 copy measures 0.5-1.3x the engine's noise on the same tokens; no engine
 fault reaches it, and a fault in what the trainer scores moves both of its forwards alike."""
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ class PolicyTrainer:
         self.pad_id = int(model.config.pad_token_id or 0)
         self.backend = BACKEND_TYPES[cfg.backend](cfg, model, rank, world_size)
         self.steps_done = 0
+        self.precision_copy: tuple | None = None  # (dtype, steps_done, module): `rlcheck.trainers.precision`
 
     # ---- the three calls of the loop ------------------------------------------------------------
 

@@ -43,7 +43,7 @@ def at_precision(trainer: Any, dtype: str | None) -> Iterator[None]:
 def low_copy(trainer: Any, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`module` in `dtype`: made once, its weights copied again from `module` when the trainer has
     stepped since (kept on the trainer as `precision_copy`: (dtype, steps, copy))."""
-    kept = getattr(trainer, "precision_copy", None)
+    kept = trainer.precision_copy
     if kept is not None and kept[0] == dtype and kept[1] == trainer.steps_done:
         return kept[2]
     if kept is not None and kept[0] == dtype:

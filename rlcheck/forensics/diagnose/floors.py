@@ -45,15 +45,6 @@ def precision_level(ev: Any) -> float:
     return level if level is not None else LEVELS["float32"]
 
 
-def step_levels(ev: Any) -> dict[int, float]:
-    """The level each step with a measured sample is judged at: the run's precision level (`precision_level`:
-    the calibrated one for a run that calibrated) or its sample, the larger; steps without a sample are not
-    listed (the run's level)."""
-    level = precision_level(ev)
-    steps, measured = metric_series(ev, K.FLOOR_MEASURED)
-    return {int(s): max(level, float(v)) for s, v in zip(steps, measured, strict=True)}
-
-
 def clean_level(ev: Any) -> float:
     """Mean |d| under which a row (or the run's first step) is clean for the rules, at the run's floor."""
     return max(CLEAN, CLEAN_RATIO * floor_level(ev))
@@ -70,7 +61,9 @@ def elevated_steps(ev: Any) -> list[int]:
     marks the crossing, the gate then re-arms, and these are the steps that stayed past it. (A bf16 engine with
     16x bf16 noise crossed the probability gate at step 0 and stayed past it while its clipped mean, 0.02-0.05,
     stood under 0.05: counted on the clipped mean alone, one step, no `numeric_noise`.)"""
-    level, at = precision_level(ev), step_levels(ev)
+    level = precision_level(ev)  # the calibrated one for a run that calibrated
+    steps, measured = metric_series(ev, K.FLOOR_MEASURED)  # a step with a sample: judged at it where higher
+    at = {int(s): max(level, float(v)) for s, v in zip(steps, measured, strict=True)}
     out: set[int] = set()
     for rule in DEFAULT_RULES:
         if rule.scaled:

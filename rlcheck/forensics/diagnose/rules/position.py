@@ -32,6 +32,7 @@ from rlcheck.forensics.diagnose.rows import (
     separated,
     shared_prefix,
 )
+from rlcheck.forensics.diagnose.rules.engine import TELLS
 
 MIN_SPAN = 64
 """Positions a dump must span before `position_dependent` reads a trend in them."""
@@ -96,8 +97,6 @@ def _padded_rows_of_state(step: int, rows, pad: np.ndarray, padded: float, clean
     wave gets never-used ones), on whichever requests the stale state reaches: with a bf16 engine on an
     AVX512-BF16 CPU, every sample of the trained hybrid's shorter prompts, alike, so no twin split (BENCHMARKS.md,
     "A floor measured on the run's model")."""
-    from rlcheck.forensics.diagnose.rules.engine import TELLS
-
     return Finding("stale_state", STATE_ONSET, [
         f"step {step}: the rows of the shorter prompts are off (mean |d| {padded:.3g}; by pad tokens {levels}), the "
         f"{int((pad == 0).sum())} rows of the longest prompts are not ({clean:.2g}), and the run's first step was clean",
