@@ -107,6 +107,12 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/forensics/diagnose.md", "on a model with recurrent state from a step after a clean first step, `stale_state` instead", (
         "tests/unit/test_diagnose_state_runs.py::test_padded_rows_after_a_clean_first_step_are_stale_state",
         "tests/unit/test_diagnose_state_runs.py::test_padding_from_the_first_step_or_without_state_is_padding")),
+    ("docs/detectors.md", "| `twins_off` |", (
+        "tests/unit/test_twins.py::TestTwinsOff::test_critical_on_a_recurrent_model_only",
+        "tests/unit/test_twins.py::TestTwinsOff::test_a_fault_on_every_prompt_or_an_moe_batch_is_not_off",
+        "tests/unit/test_twins_off_runs.py::test_stale_state_halts_within_two_steps_of_the_first_reuse",
+        "tests/unit/test_twins_off_runs.py::test_the_healthy_run_raises_nothing",
+        "tests/unit/test_twins_off_runs.py::test_diagnose_names_the_halt_stale_state")),
     ("docs/forensics/diagnose.md", "A run with no alarm is named too, at 0.6, never healthy", (
         "tests/unit/test_diagnose_configured.py::test_only_what_makes_the_sides_differ",
         "tests/unit/test_diagnose_configured.py::test_a_run_that_never_dumped_names_its_setting")),

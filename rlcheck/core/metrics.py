@@ -84,6 +84,9 @@ SIG_TWIN_SPLIT_SEQS = "rlcheck/sig/twin_split_seqs"  # sequences in those groups
 SIG_TWIN_TRAINER_SPLIT = "rlcheck/sig/twin_trainer_split"  # groups the trainer scored apart
 SIG_TWIN_SPREAD = "rlcheck/sig/twin_spread"  # the largest split group's engine spread (nats)
 SIG_TWIN_FIRST_POS = "rlcheck/sig/twin_first_pos"  # the earliest response position of a split group
+SIG_TWIN_OFF = "rlcheck/sig/twin_off"  # groups both sides scored alike, off from each other together
+SIG_TWIN_OFF_SEQS = "rlcheck/sig/twin_off_seqs"  # sequences in those groups
+SIG_TWIN_OFF_GAP = "rlcheck/sig/twin_off_gap"  # the largest off group's |mean d| (nats)
 SIG_TWIN_ROUTED = "rlcheck/sig/twin_routed"  # 1: an MoE batch (router noise splits twins too)
 
 # beyond the sampled token (StatsConfig.distribution, batches with top-k; rlcheck.core.stats.distribution)

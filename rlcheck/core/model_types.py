@@ -33,3 +33,38 @@ def model_type_at(path: Any) -> str | None:
 def recurrent_type(model_type: str | None) -> bool | None:
     """Whether a `model_type` has recurrent state: True, False, or None where the type is unknown."""
     return None if not model_type else model_type in RECURRENT_MODEL_TYPES
+
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""HF config keys that count a model's routed experts (0 or absent: a dense model)."""
+
+
+def experts_of(config: Any) -> int:
+    """The routed experts of a model config (an HF config or its dict): 0 for a dense model."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    counts = [get(key, 0) for key in EXPERT_KEYS]
+    return max((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), default=0)
+
+
+def experts_at(path: Any) -> int | None:
+    """The routed experts of the model directory `path` (its config.json), None where there is no readable one."""
+    try:
+        config = json.loads((Path(str(path)) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return experts_of(config) if isinstance(config, dict) else None
+
+
+def dense_state_model(context: Any) -> bool | None:
+    """Whether the model a Monitor's `context` names carries recurrent state and routes no experts (its
+    `model_type` and `experts`, as the loop, TRL and verl write them; `experts` absent: read from the config
+    at its `model` path): False for a model without recurrent state or with experts (a router's bf16 noise
+    moves whole contexts too), None where the context cannot tell."""
+    get = context.get if hasattr(context, "get") else lambda key, default=None: default
+    model_type = get("model_type")
+    recurrent = recurrent_type(model_type if isinstance(model_type, str) else None)
+    if not recurrent:
+        return recurrent
+    experts = get("experts")
+    experts = experts if isinstance(experts, int) and not isinstance(experts, bool) else experts_at(get("model"))
+    return None if experts is None else experts == 0

@@ -74,7 +74,7 @@ class Monitor:
         self.run_dir = Path(cfg.run_dir)
         self.run = Run.create(self.run_dir)
         try:
-            self.detectors = build_detectors(cfg.detectors)
+            self.detectors = build_detectors(cfg.detectors, cfg.context)
             self.floor = Floor.of(cfg, self.detectors)  # the precision's floor, which the gates scale with
             self.last_step: int | None = None
             self.policy = HaltPolicy(cfg.halt)

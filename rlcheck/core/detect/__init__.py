@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlcheck.core.detect.base import KINDS, SEVERITIES, Alarm, Detector, severity_rank
 from rlcheck.core.detect.periodic import PeriodicConfig, PeriodicDetector
@@ -18,6 +20,7 @@ from rlcheck.core.detect.robust import (
 from rlcheck.core.detect.signature import SignatureConfig, SignatureDetector
 from rlcheck.core.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
 from rlcheck.core.detect.turns import TURN_Z
+from rlcheck.core.model_types import dense_state_model
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,11 @@ class DetectorsConfig:
     (`rlcheck.core.detect.turns`); silent on a run without turns."""
 
 
-def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
+def build_detectors(cfg: DetectorsConfig, context: Mapping[str, Any] | None = None) -> dict[str, Detector]:
     """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
-    control_drift, control_trend and residual_trend: drift detectors; turns: a robust z)."""
+    control_drift, control_trend and residual_trend: drift detectors; turns: a robust z). `context`: the
+    Monitor's; its `model_type` and `experts` tell the signature detector whether the model has recurrent
+    state and no experts (`rlcheck.core.model_types.dense_state_model`)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
@@ -55,7 +60,10 @@ def build_detectors(cfg: DetectorsConfig) -> dict[str, Detector]:
         "signature": (cfg.signature, SignatureDetector),
         "turns": (cfg.turns, RobustZDetector),
     }
-    return {name: cls(c) for name, (c, cls) in makers.items() if c is not None}
+    detectors = {name: cls(c) for name, (c, cls) in makers.items() if c is not None}
+    if "signature" in detectors:  # a group off together is a stale state's shape on a dense model with state
+        detectors["signature"].state_model = dense_state_model(context or {})
+    return detectors
 
 
 __all__ = [

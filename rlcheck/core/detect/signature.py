@@ -13,6 +13,10 @@ It reads the `sig/` and `seq/` statistics that `rlcheck.core.stats` computes fro
 | split_twins          | the engine scored identical contexts of the step apart (stale or   | critical  |
 |                      | aliased recurrent state: its output is not a function of the request; |        |
 |                      | warn on an MoE batch, whose router noise does it too)               |           |
+| twins_off            | a few groups of identical contexts, each scored alike by both sides, | critical  |
+|                      | off from the trainer together while the step's other groups match,  |           |
+|                      | on a dense model with recurrent state (a stale state read alike by   |           |
+|                      | every sample of a prompt); not raised on other models, MoEs included |           |
 
 A warn signature that persists is a broken system, not bad luck, and turns critical (it halts): the
 slope on `slope_critical_after` consecutive observations (a temperature or processing mismatch is
@@ -67,6 +71,11 @@ class SignatureConfig:
     """split_twins: at least twin_min_split twin groups, and twin_min_frac of the step's, scored apart by
     the engine (`rlcheck.core.stats.twins`; a healthy engine, fp32 or bf16, scores twins alike to the
     bit; the tiny hybrid's stale state split 3 of 28 to 26 of 33 groups a step)."""
+    twin_off_max_frac: float = 0.25
+    """twins_off: at least twin_min_split groups and twin_min_frac of the step's off together
+    (`rlcheck.core.stats.twins`), and at most this share of them: a fault that moves every request (a
+    weight, a temperature, the precision) puts most groups off; a stale state read by some prompts'
+    samples, a few (the demo's trained hybrid at bf16: 2 to 3 of 29 to 34 groups a step)."""
     severity: dict[str, str] | None = None
     """Override the default severity of a signature by name."""
 
@@ -78,6 +87,8 @@ class SignatureConfig:
                 raise ConfigError(f"severity must be one of {SEVERITIES}, got {sev!r}")
         if not 0 < self.sparse_max_frac <= 1:
             raise ConfigError("sparse_max_frac must be in (0, 1]")
+        if not 0 < self.twin_off_max_frac <= 1:
+            raise ConfigError("twin_off_max_frac must be in (0, 1]")
         if min(self.slope_critical_after, self.recur_count, self.recur_window) < 1:
             raise ConfigError("slope_critical_after, recur_count and recur_window must be >= 1")
 
@@ -90,11 +101,17 @@ DEFAULT_SEVERITY = {
     "sparse_catastrophic": "warn",
     "many_catastrophic": "warn",
     "split_twins": "critical",
+    "twins_off": "critical",
 }
 
 
 class SignatureDetector(Detector):
     kind = "signature"
+    state_model: bool | None = None
+    """Whether the run's model carries recurrent state and routes no experts
+    (`rlcheck.core.model_types.dense_state_model` of the Monitor's context; None: unknown), set by the
+    Monitor: `twins_off` is raised only where it is True (a group off together is a stale state's shape
+    there; an MoE's router noise moves whole contexts too, and other models were not calibrated)."""
 
     def __init__(self, cfg: SignatureConfig | None = None):
         self.cfg = cfg or SignatureConfig()
@@ -142,6 +159,7 @@ class SignatureDetector(Detector):
                 persistent=lasting, slope=slope, corr=corr, streak=self.slope_streak,
             ))
         out += self._split_twins(step, m)
+        out += self._twins_off(step, m)
         self.observed += 1
         out += self._catastrophic(step, m)
         return out
@@ -166,6 +184,23 @@ class SignatureDetector(Detector):
         if routed and "split_twins" not in (self.cfg.severity or {}):  # an MoE's router noise is no halt by itself
             alarm = Alarm(alarm.kind, alarm.metric, alarm.step, "warn", alarm.message, alarm.details)
         return [alarm]
+
+    def _twins_off(self, step: int, m: dict[str, float]) -> list[Alarm]:
+        off, groups = m.get(K.SIG_TWIN_OFF, 0.0), m.get(K.SIG_TWIN_GROUPS, 0.0)
+        cfg = self.cfg
+        if self.state_model is not True or m.get(K.SIG_TWIN_ROUTED) or off > cfg.twin_off_max_frac * groups:
+            return []
+        if off < max(cfg.twin_min_split, cfg.twin_min_frac * groups):
+            return []
+        return [self._alarm(
+            "twins_off", K.SIG_TWIN_OFF, step,
+            f"{int(off)} of {int(groups)} groups of identical contexts ({int(m.get(K.SIG_TWIN_OFF_SEQS, 0))} sequences) "
+            f"are each scored alike by both sides yet off from the trainer together, by up to "
+            f"{m.get(K.SIG_TWIN_OFF_GAP, 0.0):.3g} nats, while the step's other groups match: on a model with recurrent "
+            "state, the engine computed those prompts' samples from a state not their own (stale state: a reused "
+            "Mamba slot read before its prefill)",
+            groups_off=off, groups=groups, sequences=m.get(K.SIG_TWIN_OFF_SEQS, 0.0), gap=m.get(K.SIG_TWIN_OFF_GAP, 0.0),
+        )]
 
     def _early_burst(self, m: dict[str, float]) -> bool:
         return early_burst(m.get(K.SIG_EARLY_ANY_COUNT, 0.0), m.get(K.SEQ_COUNT, 0.0),

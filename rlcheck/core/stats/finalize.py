@@ -60,7 +60,8 @@ def finalize(p: PartialStats, cfg: StatsConfig | None = None) -> tuple[dict[str,
     if s["tw_groups"] > 0:
         out.update({K.SIG_TWIN_GROUPS: s["tw_groups"], K.SIG_TWIN_SPLIT: s["tw_split"],
                     K.SIG_TWIN_SPLIT_SEQS: s["tw_split_seqs"], K.SIG_TWIN_TRAINER_SPLIT: s["tw_trainer_split"],
-                    K.SIG_TWIN_SPREAD: mx["tw_spread"], K.SIG_TWIN_ROUTED: float(s["tw_routed"] > 0)})
+                    K.SIG_TWIN_SPREAD: mx["tw_spread"], K.SIG_TWIN_ROUTED: float(s["tw_routed"] > 0),
+                    K.SIG_TWIN_OFF: s["tw_off"], K.SIG_TWIN_OFF_SEQS: s["tw_off_seqs"], K.SIG_TWIN_OFF_GAP: mx["tw_off_gap"]})
         if math.isfinite(mn["tw_first_pos"]):
             out[K.SIG_TWIN_FIRST_POS] = mn["tw_first_pos"]
     out.update(distribution_metrics(s, mx))

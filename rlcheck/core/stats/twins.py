@@ -19,8 +19,20 @@ the group's engine probability (a near-certain token barely moves), at least `le
 
     split  <=>  max - min of logp_rollout  >  twin_tau * w   and   4 x (max - min of logp_train) below it
 
+A twin group the engine scored alike can still be off from the trainer as a whole: on the demo's trained
+hybrid with a bf16 engine (an AVX512-BF16 CPU) the stale state moves every sample of a prompt alike at
+its first token (0.7 to 1.9 nats, 18 to 104 twin bars), so no group splits, while the step's other groups
+match. Such a group is `off`:
+
+    off  <=>  not split,  |mean d|  >  twin_off * twin_tau * w,  and both sides' spreads 4 x below |mean d|
+
+Healthy bf16 groups of the trained hybrid (seeds 1-2, 96 steps) stay within 1.3 twin bars. A fault that
+moves every group (a weight, a temperature) puts most of the step's groups off; the signature asks for a
+few (`SignatureConfig.twin_off_max_frac`), on a model with recurrent state.
+
 `twin_sums` gives mergeable sums (groups, split groups, the sequences in them, the groups the
-trainer split) and the largest split spread and earliest split position; `finalize` names them.
+trainer split, the groups off together and their sequences) and the largest split spread, the largest
+off group's |mean d| and the earliest split position; `finalize` names them.
 """
 
 from __future__ import annotations
@@ -35,14 +47,14 @@ TRAINER_MARGIN = 4.0
 """A group is the engine's split only when the trainer's spread is this many times smaller."""
 _PRIME = np.uint64(1_099_511_628_211)  # FNV-1a's 64-bit prime: the rolling hash of a response prefix
 
-SUMS = ("tw_groups", "tw_split", "tw_split_seqs", "tw_trainer_split", "tw_routed")
+SUMS = ("tw_groups", "tw_split", "tw_split_seqs", "tw_trainer_split", "tw_routed", "tw_off", "tw_off_seqs")
 """`tw_routed`: the batch carried MoE routing (`StepBatch.routing`): its engine's router may send twins'
 near-tie tokens to other experts (bf16 router noise between batches), which splits them too."""
 
 
 def empty_twins() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(sums, maxima, minima) of a batch without twins."""
-    return dict.fromkeys(SUMS, 0.0), {"tw_spread": 0.0}, {"tw_first_pos": np.inf}
+    return dict.fromkeys(SUMS, 0.0), {"tw_spread": 0.0, "tw_off_gap": 0.0}, {"tw_first_pos": np.inf}
 
 
 def twin_sums(batch, cfg) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -52,10 +64,14 @@ def twin_sums(batch, cfg) -> tuple[dict[str, float], dict[str, float], dict[str,
     found = _groups(batch, cfg)
     if found is None:
         return sums, maxima, minima
-    at, starts, size, e_spread, t_spread, bar, split = found
+    at, starts, size, e_spread, t_spread, bar, split, gap = found
     position = at[starts] - batch.cu_seqlens[np.searchsorted(batch.cu_seqlens, at[starts], side="right") - 1]
+    off = _off(gap, e_spread, t_spread, bar, split, cfg)
     sums.update(tw_groups=float(starts.size), tw_split=float(split.sum()), tw_split_seqs=float(size[split].sum()),
-                tw_trainer_split=float((t_spread > bar).sum()), tw_routed=float(batch.routing is not None))
+                tw_trainer_split=float((t_spread > bar).sum()), tw_routed=float(batch.routing is not None),
+                tw_off=float(off.sum()), tw_off_seqs=float(size[off].sum()))
+    if off.any():
+        maxima["tw_off_gap"] = float(np.abs(gap[off]).max())
     if split.any():
         maxima["tw_spread"] = float(e_spread[split].max())
         minima["tw_first_pos"] = float(position[split].min())
@@ -69,9 +85,21 @@ def split_twin_sequences(batch, cfg) -> np.ndarray:
     found = _groups(batch, cfg)
     if found is None:
         return out
-    at, starts, size, _, _, bar, split = found
+    at, starts, size, _, _, bar, split, _ = found
     off = np.abs(batch.logp_train[at].astype(np.float64) - batch.logp_rollout[at]) > np.repeat(bar, size)
     members = np.repeat(split, size) & off  # (T,) a split group's token the engine scored off
+    out[np.searchsorted(batch.cu_seqlens, at[members], side="right") - 1] = True
+    return out
+
+
+def off_twin_sequences(batch, cfg) -> np.ndarray:
+    """(N,) bool: the sequences in a group off together (what diagnose names for `twins_off`)."""
+    out = np.zeros(batch.num_sequences, dtype=bool)
+    found = _groups(batch, cfg)
+    if found is None:
+        return out
+    at, _, size, e_spread, t_spread, bar, split, gap = found
+    members = np.repeat(_off(gap, e_spread, t_spread, bar, split, cfg), size)  # (T,)
     out[np.searchsorted(batch.cu_seqlens, at[members], side="right") - 1] = True
     return out
 
@@ -79,7 +107,7 @@ def split_twin_sequences(batch, cfg) -> np.ndarray:
 def _groups(batch, cfg):
     """The twin groups of `batch`, members sorted by group: (at (T,) each member's token offset,
     starts (G,) each group's first member, size (G,), engine and trainer spread (G,), the split bar
-    (G,), split (G,) bool); None without twins."""
+    (G,), split (G,) bool, gap (G,) the group's mean d = logp_train - logp_rollout); None without twins."""
     if batch.tokens is None or batch.prompt_tokens is None or batch.num_sequences < 2:
         return None
     keys, at = context_keys(batch, cfg.twin_span)  # (K,) hashes, (K,) token offsets
@@ -102,7 +130,14 @@ def _groups(batch, cfg):
     p = np.exp(np.minimum(np.add.reduceat(lr, starts) / size, 0.0))
     bar = cfg.twin_tau * np.maximum((1.0 - p) ** SURPRISE_POWER, MIN_WEIGHT)
     split = (e_spread > bar) & (TRAINER_MARGIN * t_spread < e_spread)
-    return at, starts, size, e_spread, t_spread, bar, split
+    gap = np.add.reduceat(lt - lr, starts) / size
+    return at, starts, size, e_spread, t_spread, bar, split, gap
+
+
+def _off(gap, e_spread, t_spread, bar, split, cfg) -> np.ndarray:
+    """(G,) bool: the groups both sides scored alike, off from each other together (the module docstring)."""
+    size = np.abs(gap)
+    return ~split & (size > cfg.twin_off * bar) & (TRAINER_MARGIN * np.maximum(e_spread, t_spread) < size)
 
 
 def add_twins(batch, cfg, sums: dict, maxima: dict, minima: dict) -> None:

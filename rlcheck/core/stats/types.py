@@ -67,6 +67,10 @@ class StatsConfig:
     """A twin group is split when the engine's logprobs spread more than this times (1 - p)^0.91 apart
     (and the trainer's agree): set for a bf16 engine; the Monitor scales it with the run's floor
     (`rlcheck.core.floors`)."""
+    twin_off: float = 3.0
+    """A twin group both sides scored alike is off together when its mean d passes this many split bars
+    (`twin_tau` (1 - p)^0.91; `rlcheck.core.stats.twins`): the healthy bf16 groups of the demo's trained
+    hybrid stay within 1.3, its stale state's 8 to 145 (BENCHMARKS.md, "Groups off together")."""
     distribution: bool = False
     """Compare the next-token distributions beyond the sampled token (`rlcheck/dist/*`: top-K overlap,
     argmax agreement, tail masses and KL(engine || trainer) over the engine's top-K plus one tail
@@ -106,6 +110,8 @@ class StatsConfig:
             raise ConfigError(f"clip must be positive and finite, got {self.clip}")
         if not self.twin_tau > 0:
             raise ConfigError(f"twin_tau must be positive, got {self.twin_tau}")
+        if not self.twin_off > 0:
+            raise ConfigError(f"twin_off must be positive, got {self.twin_off}")
         for name in ("early_window", "early_span", "top_k", "shift_window", "catastrophic_min_tokens", "twin_span",
                      "turn_head_tokens"):
             if getattr(self, name) < 1:

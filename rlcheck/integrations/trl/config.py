@@ -150,6 +150,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
     """What decides the two sides' numerics, for every dump's meta.json: the engine's sampling and
     precision in the dump schema (`rlcheck.core.run.context`: vLLM's dtype as its LLM runs it; TRL leaves
     it "auto", bf16 for a float32 checkpoint), the trainer's precision and the preflight's findings."""
+    from rlcheck.core.model_types import experts_of
     from rlcheck.core.run.context import Engine, Sampling, record
 
     args = trainer.args
@@ -166,6 +167,7 @@ def trl_context(trainer: Any) -> dict[str, Any]:
         "framework": "trl",
         "model": getattr(trainer.model.config, "_name_or_path", None),
         "model_type": getattr(trainer.model.config, "model_type", None),
+        "experts": experts_of(trainer.model.config),  # with model_type: a dense model with state (`core.model_types`)
         **record(sampling, engine),
         "vllm_mode": args.vllm_mode,
         "logit_processing": processing,

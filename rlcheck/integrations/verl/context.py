@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlcheck.core.model_types import model_type_at
+from rlcheck.core.model_types import experts_at, model_type_at
 from rlcheck.core.run.context import Engine, Sampling, record
 from rlcheck.integrations.verl.preflight_checks import get
 
@@ -34,7 +34,7 @@ def verl_context(config: Any) -> dict[str, Any]:
                     tensor_parallel_size=_int(r("tensor_model_parallel_size")), max_num_seqs=_int(r("max_num_seqs")))
     model = _str(get(config, "actor_rollout_ref.model.path"))
     return {"framework": "verl", "model": model, "model_type": model_type_at(model) if model else None,
-            **record(sampling, engine)}
+            "experts": experts_at(model) if model else None, **record(sampling, engine)}
 
 
 def _int(value: Any) -> int | None:

@@ -10,6 +10,11 @@ them from the scheduler's slots: `diagnose._engine_guard`).
   quarter of the sequences or more, a state shared between live requests (`index_aliasing`: every
   request past a slot boundary and the ones it aliases); on fewer, a few requests on state not their
   own (`stale_state` at 0.8: an engine that served before the run). Each says what tells them apart.
+- A few groups of identical contexts each scored alike by both sides, off from the trainer together (the
+  `twins_off` signature, raised on a model with recurrent state only): a stale state read alike by every
+  sample of a prompt (the demo's trained hybrid with a bf16 engine on an AVX512-BF16 CPU). After clean
+  first steps, `stale_state`; from the run's first step no slot had a previous holder, and a per-prompt
+  shift from the start is the position rules' (left padding), so nothing is named from it.
 - Every sequence far off from the run's first step (past the hard limit on catastrophic sequences)
   while the engine holds the trainer's weights (the sync check's fingerprints agree) and the two sides
   scored the same ids: the engine computes garbage with the right weights; on a model with recurrent
@@ -36,7 +41,7 @@ from rlcheck.core import metrics as K
 from rlcheck.core.batch import StepBatch
 from rlcheck.core.floors import LEVELS
 from rlcheck.core.stats import StatsConfig
-from rlcheck.core.stats.twins import split_twin_sequences
+from rlcheck.core.stats.twins import off_twin_sequences, split_twin_sequences
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
 from rlcheck.forensics.diagnose.floors import floor_level
@@ -51,7 +56,7 @@ from rlcheck.forensics.diagnose.queries import (
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
          "(a slot read before its prefill) from aliasing (a slot two live requests share)")
-STALE, ALIASED, GARBAGE, PROBE, FEW, STATELESS, ROUTED = 0.93, 0.75, 0.7, 0.88, 0.8, 0.6, 0.8
+STALE, ALIASED, GARBAGE, PROBE, FEW, STATELESS, ROUTED, OFF = 0.93, 0.75, 0.7, 0.88, 0.8, 0.6, 0.8, 0.9
 MANY = 0.25
 """Split from the run's first step: index aliasing when at least this share of the sequences is off (every
 request past a slot boundary, and the ones it shares with), stale state for fewer (a few reused slots)."""
@@ -59,7 +64,10 @@ SHAPES = ("early_divergence", "sparse_catastrophic", "many_catastrophic")
 """Confidences: a split twin is direct evidence, above the weights rules' probe-only 0.85 and the
 sparse shapes' 0.85; below the guard's 0.97, and below the MoE routing rule's 0.9 where the split comes
 from the first step (rerouted near-tie tokens split twins too, and their own metrics say so). Garbage
-from the first step outranks the sparse shapes' 0.6 for catastrophic sequences that are not early."""
+from the first step outranks the sparse shapes' 0.6 for catastrophic sequences that are not early. Groups
+off together after clean steps (`OFF`): under split twins (a group off together is a per-prompt shift, which
+a wrong position or prompt could make too), above the padded-rows rule's 0.85 that reads the same rows
+without the twins."""
 
 
 def engine_state(ev: Evidence) -> Finding | None:
@@ -68,7 +76,7 @@ def engine_state(ev: Evidence) -> Finding | None:
         return _split_stateless(ev, split) if split else None
     if split:
         return _split(ev, split)
-    return _garbage(ev) or _probe_state(ev)
+    return _off_together(ev) or _garbage(ev) or _probe_state(ev)
 
 
 def _split_stateless(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
@@ -141,6 +149,23 @@ def _split(ev: Evidence, split: list[dict[str, Any]]) -> Finding:
     return Finding("index_aliasing", ALIASED, evidence + [TELLS], steps, ids)
 
 
+def _off_together(ev: Evidence) -> Finding | None:
+    """`stale_state` for groups off together (`twins_off`) after clean first steps."""
+    off = alarms_of(ev, kind="signature", signatures=("twins_off",))
+    if not off:
+        return None
+    steps = alarm_steps(off)
+    clean = [int(r["step"]) for r in ev.records if int(r["step"]) < steps[0]]
+    if not clean:
+        return None
+    ids = _twin_ids(ev, steps, off_twin_sequences)
+    evidence = [f"step {steps[0]}: {off[0]['message']}",
+                f"on {len(steps)} step(s); the run's first {len(clean)} step(s) (from step {clean[0]}) had no group "
+                f"off: the engine turned per-prompt wrong at step {steps[0]}, as when requests first start in state "
+                "slots other requests held before", TELLS]
+    return Finding("stale_state", OFF, evidence, steps, ids)
+
+
 def _off_share(ev: Evidence, step: int, ids: list[str]) -> float:
     """The share of `step`'s sequences off: those named (from its dump), else the flagged share of its record."""
     rows = ev.dump_rows.get(step)
@@ -152,6 +177,11 @@ def _off_share(ev: Evidence, step: int, ids: list[str]) -> float:
 
 def _split_ids(ev: Evidence, steps: list[int]) -> list[str]:
     """The request ids in split twin groups of the dumped alarmed steps."""
+    return _twin_ids(ev, steps, split_twin_sequences)
+
+
+def _twin_ids(ev: Evidence, steps: list[int], pick) -> list[str]:
+    """The request ids `pick` (`split_twin_sequences`, `off_twin_sequences`) finds in the dumped `steps`."""
     cfg = StatsConfig(twin_tau=StatsConfig().twin_tau * _floor_scale(ev))
     ids: list[str] = []
     for step in steps:
@@ -163,7 +193,7 @@ def _split_ids(ev: Evidence, steps: list[int]) -> list[str]:
                                       request_ids=[row["request_id"] for row in rows],
                                       tokens=[row["response_tokens"] for row in rows],
                                       prompt_tokens=[row["prompt_tokens"] for row in rows])
-        hit = split_twin_sequences(batch, cfg)
+        hit = pick(batch, cfg)
         ids += [row["request_id"] for row, h in zip(rows, hit.tolist(), strict=True) if h and row["request_id"] not in ids]
     return ids[:MAX_IDS]
 
