@@ -77,6 +77,14 @@ def check_sample(sample: float | None) -> float | None:
     return value
 
 
+def coarser_engine(engine_dtype: Any, trainer_dtype: Any) -> str | None:
+    """The engine's dtype when it is coarser than the trainer's (the dtype to measure the floor at), else None."""
+    engine, trainer = dtype_name(engine_dtype), dtype_name(trainer_dtype)
+    if engine is None or trainer is None or LEVELS[engine] <= LEVELS[trainer]:
+        return None
+    return engine
+
+
 def measured_level(low: Sequence[Any], full: Sequence[Any], clip: float) -> float | None:
     """The clipped mean |d| between the trainer's logprobs at the engine's precision (`low`) and at its
     own (`full`), per sequence, over every response token: the model's own noise at that precision on

@@ -69,7 +69,8 @@ __all__ = ["all_ranks_agree", "all_reduce_partial", "observe_across_ranks"]
 def _verdict(monitor: Monitor | None, step: int, partial: PartialStats, extra: Mapping[str, float] | None,
              trainer_version: int | None = None, alarms: Sequence[Alarm] = (), verdict: Verdict | None = None,
              quarantine_batch: StepBatch | None = None, tally: Tally | None = None,
-             correction: CorrectionConfig | None = None) -> tuple[tuple, MismatchHalt | Exception | None]:
+             correction: CorrectionConfig | None = None,
+             floor_sample: float | None = None) -> tuple[tuple, MismatchHalt | Exception | None]:
     """Rank 0: what its Monitor said of the step, as the message every rank receives, and the
     exception it raised (None when the step passed)."""
     if monitor is None:
@@ -83,7 +84,8 @@ def _verdict(monitor: Monitor | None, step: int, partial: PartialStats, extra: M
         return ("error", *describe(error)), error
     try:
         return ("ok", monitor.observe_partial(step, partial, None, extra, alarms, trainer_version=trainer_version,
-                                              verdict=verdict, quarantine_batch=quarantine_batch, tally=tally)), None
+                                              verdict=verdict, quarantine_batch=quarantine_batch, tally=tally,
+                                              floor_sample=floor_sample)), None
     except MismatchHalt as halt:
         return ("halt", halt.report, halt.reason, halt.problems), halt
     except Exception as exc:  # every rank must hear of it, or they wait for rank 0 forever
@@ -150,7 +152,7 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
                          extra: Mapping[str, float] | None = None, group: Any = None, *,
                          trainer_version: int | None = None, alarms: Sequence[Alarm] = (),
                          quarantine: QuarantineConfig | None = None, max_weight_lag: int = 0,
-                         correction: CorrectionConfig | None = None) -> StepReport:
+                         correction: CorrectionConfig | None = None, floor_sample: float | None = None) -> StepReport:
     """One Monitor step over every rank of `group` (a collective: each rank calls it with its own
     `batch`, a `StepBatch`, or None when it has nothing to compare). `monitor`: rank 0's Monitor
     (the other ranks pass None; theirs is not used); `stats`: the same `StatsConfig` on every rank
@@ -158,7 +160,8 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
     compared with every rank's sequences' `weight_version`; `alarms`: this rank's, found outside the
     Monitor (its engine's failed sync check), every rank's judged with the step's; `quarantine`,
     `max_weight_lag` and `correction`: the Monitor's `cfg.quarantine`, `cfg.max_weight_lag` and
-    `cfg.correction`, the same on every rank (see the module docstring). Returns rank 0's `StepReport`
+    `cfg.correction`, the same on every rank (see the module docstring); `floor_sample`: this rank's measure of
+    the model's own noise at the engine's precision (`rlcheck.core.floors`; the ranks' mean is the step's). Returns rank 0's `StepReport`
     on every rank, with the rank's own `keep`, `quarantined`, `batch` and correction; raises
     `MismatchHalt` on every rank when rank 0's Monitor halts, after one dump of every rank's worst
     sequences; raises on every rank when rank 0's Monitor, or any rank's own part of the step, fails."""
@@ -179,14 +182,16 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
     keep = None if own is None else own.keep
     found, tally = (None, Tally()) if batch is None else guard.call(batch_tally, batch, keep, correction,
                                                                     default=(None, Tally()))
-    shared = guard.exchange((correction, tally))  # a failure on any rank is raised on every rank here
-    if any(c != correction for c, _ in shared):
+    shared = guard.exchange((correction, tally, floor_sample))  # a failure on any rank is raised on every rank here
+    if any(c != correction for c, _, _ in shared):
         raise ConfigError(f"observe_across_ranks: the ranks pass different corrections ({[c for c, _ in shared]}); "
                           "pass correction=monitor.cfg.correction on every rank")
     local = partial
     partial = all_reduce_partial(partial, group, top_k=stats.top_k)
+    samples = [f for _, _, f in shared if f is not None]
+    sample = sum(samples) / len(samples) if samples else None
     said, raised = (_verdict(monitor, step, partial, extra, trainer_version, alarms, merged, quarantined,
-                             Tally.merge(t for _, t in shared), correction) if rank == 0 else (None, None))
+                             Tally.merge(t for _, t, _ in shared), correction, sample) if rank == 0 else (None, None))
     said = broadcast(said, group)
     mine = None if found is None else (correction, found)
     if said[0] == "ok":

@@ -17,15 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rlcheck.core.floors import LEVELS, dtype_name, measured_level
-
-
-def coarser_engine(engine_dtype: str | None, trainer_dtype: str | None) -> str | None:
-    """The engine's dtype when it is coarser than the trainer's (the dtype to measure the floor at), else None."""
-    engine, trainer = dtype_name(engine_dtype), dtype_name(trainer_dtype)
-    if engine is None or trainer is None or LEVELS[engine] <= LEVELS[trainer]:
-        return None
-    return engine
+from rlcheck.core.floors import coarser_engine, measured_level
 
 
 def floor_sample(loop: Any, seqs: Any, plan: Any, logp_train: list[np.ndarray]) -> float | None:

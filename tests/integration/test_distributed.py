@@ -136,7 +136,8 @@ def _observe_rank_main(rank: int, port: int, steps: list, out_dir: str) -> None:
         if step == MONITOR_BUG and rank == 0:
             monitor.observe_partial = lambda *a, **kw: 1 / 0
         try:
-            report = observe_across_ranks(monitor, step, batches[rank], cfg.stats, extra=extra)
+            sample = {0: 0.02 * (rank + 1), 1: 0.02 if rank == 0 else None}.get(step)  # each rank's measured floor
+            report = observe_across_ranks(monitor, step, batches[rank], cfg.stats, extra=extra, floor_sample=sample)
             results.append(("ok", report.step, report.metrics))
         except MismatchHalt as halt:
             results.append(("halt", halt.report.step, halt.report.metrics, halt.reason, halt.dump_dir))
@@ -201,6 +202,15 @@ class TestObserveAcrossRanks:
             want, _ = compute(batch, StatsConfig())
             np.testing.assert_allclose(metrics[K.ABS_DIFF_MEAN], want[K.ABS_DIFF_MEAN], rtol=1e-9)
             assert metrics[K.TOKEN_COUNT] == want[K.TOKEN_COUNT]
+
+    def test_the_ranks_measured_floors_are_averaged(self, across_ranks):
+        """Each rank's measure of the model's own noise (`floor_sample`): step 0's record logs the ranks' mean (0.02
+        and 0.04: 0.03), step 1's rank 0's alone (rank 1 measured nothing), the halting step none."""
+        _, _, results = across_ranks
+        measured = [r[2 + s][2].get(K.FLOOR_MEASURED) for r in results for s in (0, 1)]
+        assert measured == pytest.approx([0.03, 0.02] * WORLD_SIZE)
+        halt = results[0][2 + HALT]
+        assert halt[0] == "halt" and K.FLOOR_MEASURED not in halt[2]
 
     def test_an_error_in_rank_0s_monitor_reaches_every_rank(self, across_ranks):
         """An InputError of rank 0's Monitor is raised as such on rank 1 too; an error that is not

@@ -462,6 +462,31 @@ class TestAttachMonitor:
             assert m[K.DIST_KL_MEAN] < 1e-6 and m[K.DIST_TOPK_OVERLAP_MEAN] > 0.99 and m[K.DIST_TOP1_AGREE_FRAC] == 1
         assert hook.halt is None and trainer.rlcheck is hook
 
+    def test_a_float32_trainer_under_a_bf16_engine_measures_its_floor(self, tiny_model, tmp_path, monkeypatch):
+        """A float32 GRPOTrainer whose vLLM runs "auto" (bf16 for this float32 checkpoint): every step the hook
+        scores the completions again with a bf16 copy of the policy (`rlcheck.integrations.trl.floor`) and the
+        Monitor logs that measure (`floor/measured`) beside the precision's level (0.01): within 0.25-4x of the
+        engine's own clipped mean |d| on the same tokens, and no alarm. Failed before: no measure (TRL judged at
+        the table's level only)."""
+        from trl import GRPOTrainer
+
+        from rlcheck.core.monitor import MonitorConfig
+        from rlcheck.integrations.trl import attach_monitor
+
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        trainer = GRPOTrainer(model=str(tiny_model("llama")), reward_funcs=_length_reward,
+                              args=_grpo_args(tmp_path, 2, 1e-3, fp32=True), train_dataset=_dataset())
+        hook = attach_monitor(trainer, MonitorConfig(run_dir=tmp_path / "rlcheck", sinks=("jsonl",)))
+        trainer.train()
+        lines = _metrics_lines(tmp_path / "rlcheck")
+        found = [(m[K.ABS_DIFF_CLIPPED_MEAN], m.get(K.FLOOR_MEASURED)) for m in (line["metrics"] for line in lines)]
+        print("bf16 engine, fp32 trainer: (clipped mean |d|, measured floor) per step:", found)
+        assert [line["step"] for line in lines] == [0, 1] and hook.halt is None
+        assert all(line["metrics"][K.FLOOR_LEVEL] == 0.01 for line in lines)
+        assert all(s is not None and 0.25 * c <= s <= 4 * c for c, s in found), found
+        assert hook.low.kept[0].is_floating_point and str(hook.low.kept[0]) == "torch.bfloat16"
+
     def test_a_sync_that_permuted_rows_halts_naming_the_layers(self, tiny_model, tmp_path, monkeypatch):
         """permute-sync=q_proj: the sync before step 1 sends every q_proj with its rows rolled by one
         and counts as done (the versions agree, and so does every plain sum of every layer); the sync

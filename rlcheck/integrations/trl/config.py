@@ -77,6 +77,12 @@ class TRLOptions:
     per generation. None: K = 20 when the Monitor's `StatsConfig(distribution=True)`, off otherwise;
     0: off; K > 0: on (a MonitorConfig rlcheck opens gets distribution=True)."""
 
+    measure_floor: bool = True
+    """Where vLLM computes in a dtype coarser than the trainer's (bf16 under a float32 GRPOTrainer): score each
+    generation's completions once more with a copy of the policy in vLLM's dtype, the step judged at that
+    measured noise where it is above the precision's level (`rlcheck.integrations.trl.floor`: one more
+    no-grad forward a generation, and the copy's memory). False: the precision's level only."""
+
     def __post_init__(self) -> None:
         if self.vllm_sync not in METHODS:
             raise ConfigError(f"vllm_sync must be one of {METHODS}, got {self.vllm_sync!r}")

@@ -27,9 +27,10 @@ def generation_batch(trainer: Any, output: dict, step: int, rank: int, weight_ve
                          weight_version=weight_version, topk=topk)
 
 
-def recompute(trainer: Any, output: dict) -> Any:
+def recompute(trainer: Any, output: dict, model: Any = None) -> Any:
     """The trainer's logprobs of the sampled tokens, when TRL did not compute them (importance
-    sampling off and generation aligned with the optimizer step): one extra no-grad forward."""
+    sampling off and generation aligned with the optimizer step): one extra no-grad forward. `model`:
+    another copy of the policy to score them with (`rlcheck.integrations.trl.floor`), else the trainer's."""
     import torch
 
     ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+C)
@@ -37,7 +38,7 @@ def recompute(trainer: Any, output: dict) -> Any:
     extra = {k: output[k] for k in MULTIMODAL_KEYS if k in output}
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attention, output["completion_ids"].size(1),
+            trainer.model if model is None else model, ids, attention, output["completion_ids"].size(1),
             batch_size=trainer.args.per_device_train_batch_size, **extra,
         )
     return logps

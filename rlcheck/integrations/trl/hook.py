@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcheck.core import metrics as K
+from rlcheck.core.floors import Precision
 from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.types import StepReport
 from rlcheck.errors import MismatchHalt
@@ -24,6 +25,7 @@ from rlcheck.integrations.trl.config import (
     check_versions,
     trl_context,
 )
+from rlcheck.integrations.trl.floor import LowCopy, floor_sample
 from rlcheck.integrations.trl.generation import generation_batch
 from rlcheck.integrations.trl.lifecycle import close_callback, log_halt
 from rlcheck.integrations.trl.loss import mark_kept
@@ -65,6 +67,7 @@ class RLCheckHook:
                                budget=self.options.sync_check_budget)
         self.last_report: StepReport | None = None
         self.halt: MismatchHalt | None = None
+        self.low = LowCopy()  # the policy in vLLM's coarser dtype, for the measured floor
         trainer.rlcheck = self
         trainer.add_callback(close_callback(self))
 
@@ -104,8 +107,9 @@ class RLCheckHook:
         batch = with_turns(self, output, generation_batch(self.trainer, output, step, self.rank, self.sync.synced_step,
                                                           self.engine_topk, topk_rows))
         batch, _ = apply_in_loop(self.fault, step, batch)  # a turn fault acts for real (in the tool loop)
+        sample = self._floor_sample(output)
         try:
-            report = self._observe(step, batch, extra)
+            report = self._observe(step, batch, extra, sample)
         except MismatchHalt as halt:
             self.halt = halt
             log_halt(self, halt)
@@ -119,19 +123,28 @@ class RLCheckHook:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _observe(self, step: int, batch, extra) -> StepReport | None:
+    def _floor_sample(self, output: dict) -> float | None:
+        """This generation's measured floor (`rlcheck.integrations.trl.floor`); None: not measured."""
+        if not self.options.measure_floor:
+            return None
+        cfg = self.monitor_config
+        return floor_sample(self.trainer, output, cfg.precision or Precision.from_context(cfg.context), self.low,
+                            cfg.stats.clip)
+
+    def _observe(self, step: int, batch, extra, sample: float | None = None) -> StepReport | None:
         # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's;
         # the sync check of that sync (every rank's engine, each its own) judges them too
         alarms, checked = self.sync.take(step)
         extra = {**(extra or {}), **checked}
         if self.world_size == 1:
-            return self.monitor.observe(step, batch, extra=extra, alarms=alarms, trainer_version=step)
+            return self.monitor.observe(step, batch, extra=extra, alarms=alarms, trainer_version=step,
+                                        floor_sample=sample)
         from rlcheck.distributed import observe_across_ranks
 
         cfg = self.monitor_config
         return observe_across_ranks(self.monitor, step, batch, cfg.stats, extra, trainer_version=step,
                                     alarms=alarms, quarantine=cfg.quarantine, max_weight_lag=cfg.max_weight_lag,
-                                    correction=cfg.correction)
+                                    correction=cfg.correction, floor_sample=sample)
 
     def _drop_quarantined(self, step: int, output: dict, report: StepReport) -> dict[str, float]:
         """Zero this process's quarantined rows of TRL's loss mask and take their tokens out of
