@@ -51,3 +51,14 @@ def test_the_recording_is_what_the_docstring_says():
     records = [json.loads(x) for x in (RECORDED / RUNS[0] / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["metrics"][K.ABS_DIFF_CLIPPED_MEAN] < 0.01
     assert not any(a.get("details", {}).get("signature") == "split_twins" for r in records for a in r.get("alarms", []))
+
+
+def test_padded_rows_with_other_token_ids_are_the_ids():
+    """`off-by-one` on the trained hybrid with a bf16 engine (tests/data/loop_runs/hybrid-bf16-off-by-one-s1,
+    `bench_confusion.py --seed 1 --models hybrid-trained --precisions bf16 --trainers hf --only off-by-one`):
+    the trainer scored every row's ids shifted (160 tokens, a critical token_id_mismatch), and only the shorter
+    prompts' rows came out off (0.19-0.28 nats, the others 0.01): the ids set |d| there, not the padding.
+    Failed before: position_ids (0.92) over token_misalignment (0.85)."""
+    v = diagnose(RECORDED / "hybrid-bf16-off-by-one-s1").verdict
+    assert v.cause == "token_misalignment", v.evidence
+    assert "not the tokens the engine sampled" in v.evidence[0]

@@ -3,7 +3,9 @@
 
 - `position_ids`: each row's mean |d| rises with the padding its prompt gets when the step's prompts
   are left-padded to the longest; the rows of the longest prompt are clean (a trainer scoring
-  left-padded rows without position ids);
+  left-padded rows without position ids); not on a step whose trainer scored other token ids than the
+  engine sampled (`token_id_mismatch`, `shift_by_one`): there the ids, not the positions, set |d| (an
+  off-by-one on the trained hybrid with a bf16 engine moved the shorter prompts' rows alone);
 - `position_dependent`: |d| rises with the token's position in its sequence, the first positions
   close, from the run's first step on (RoPE base or scaling, a sliding window);
 - `stale_prefix_cache`: the rows whose prompt shares a long prefix with other prompts are off, the
@@ -64,10 +66,11 @@ def _ids(rows, picked) -> list[str]:
 
 
 def position_ids(ev: Evidence) -> Finding | None:
-    """Rows off in proportion to their prompt's left padding; unpadded rows clean."""
+    """Rows off in proportion to their prompt's left padding; unpadded rows clean; the same ids on both sides."""
+    other_ids = set(alarm_steps(alarms_of(ev, kind="signature", signatures=("token_id_mismatch", "shift_by_one"))))
     for step, rows in dumped_rows(ev):
         pad = left_padding(rows)
-        if pad is None or not (pad == 0).any() or not (pad > 0).any():
+        if step in other_ids or pad is None or not (pad == 0).any() or not (pad > 0).any():
             continue
         off = floored_rows(ev, rows)
         clean, padded = float(off[pad == 0].mean()), float(off[pad > 0].mean())
