@@ -62,3 +62,16 @@ def test_padded_rows_with_other_token_ids_are_the_ids():
     v = diagnose(RECORDED / "hybrid-bf16-off-by-one-s1").verdict
     assert v.cause == "token_misalignment", v.evidence
     assert "not the tokens the engine sampled" in v.evidence[0]
+
+
+def test_one_prompts_padded_rows_under_a_logit_setting_are_the_setting():
+    """`raw-logprobs` on the trained hybrid with a bf16 engine, seed 2 (tests/data/loop_runs/hybrid-bf16-raw-logprobs-s2):
+    the engine's untempered logprobs put one 5-token prompt's 8 samples 9x off the rest, the shape of padding on a
+    single prompt, while d follows logp_rollout and the preflight recorded the logprobs mode. One prompt's rows are
+    weak evidence of padding: logit_processing. Failed before: position_ids (0.92)."""
+    from rlcheck.forensics.diagnose.rules.position import ONE_PROMPT
+
+    result = diagnose(RECORDED / "hybrid-bf16-raw-logprobs-s2")
+    assert result.verdict.cause == "logit_processing", result.verdict.evidence
+    padding = [f for f in result.findings if f.cause == "position_ids"]
+    assert padding and padding[0].confidence == ONE_PROMPT and "one prompt" in padding[0].evidence[-1]
