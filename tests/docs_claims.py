@@ -108,6 +108,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         "tests/unit/test_measured_floor.py::test_a_fault_above_the_measured_floor_still_alarms",)),
     ("docs/forensics/diagnose.md", "on a model with recurrent state from a step after a clean first step, `stale_state` instead", (
         "tests/unit/test_diagnose_state_runs.py::test_padded_rows_with_other_token_ids_are_the_ids",
+        "tests/unit/test_diagnose_state_runs.py::test_far_off_rows_beside_split_twins_from_the_first_step_are_weighed_by_the_twins",
         "tests/unit/test_diagnose_state_runs.py::test_one_prompts_padded_rows_under_a_logit_setting_are_the_setting",
         "tests/unit/test_diagnose_state_runs.py::test_padded_rows_after_a_clean_first_step_are_stale_state",
         "tests/unit/test_diagnose_state_runs.py::test_padding_from_the_first_step_or_without_state_is_padding")),

@@ -75,3 +75,13 @@ def test_one_prompts_padded_rows_under_a_logit_setting_are_the_setting():
     assert result.verdict.cause == "logit_processing", result.verdict.evidence
     padding = [f for f in result.findings if f.cause == "position_ids"]
     assert padding and padding[0].confidence == ONE_PROMPT and "one prompt" in padding[0].evidence[-1]
+
+
+def test_far_off_rows_beside_split_twins_from_the_first_step_are_weighed_by_the_twins():
+    """`index-wrap=16` on the trained hybrid with a bf16 engine, seed 3 (tests/data/loop_runs/hybrid-bf16-index-wrap-s3):
+    at step 0 the engine split 9 of 23 twin groups (48 sequences) and 6 sequences are far off from their first
+    tokens. No slot had a previous holder at the run's first step: the twins' rule weighs the off share (an aliased
+    index). Failed before: stale_state (0.85) from the early divergences alone."""
+    v = diagnose(RECORDED / "hybrid-bf16-index-wrap-s3").verdict
+    assert v.cause == "index_aliasing" and v.affected_steps == [0], v.evidence
+    assert "before any state slot had a previous holder" in " ".join(v.evidence) and "--guard" in v.evidence[-1]
