@@ -184,7 +184,7 @@ def observe_across_ranks(monitor: Monitor | None, step: int, batch: StepBatch | 
                                                                     default=(None, Tally()))
     shared = guard.exchange((correction, tally, floor_sample))  # a failure on any rank is raised on every rank here
     if any(c != correction for c, _, _ in shared):
-        raise ConfigError(f"observe_across_ranks: the ranks pass different corrections ({[c for c, _ in shared]}); "
+        raise ConfigError(f"observe_across_ranks: the ranks pass different corrections ({[c for c, _, _ in shared]}); "
                           "pass correction=monitor.cfg.correction on every rank")
     local = partial
     partial = all_reduce_partial(partial, group, top_k=stats.top_k)

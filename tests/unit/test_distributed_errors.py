@@ -86,3 +86,26 @@ class TestRankGuard:
     def test_all_ok_returns_every_ranks_part(self, monkeypatch):
         self._gather(monkeypatch, [("ok", {"n": 2}), ("ok", {"n": 3})])
         assert RankGuard(step=0).exchange({"n": 1}) == [{"n": 1}, {"n": 2}, {"n": 3}]
+
+
+class TestTheRanksExchange:
+    """What `observe_across_ranks` exchanges after each rank's own part (the correction, the tally, the measured floor),
+    rank 0's side, the other rank's message faked (the real ranks: tests/integration/test_distributed.py)."""
+
+    def test_different_corrections_are_named(self, monkeypatch):
+        """A rank passing another correction is refused with a ConfigError naming each rank's (was a ValueError from
+        the message itself once the exchange carried the floor sample)."""
+        dist = pytest.importorskip("torch.distributed")
+        from rlcheck.core.correction import CorrectionConfig
+        from rlcheck.core.stats import StatsConfig
+        from rlcheck.core.tally import Tally
+        from rlcheck.distributed import observe_across_ranks
+
+        theirs = CorrectionConfig(rollout_is="token")
+        sent = iter([[], ("ok", (theirs, Tally(), 0.02))])  # rank 1's alarms, then its part of the exchange
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "all_gather_object", lambda parts, obj, group=None: parts.__setitem__(
+            slice(None), [obj, next(sent)]))
+        with pytest.raises(ConfigError, match="the ranks pass different corrections .*rollout_is='token'"):
+            observe_across_ranks(None, 0, None, StatsConfig(), floor_sample=0.01)

@@ -70,7 +70,7 @@ class StatsConfig:
     twin_off: float = 3.0
     """A twin group both sides scored alike is off together when its mean d passes this many split bars
     (`twin_tau` (1 - p)^0.91; `rlcheck.core.stats.twins`): the healthy bf16 groups of the demo's trained
-    hybrid stay within 1.3, its stale state's 8 to 145 (BENCHMARKS.md, "Groups off together")."""
+    hybrid stay within 1.52, its stale state's 8 to 145 (BENCHMARKS.md, "Groups off together")."""
     distribution: bool = False
     """Compare the next-token distributions beyond the sampled token (`rlcheck/dist/*`: top-K overlap,
     argmax agreement, tail masses and KL(engine || trainer) over the engine's top-K plus one tail
