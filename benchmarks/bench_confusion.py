@@ -66,6 +66,7 @@ NOISE = {"fp32": 1, "bf16": 16}
 """bf16-noise's scale: bf16-sized rounding on a fp32 engine; on a bf16 engine 1x is its own noise (no fault at
 that precision: `WITHIN_NOISE`), 16x stands past its floor."""
 WITHIN_NOISE = {("bf16-noise=1", "bf16", None), ("left-pad-positions", "bf16", "hybrid-trained"),
+                ("left-pad-positions", "bf16", "hybrid"),
                 ("rope-mismatch=4", "bf16", "llama"), ("moe-route-flip=0.1", "bf16", "moe-trained"),
                 ("left-pad-positions", "bf16", "moe-trained")}
 """(spec, precision, model or None: every model) cells whose fault stays within that precision's own noise:
@@ -77,7 +78,9 @@ BENCHMARKS.md, "Left padding under a bf16 engine's noise"). rope-mismatch=4 on t
 0-2): 1.25x, with no healthy reference in a run faulty from its first step, under the gate (0.05). moe-route-flip=0.1
 on the trained MoE with a bf16 engine reroutes what the engine's rounding reroutes already: its healthy run agrees on
 95-100% of the tokens a step at a clipped mean of 0.011-0.021, the fault's runs 94-99.6% at 0.008-0.028 (seeds 1-2).
-left-pad-positions on the trained MoE: its own size (fp32) a median 4.9e-3 nats on the padded rows (at most 0.032),
+left-pad-positions on the random hybrid: its own size (fp32) a median 0.012 nats on the padded rows (at most 0.026), under a
+bf16 engine's noise on the same rows (healthy: a median 0.028; the fault's padded/other ratio a median 1.11 a step,
+the healthy 1.01; seeds 1-2, `bench_pad_floor.py --model hybrid`). left-pad-positions on the trained MoE: its own size (fp32) a median 4.9e-3 nats on the padded rows (at most 0.032),
 under a bf16 engine's noise on the same rows (healthy: a median 0.013, at most 0.078; on an AVX512-BF16 CPU, seeds
 1-2: a fault step against a healthy one, AUC 0.51 on the padded/other ratio, 0.61 on the padded rows' |d|)."""
 AFTER = 2
