@@ -138,8 +138,8 @@ def _groups(batch, cfg):
 
 def _off(gap, e_spread, t_spread, bar, split, cfg) -> np.ndarray:
     """(G,) bool: the groups both sides scored alike, off from each other together (the module docstring)."""
-    size = np.abs(gap)
-    return ~split & (size > cfg.twin_off * bar) & (TRAINER_MARGIN * np.maximum(e_spread, t_spread) < size)
+    apart = np.abs(gap)
+    return ~split & (apart > cfg.twin_off * bar) & (TRAINER_MARGIN * np.maximum(e_spread, t_spread) < apart)
 
 
 def add_twins(batch, cfg, sums: dict, maxima: dict, minima: dict) -> None:
