@@ -41,11 +41,17 @@ def at_precision(trainer: Any, dtype: str | None) -> Iterator[None]:
 
 
 def low_copy(trainer: Any, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`module` in `dtype`: made once, its weights copied again from `module` when the trainer has
-    stepped since (kept on the trainer as `precision_copy`: (dtype, steps, copy))."""
-    kept = trainer.precision_copy
-    if kept is not None and kept[0] == dtype and kept[1] == trainer.steps_done:
-        return kept[2]
+    """`module` in `dtype`, kept on the trainer as `precision_copy` and brought up to its `steps_done` (`refreshed`)."""
+    trainer.precision_copy = refreshed(trainer.precision_copy, module, dtype, trainer.steps_done)
+    return trainer.precision_copy[2]
+
+
+def refreshed(kept: tuple | None, module: torch.nn.Module, dtype: torch.dtype, version: int) -> tuple:
+    """`kept` ((dtype, version, copy), or None) brought up to `module` in `dtype` at `version`: as it is when
+    current, its weights copied again from `module` when the version moved, a new copy otherwise (TRL's measured
+    floor keeps one too: `rlcheck.integrations.trl.floor`)."""
+    if kept is not None and kept[0] == dtype and kept[1] == version:
+        return kept
     if kept is not None and kept[0] == dtype:
         low = kept[2]
         with torch.no_grad():
@@ -53,6 +59,4 @@ def low_copy(trainer: Any, module: torch.nn.Module, dtype: torch.dtype) -> torch
                 a.copy_(b)
     else:
         low = copy.deepcopy(module).to(dtype)
-    low.eval()
-    trainer.precision_copy = (dtype, trainer.steps_done, low)
-    return low
+    return dtype, version, low.eval()

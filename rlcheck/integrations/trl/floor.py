@@ -9,7 +9,6 @@ more no-grad forward per generation. `TRLOptions(measure_floor=False)`: the prec
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from rlcheck.core.floors import Precision, coarser_engine, measured_level
@@ -23,20 +22,11 @@ class LowCopy:
         self.kept: tuple[Any, int, Any] | None = None  # (dtype, the trainer's global_step it holds, the copy)
 
     def of(self, trainer: Any, dtype: Any) -> Any:
-        import torch
+        from rlcheck.trainers.precision import refreshed
 
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        step = trainer.state.global_step
-        if self.kept is not None and self.kept[0] == dtype:
-            if self.kept[1] != step:
-                with torch.no_grad():
-                    for low, full in zip(self.kept[2].state_dict().values(), policy.state_dict().values(), strict=True):
-                        low.copy_(full)
-                self.kept = (dtype, step, self.kept[2])
-            return self.kept[2]
-        low = copy.deepcopy(policy).to(dtype).eval()
-        self.kept = (dtype, step, low)
-        return low
+        self.kept = refreshed(self.kept, policy, dtype, trainer.state.global_step)
+        return self.kept[2]
 
 
 def floor_sample(trainer: Any, output: dict, precision: Precision, low: LowCopy, clip: float) -> float | None:
