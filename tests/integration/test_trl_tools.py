@@ -137,9 +137,9 @@ def _train(model: str, out, max_steps: int, **tooling) -> ToolRun:
     run = ToolRun(trainer, None)
     hook_observe = trainer.rlcheck._observe  # the hook's Monitor step (train() opens a fresh Monitor: spy above it)
 
-    def spy(step, batch, extra):
+    def spy(step, batch, extra, *rest):  # rest: the measured floor's sample
         run.batches[step] = batch
-        return hook_observe(step, batch, extra)
+        return hook_observe(step, batch, extra, *rest)
 
     trainer.rlcheck._observe = spy
     try:
