@@ -37,4 +37,4 @@ def test_nothing_measured_where_the_engine_is_not_coarser():
     """Same dtypes, an engine finer than the trainer, or an unknown side: None, nothing scored (no output read)."""
     trainer = trainer_of(torch.nn.Linear(2, 2))
     for precision in (Precision("bfloat16", "bfloat16"), Precision("float32", "bfloat16"), Precision(None, "float32")):
-        assert floor_sample(trainer, {}, precision, LowCopy(), 1.0) is None
+        assert floor_sample(trainer, {}, None, precision, LowCopy(), 1.0) is None

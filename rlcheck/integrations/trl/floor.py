@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlcheck.core.floors import Precision, coarser_engine, measured_level
-from rlcheck.integrations.trl.batch import TRAIN_KEY, response_mask
+from rlcheck.integrations.trl.batch import response_mask
 
 
 class LowCopy:
@@ -29,8 +29,10 @@ class LowCopy:
         return self.kept[2]
 
 
-def floor_sample(trainer: Any, output: dict, precision: Precision, low: LowCopy, clip: float) -> float | None:
-    """One generation's measured floor, or None where vLLM's dtype is not coarser than the trainer's (or unknown)."""
+def floor_sample(trainer: Any, output: dict, full: Any, precision: Precision, low: LowCopy,
+                 clip: float) -> float | None:
+    """One generation's measured floor against `full`, the trainer's own logprobs of it (`generation.trainer_logps`),
+    or None where vLLM's dtype is not coarser than the trainer's (or unknown)."""
     import torch
 
     from rlcheck.integrations.trl.generation import recompute
@@ -38,9 +40,6 @@ def floor_sample(trainer: Any, output: dict, precision: Precision, low: LowCopy,
     dtype = coarser_engine(precision.engine, precision.trainer)
     if dtype is None:
         return None
-    full = output.get(TRAIN_KEY)
-    if full is None:
-        full = recompute(trainer, output)
     scored = recompute(trainer, output, low.of(trainer, getattr(torch, dtype)))
     mask = torch.as_tensor(response_mask(output), device=scored.device)
     return measured_level([scored[mask].float().cpu().numpy()], [full[mask].float().cpu().numpy()], clip)

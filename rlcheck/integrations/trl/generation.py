@@ -10,21 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 from rlcheck.core.batch import StepBatch
-from rlcheck.integrations.trl.batch import request_ids, row_meta, to_step_batch
+from rlcheck.integrations.trl.batch import TRAIN_KEY, request_ids, row_meta, to_step_batch
 from rlcheck.integrations.trl.loss import MULTIMODAL_KEYS
 from rlcheck.integrations.trl.topk import build_step_topk
 
 
 def generation_batch(trainer: Any, output: dict, step: int, rank: int, weight_version: int | None,
-                     engine_topk: Any = None, topk_rows: Any = None) -> StepBatch:
-    """The `StepBatch` of one generation on process `rank`: rollouts generated on `weight_version`;
-    `engine_topk` (an `EngineTopK`, None with top-k off) with `topk_rows`, vLLM's top-k of its completions."""
+                     logp_train: Any, engine_topk: Any = None, topk_rows: Any = None) -> StepBatch:
+    """The `StepBatch` of one generation on process `rank`: rollouts generated on `weight_version`, the trainer's
+    logprobs `logp_train` (`trainer_logps`); `engine_topk` (an `EngineTopK`, None with top-k off) with
+    `topk_rows`, vLLM's top-k of its completions."""
     rows = output["completion_mask"].shape[0]
     meta = row_meta(rank, rows, trainer.num_generations, weight_version)
-    train = None if output.get("old_per_token_logps") is not None else recompute(trainer, output)
     topk = None if engine_topk is None else build_step_topk(trainer, output, topk_rows, engine_topk.k)
-    return to_step_batch(output, request_ids(step, rank, rows), logp_train=train, meta=meta,
+    return to_step_batch(output, request_ids(step, rank, rows), logp_train=logp_train, meta=meta,
                          weight_version=weight_version, topk=topk)
+
+
+def trainer_logps(trainer: Any, output: dict) -> Any:
+    """(B, C) the trainer's logprobs of the sampled tokens: TRL's `old_per_token_logps`, else `recompute`d once
+    (the batch and the measured floor both read them)."""
+    logps = output.get(TRAIN_KEY)
+    return recompute(trainer, output) if logps is None else logps
 
 
 def recompute(trainer: Any, output: dict, model: Any = None) -> Any:

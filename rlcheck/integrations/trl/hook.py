@@ -26,7 +26,7 @@ from rlcheck.integrations.trl.config import (
     trl_context,
 )
 from rlcheck.integrations.trl.floor import LowCopy, floor_sample
-from rlcheck.integrations.trl.generation import generation_batch
+from rlcheck.integrations.trl.generation import generation_batch, trainer_logps
 from rlcheck.integrations.trl.lifecycle import close_callback, log_halt
 from rlcheck.integrations.trl.loss import mark_kept
 from rlcheck.integrations.trl.preflight_checks import check_attach
@@ -104,10 +104,11 @@ class RLCheckHook:
         quarantined sequences' rows of `output["completion_mask"]` are zeroed. With top-k on,
         `topk_rows` are vLLM's top-k of the generation's completions (`EngineTopK.take()`)."""
         step = self.trainer.state.global_step
+        train = trainer_logps(self.trainer, output)
         batch = with_turns(self, output, generation_batch(self.trainer, output, step, self.rank, self.sync.synced_step,
-                                                          self.engine_topk, topk_rows))
+                                                          train, self.engine_topk, topk_rows))
         batch, _ = apply_in_loop(self.fault, step, batch)  # a turn fault acts for real (in the tool loop)
-        sample = self._floor_sample(output)
+        sample = self._floor_sample(output, train)
         try:
             report = self._observe(step, batch, extra, sample)
         except MismatchHalt as halt:
@@ -123,13 +124,14 @@ class RLCheckHook:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _floor_sample(self, output: dict) -> float | None:
-        """This generation's measured floor (`rlcheck.integrations.trl.floor`); None: not measured."""
+    def _floor_sample(self, output: dict, train: Any) -> float | None:
+        """This generation's measured floor against the trainer's logprobs `train` (`rlcheck.integrations.trl.floor`);
+        None: not measured."""
         if not self.options.measure_floor:
             return None
         cfg = self.monitor_config
-        return floor_sample(self.trainer, output, cfg.precision or Precision.from_context(cfg.context), self.low,
-                            cfg.stats.clip)
+        return floor_sample(self.trainer, output, train, cfg.precision or Precision.from_context(cfg.context),
+                            self.low, cfg.stats.clip)
 
     def _observe(self, step: int, batch, extra, sample: float | None = None) -> StepReport | None:
         # the rollouts' weights are those of the step vLLM was last synced at; the trainer's, this step's;
