@@ -86,14 +86,12 @@ class LoopConfig:
         """What a dump should record of this run (`MonitorConfig.context`): model, the engine's sampling
         and settings as the fault leaves them (`rlcheck.core.run.context`; the loop adds the dtype the
         engine runs once it started: `record_context`), the trainer, and the static preflight's findings."""
-        from rlcheck.core.model_types import experts_at, model_type_at
         from rlcheck.engines.vllm_env import vllm_record
         from rlcheck.loop.preflight_wiring import loop_findings
 
         t = self.trainer
         return {
-            "model": self.rollout.model, "model_type": model_type_at(self.rollout.model),
-            "experts": experts_at(self.rollout.model), "framework": "loop",
+            **self.model_context(),
             **vllm_record(self.fault.rollout_config(self.rollout), n=self.group_size),
             "trainer": {"backend": t.backend, "zero_stage": t.zero_stage if t.backend == "deepspeed" else None,
                         "world_size": self.world_size, "dtype": t.dtype, "lr": t.lr},
@@ -102,6 +100,13 @@ class LoopConfig:
             "correction": None if self.correction is None else dataclasses.asdict(self.correction),
             "preflight": loop_findings(self),  # the static preflight's findings (rlcheck.loop.preflight_wiring)
         }
+
+    def model_context(self) -> dict[str, Any]:
+        """The context's model entries: its path, HF `model_type` and routed experts (`rlcheck.core.model_types`)."""
+        from rlcheck.core.model_types import experts_at, model_type_at
+
+        model = self.rollout.model
+        return {"model": model, "model_type": model_type_at(model), "experts": experts_at(model), "framework": "loop"}
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.group_size < 2 or self.world_size < 1:
@@ -170,12 +175,10 @@ def record_context(monitor: Any, cfg: LoopConfig, engine: Any) -> None:
     caller's `MonitorConfig.context` said of it: the sampling and settings as the fault leaves them,
     and the dtype the engine runs, asked of the rollout actor (`engine`: its `RolloutSupervisor`); the
     same in the run's context.json, for a run that never dumps (its preflight's findings, for diagnose)."""
-    from rlcheck.core.model_types import experts_at, model_type_at
     from rlcheck.engines.vllm_env import vllm_record
 
     settings = engine.call(lambda actor: actor.effective_settings.remote())
     own = vllm_record(cfg.fault.rollout_config(cfg.rollout), n=cfg.group_size, settings=settings)
-    context = {"model": cfg.rollout.model, "model_type": model_type_at(cfg.rollout.model),
-               "experts": experts_at(cfg.rollout.model), "framework": "loop", **monitor.cfg.context, **own}
+    context = {**cfg.model_context(), **monitor.cfg.context, **own}
     monitor.cfg = dataclasses.replace(monitor.cfg, context=context)
     monitor.run.write_context(context)  # context.json: what diagnose reads of a run that never dumps
