@@ -21,8 +21,9 @@ from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.core.stats import StatsConfig
 from rlcheck.errors import InputError, MismatchHalt
 from rlcheck.faults import parse_inject
-from rlcheck.forensics.diagnose import CAUSES, _sparse_sequences, diagnose
+from rlcheck.forensics.diagnose import CAUSES, diagnose
 from rlcheck.forensics.diagnose.evidence import Evidence, load_evidence
+from rlcheck.forensics.diagnose.rules.engine import sparse_sequences
 from rlcheck.forensics.render import render_diagnosis
 from rlcheck.synthetic import SyntheticConfig, synthetic_batch
 
@@ -255,16 +256,16 @@ class TestCatastrophicRequests:
                  **({"mask": [False] * 10 + [True] * 10} if rid == "masked" else {})}
                 for rid, lt, mx in [("tail", tail, 8.0), ("rate", rate, 2.5), ("masked", masked, 0.0),
                                     ("nan", nan, 0.0), ("clean", clean, 0.0)]]
-        finding = _sparse_sequences(self._evidence(rows, [], count=2))
+        finding = sparse_sequences(self._evidence(rows, [], count=2))
         assert finding.affected_steps == [5] and finding.affected_request_ids == ["rate", "nan"]
 
     def test_offenders_only(self):
         """Without a dump, from the logged offenders: the worst at max |d| >= 2, as many as the signature counted."""
         offenders = [{"request_id": f"r{i}", "max_abs_diff": mx, "nonfinite": False}
                      for i, mx in enumerate([9.0, 4.0, 2.5, 1.9])]
-        finding = _sparse_sequences(self._evidence([], offenders, count=2))
+        finding = sparse_sequences(self._evidence([], offenders, count=2))
         assert finding.affected_request_ids == ["r0", "r1"]
-        assert _sparse_sequences(self._evidence([], offenders, count=5)).affected_request_ids == ["r0", "r1", "r2"]
+        assert sparse_sequences(self._evidence([], offenders, count=5)).affected_request_ids == ["r0", "r1", "r2"]
 
 
 class TestDiagnosis:

@@ -85,3 +85,34 @@ def test_far_off_rows_beside_split_twins_from_the_first_step_are_weighed_by_the_
     v = diagnose(RECORDED / "hybrid-bf16-index-wrap-s3").verdict
     assert v.cause == "index_aliasing" and v.affected_steps == [0], v.evidence
     assert "before any state slot had a previous holder" in " ".join(v.evidence) and "--guard" in v.evidence[-1]
+
+
+def test_left_padding_on_a_noisy_state_model_is_padding():
+    """`left-pad-positions` on the random Mamba2 with a bf16 engine, seed 1 (tests/data/loop_runs/mamba2-bf16-left-pad-s1,
+    `bench_confusion.py --seed 1 --models mamba2 --precisions bf16 --trainers hf --only left-pad-positions`): the
+    trainer measured the model's bf16 noise at 0.033; at step 0 one 7-token prompt's 8 rows, left-padded by one,
+    sit at 0.17 (the other 56 at 0.034), two of them far off from their first token (the early-divergence
+    signature), and the run halted at step 1. The padded rows stand 5x over the step's own unpadded rows, under
+    10x the measured floor; a run off from its first step, every far-off row a padded one, is no stale slot.
+    Failed before: stale_state (0.85)."""
+    from rlcheck.forensics.diagnose.rules.engine import PADDED_FIRST
+    from rlcheck.forensics.diagnose.rules.position import ONE_PROMPT
+
+    result = diagnose(RECORDED / "mamba2-bf16-left-pad-s1")
+    v = result.verdict
+    assert (v.cause, v.confidence, v.affected_steps) == ("position_ids", ONE_PROMPT, [0]), v.evidence
+    assert "pass position_ids" in v.evidence[1] and len(v.affected_request_ids) == 8
+    state = [f for f in result.findings if f.cause == "stale_state"]
+    assert state and state[0].confidence == PADDED_FIRST and "padding without position ids" in state[0].evidence[-1]
+
+
+def test_far_off_padded_rows_after_clean_first_steps_stay_stale_state(tmp_path):
+    """The same far-off padded rows in a run whose first step was clean and alarmed later (step 0's alarms removed,
+    as a run whose stale slots are first reused at step 1 would record it): the early divergences keep their 0.85."""
+    def quiet_first(record):
+        if record["step"] == 0:
+            record["alarms"] = []
+
+    state = [f for f in diagnose(edited(tmp_path / "a", "mamba2-bf16-left-pad-s1", edit_record=quiet_first)).findings
+             if f.cause == "stale_state"]
+    assert state and state[0].confidence == 0.85

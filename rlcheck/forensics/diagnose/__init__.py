@@ -30,13 +30,12 @@ from rlcheck.forensics.diagnose.queries import (
     affected_ids,
     alarm_steps,
     alarms_of,
-    catastrophic_ids,
     metric_series,
     rising,
     spearman,
 )
 from rlcheck.forensics.diagnose.rules import EVIDENCE_RULES
-from rlcheck.forensics.diagnose.rules.engine import SHAPES
+from rlcheck.forensics.diagnose.rules.engine import SHAPES, sparse_sequences
 from rlcheck.forensics.diagnose.rules.moe import moe_routing
 
 __all__ = ["CAUSES", "RESTART_AGE", "RULES", "Diagnosis", "Finding", "diagnose"]
@@ -103,30 +102,6 @@ def _logit_processing(ev: Evidence) -> Finding | None:
                 "a trainer temperature of T x (1 + slope) relative to the engine's would give this slope"]
     return Finding("logit_processing", 0.6 + 0.3 * share, evidence, steps,
                    affected_ids(ev, steps, StatsConfig().divergence_tau))
-
-
-def _sparse_sequences(ev: Evidence) -> Finding | None:
-    """A few far-off sequences on a model that may carry state. Not where the engine also split twins on the run's
-    first step: no slot had a previous holder there, and the twins' rule (`rules.engine`) weighs stale state
-    against an aliased index by how many sequences are off (index-wrap on the trained hybrid with a bf16 engine,
-    seed 3: 6 far-off sequences among 48 in split groups, read as stale state at 0.85 before)."""
-    early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
-    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic", "many_catastrophic"))
-    if (not early and not sparse) or ev.recurrent() is False:  # far-off sequences on a model with no state: no state cause
-        return None
-    steps = alarm_steps(early + sparse)
-    split = alarm_steps(alarms_of(ev, kind="signature", signatures=("split_twins",)))
-    if ev.records and steps[0] == int(ev.records[0]["step"]) and steps[0] in split:
-        return None
-    ids = catastrophic_ids(ev, early + sparse)
-    a = (early or sparse)[0]
-    evidence = [f"step {a['step']}: {a['message']}",
-                f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
-    if early:
-        return Finding("stale_state", 0.85, evidence, steps, ids)
-    evidence.append("the divergence does not start at the first tokens: state-index aliasing is as likely; "
-                    "the scheduler context (rlcheck stress, the engine guard) tells them apart")
-    return Finding("stale_state", 0.6, evidence, steps, ids)
 
 
 def _slot_context(ev: Evidence) -> Finding | None:
@@ -307,5 +282,5 @@ def _healthy_or_unexplained(ev: Evidence) -> Finding:
                    alarm_steps(alarms))
 
 
-RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, _sparse_sequences, _weights, _numeric_noise, moe_routing,
+RULES = (_engine_guard, _slot_context, _misalignment, _logit_processing, sparse_sequences, _weights, _numeric_noise, moe_routing,
          *EVIDENCE_RULES)

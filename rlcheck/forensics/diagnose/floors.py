@@ -50,6 +50,12 @@ def clean_level(ev: Any) -> float:
     return max(CLEAN, CLEAN_RATIO * floor_level(ev))
 
 
+def precision_clean_level(ev: Any) -> float:
+    """`clean_level` at the precision pair's floor alone, without the trainer's measure: for a rule whose off
+    rows must also stand `CONTRAST` x over rows of the same step, which carry the model's measured noise."""
+    return max(CLEAN, CLEAN_RATIO * precision_level(ev))
+
+
 ELEVATED = 5.0
 """A step is past its precision's noise at this many times the floor's level: the clipped-mean gate of the
 threshold detector at the run's floor (0.05 on a bf16 engine, 5e-5 on fp32/fp32)."""

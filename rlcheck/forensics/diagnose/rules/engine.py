@@ -50,8 +50,10 @@ from rlcheck.forensics.diagnose.queries import (
     alarm_steps,
     alarms_of,
     catastrophic_ids,
+    catastrophic_rows,
     metric_series,
 )
+from rlcheck.forensics.diagnose.rows import abs_diff, left_padding
 
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
@@ -250,3 +252,52 @@ def _probe_state(ev: Evidence) -> Finding | None:
 
 def _alarmed(ev: Evidence, step: int) -> bool:
     return any(int(a["step"]) == step for a in alarms_of(ev))
+
+
+def sparse_sequences(ev: Evidence) -> Finding | None:
+    """A few far-off sequences on a model that may carry state. Not where the engine also split twins on the run's
+    first step: no slot had a previous holder there, and the twins' rule (`rules.engine`) weighs stale state
+    against an aliased index by how many sequences are off (index-wrap on the trained hybrid with a bf16 engine,
+    seed 3: 6 far-off sequences among 48 in split groups, read as stale state at 0.85 before)."""
+    early = alarms_of(ev, kind="signature", signatures=("early_divergence",))
+    sparse = alarms_of(ev, kind="signature", signatures=("sparse_catastrophic", "many_catastrophic"))
+    if (not early and not sparse) or ev.recurrent() is False:  # far-off sequences on a model with no state: no state cause
+        return None
+    steps = alarm_steps(early + sparse)
+    split = alarm_steps(alarms_of(ev, kind="signature", signatures=("split_twins",)))
+    if ev.records and steps[0] == int(ev.records[0]["step"]) and steps[0] in split:
+        return None
+    ids = catastrophic_ids(ev, early + sparse)
+    a = (early or sparse)[0]
+    evidence = [f"step {a['step']}: {a['message']}",
+                f"{len(ids)} far-off request(s) over {len(steps)} step(s); the other sequences match"]
+    if ev.records and alarm_steps(alarms_of(ev))[0] == int(ev.records[0]["step"]) and _padded_only(ev, steps[0]):
+        evidence.append("the run alarmed from its first step, where no state slot had a previous holder, and every "
+                        "far-off sequence is a row of a shorter prompt (left-padded to the step's longest): a "
+                        "trainer's padding without position ids is as likely")
+        return Finding("stale_state", PADDED_FIRST, evidence, steps, ids)
+    if early:
+        return Finding("stale_state", 0.85, evidence, steps, ids)
+    evidence.append("the divergence does not start at the first tokens: state-index aliasing is as likely; "
+                    "the scheduler context (rlcheck stress, the engine guard) tells them apart")
+    return Finding("stale_state", 0.6, evidence, steps, ids)
+
+
+PADDED_FIRST = 0.6
+"""`sparse_sequences` on a run that alarmed from its first step, when every far-off sequence is a left-padded row: under
+the padded rows' rule (`rules.position.position_ids`, 0.85 for one prompt's rows). Left padding on the random Mamba2
+with a bf16 engine put 1-8 of the shorter prompts' rows far off from their first token at steps 0-1 (seeds 1-5),
+none of the others; a stale state starts after the first wave of requests, on clean first steps."""
+
+
+def _padded_only(ev: Evidence, step: int) -> bool:
+    """The step's dump has rows of the longest prompts and shorter ones, and its far-off sequences (catastrophic, or
+    diverged within their first `early_window` tokens) are all shorter ones'."""
+    rows = ev.dump_rows.get(step)
+    pad = left_padding(rows) if rows else None
+    if pad is None or not (pad == 0).any():
+        return False
+    cfg = StatsConfig()
+    early = np.array([bool((abs_diff(row)[:cfg.early_window] >= cfg.divergence_tau).any()) for row in rows])
+    far = catastrophic_rows(rows, cfg) | early
+    return bool(far.any()) and not (far & (pad == 0)).any()
