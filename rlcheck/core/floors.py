@@ -25,6 +25,10 @@ logprobs, on the step's tokens (`measured_level`; the loop does it every step of
 fault reaches that measurement, and a trainer-input fault moves both forwards alike. Given to `Monitor.observe(...,
 floor_sample=)`, the step is judged at max(level, sample) (logged beside the level: `rlcheck/floor/measured`);
 never under the table's level, and the twin bar keeps the table's (twins compare the engine with itself).
+The step's clipped mean over that level is `rlcheck/floor/excess`: a healthy dense model's engine stays within
+1.24x of it (the tiny Llamas and the Mamba models, every bf16 run of BENCHMARKS.md's rounds 6-7), which the
+threshold detector's `dense_only` rule reads (2.5x, on a model the context names as routing no experts; an
+MoE's router noise sat 1.5-6x over an autocast measure).
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ class Floor:
         completes, the detectors judge this step at the calibrated floor. `sample`: this step's measured
         level of the model's own noise (`measured_level`); the step is judged at the larger of the two.
         Adds the precision's level and scale to `metrics` (`rlcheck/floor/level`, `floor/scale`) and the sample
-        (`floor/measured`)."""
+        (`floor/measured`) with the step's clipped mean |d| over the level it is judged at (`floor/excess`)."""
         self.measured = check_sample(sample)
         clipped = None if empty else metrics.get(K.ABS_DIFF_CLIPPED_MEAN)
         if not self.calibrated and clipped is not None and math.isfinite(clipped):
@@ -210,6 +214,8 @@ class Floor:
         metrics.update({K.FLOOR_LEVEL: self.base, K.FLOOR_SCALE: scale_of(self.base)})
         if self.measured is not None:
             metrics[K.FLOOR_MEASURED] = self.measured
+            if clipped is not None and math.isfinite(clipped):
+                metrics[K.FLOOR_EXCESS] = float(clipped) / self.current
 
     def _apply(self) -> None:
         for det in self.detectors.values():

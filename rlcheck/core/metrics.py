@@ -64,6 +64,7 @@ PROBE_LEVEL = "rlcheck/probe/abs_diff_clipped_mean"  # the sync check's fixed pr
 FLOOR_LEVEL = "rlcheck/floor/level"  # the run's precision floor: a healthy clipped mean |d| stays under it (`core.floors`)
 FLOOR_SCALE = "rlcheck/floor/scale"  # ... over the bf16 floor the detectors' defaults were set at
 FLOOR_MEASURED = "rlcheck/floor/measured"  # the model's own noise at the engine's precision, the trainer's measure this step (`core.floors`)
+FLOOR_EXCESS = "rlcheck/floor/excess"  # the step's clipped mean |d| over the larger of floor/measured and floor/level (`core.floors`)
 
 # signature statistics
 SIG_SLOPE = "rlcheck/sig/slope"

@@ -55,16 +55,22 @@ def experts_at(path: Any) -> int | None:
     return experts_of(config) if isinstance(config, dict) else None
 
 
+def routes_no_experts(context: Any) -> bool | None:
+    """Whether the model a Monitor's `context` names routes no experts (its `experts`, as the loop, TRL and verl
+    write them; absent: read from the config at its `model` path): None where the context cannot tell. A
+    router's bf16 noise moves whole contexts, and the trainer's measure of it (`rlcheck.core.floors`) can sit
+    far under the engine's (autocast rounds no expert sum)."""
+    get = context.get if hasattr(context, "get") else lambda key, default=None: default
+    experts = get("experts")
+    experts = experts if isinstance(experts, int) and not isinstance(experts, bool) else experts_at(get("model"))
+    return None if experts is None else experts == 0
+
+
 def dense_state_model(context: Any) -> bool | None:
-    """Whether the model a Monitor's `context` names carries recurrent state and routes no experts (its
-    `model_type` and `experts`, as the loop, TRL and verl write them; `experts` absent: read from the config
-    at its `model` path): False for a model without recurrent state or with experts (a router's bf16 noise
+    """Whether the model a Monitor's `context` names carries recurrent state and routes no experts
+    (`routes_no_experts`): False for a model without recurrent state or with experts (a router's bf16 noise
     moves whole contexts too), None where the context cannot tell."""
     get = context.get if hasattr(context, "get") else lambda key, default=None: default
     model_type = get("model_type")
     recurrent = recurrent_type(model_type if isinstance(model_type, str) else None)
-    if not recurrent:
-        return recurrent
-    experts = get("experts")
-    experts = experts if isinstance(experts, int) and not isinstance(experts, bool) else experts_at(get("model"))
-    return None if experts is None else experts == 0
+    return recurrent if not recurrent else routes_no_experts(context)

@@ -55,7 +55,9 @@ class TestThresholdDetector:
         """Defaults carry verl's probs_diff_mean 0.01 gate and the clipped mean |d|, not NeMo-RL's
         mean exp|d| (one tail token moves it by e^|d| / tokens)."""
         limits = {r.metric: r.limit for r in ThresholdConfig().rules if not r.metric.startswith(K.TURN_PREFIX)}
-        assert limits == {K.PROB_ABS_DIFF_MEAN: 0.01, K.ABS_DIFF_CLIPPED_MEAN: 0.05}  # multi-turn steps add theirs
+        # multi-turn steps add theirs; a dense model whose trainer measured its floor, the engine over that measure
+        assert limits == {K.PROB_ABS_DIFF_MEAN: 0.01, K.ABS_DIFF_CLIPPED_MEAN: 0.05, K.FLOOR_EXCESS: 2.5}
+        assert [r.metric for r in ThresholdConfig().rules if r.dense_only] == [K.FLOOR_EXCESS]
 
     def test_rearms_after_time_below(self):
         """After an alarm the rule is quiet while the metric stays above, and fires again only after

@@ -150,6 +150,41 @@ class TestMeasuredFloor:
         floor.observe(m := {}, sample=2e-3)
         assert m[K.FLOOR_MEASURED] == 2e-3 and det.scale == 1.0
 
+    def test_the_excess_over_the_measure(self):
+        """`floor/excess`: the step's clipped mean over the level it is judged at (the sample where above the
+        precision's level, else the level); not logged on a step without a sample or without tokens."""
+        floor = Floor(Precision("bfloat16", "float32"))
+        floor.observe(m := {K.ABS_DIFF_CLIPPED_MEAN: 0.06}, sample=0.02)
+        assert m[K.FLOOR_EXCESS] == pytest.approx(3.0)
+        floor.observe(m := {K.ABS_DIFF_CLIPPED_MEAN: 0.02}, sample=2e-3)  # under the level: over the level
+        assert m[K.FLOOR_EXCESS] == pytest.approx(2.0)
+        floor.observe(m := {K.ABS_DIFF_CLIPPED_MEAN: 0.06})
+        assert K.FLOOR_EXCESS not in m
+        floor.observe(m := {K.ABS_DIFF_CLIPPED_MEAN: 0.06}, empty=True, sample=0.02)
+        assert K.FLOOR_EXCESS not in m and m[K.FLOOR_MEASURED] == 0.02
+
+    def test_the_excess_gate_is_read_on_a_dense_model_only(self, tmp_path):
+        """A step 4x over its measured floor (0.08 against 0.02: under the clipped-mean gate's 5x, on unlikely
+        tokens as a random model's, under the probability gate) warns where the context names a model that
+        routes no experts, not on an MoE or where the context does not say."""
+        def unlikely(level: float, seed: int) -> StepBatch:
+            rng = np.random.default_rng(seed)
+            lr = [np.log(rng.uniform(0.01, 0.05, 32)) for _ in range(64)]
+            lt = [x + rng.choice([-1.0, 1.0], 32) * rng.exponential(level, 32) for x in lr]
+            return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=[f"r{i}" for i in range(64)])
+
+        def alarms(context):
+            with Monitor(MonitorConfig(run_dir=tmp_path / str(len(list(tmp_path.iterdir()))), sinks=(),
+                                       precision=Precision("bfloat16", "float32"), context=context)) as mon:
+                quiet = mon.observe(0, unlikely(0.02, 0), floor_sample=0.02).alarms
+                return quiet, mon.observe(1, unlikely(0.08, 1), floor_sample=0.02).alarms
+
+        quiet, dense = alarms({"model_type": "llama", "experts": 0})
+        assert quiet == [] and [a.metric for a in dense] == [K.FLOOR_EXCESS]
+        assert "measure" in dense[0].message
+        for context in ({"model_type": "qwen3_moe", "experts": 8}, {}):
+            assert alarms(context) == ([], [])
+
     @pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
     def test_a_bad_sample_is_refused_before_anything_is_logged(self, tmp_path, bad):
         with Monitor(MonitorConfig(run_dir=tmp_path / "run", sinks=())) as mon:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from rlcheck.core.model_types import dense_state_model, experts_at, experts_of
+from rlcheck.core.model_types import dense_state_model, experts_at, experts_of, routes_no_experts
 
 
 def test_experts_of_configs():
@@ -35,3 +35,15 @@ def test_dense_state_model(tmp_path):
     assert dense_state_model({}) is None and dense_state_model({"model_type": "mamba2"}) is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
     assert dense_state_model({"model_type": "mamba2", "model": str(tmp_path)}) is True
+
+
+def test_routes_no_experts(tmp_path):
+    """True for a model the context names with 0 experts (any type), False with experts, None where it cannot tell:
+    what the threshold detector's `dense_only` rule (the engine against the trainer's measured floor) needs."""
+    assert routes_no_experts({"model_type": "llama", "experts": 0}) is True
+    assert routes_no_experts({"model_type": "qwen3_moe", "experts": 8}) is False
+    assert routes_no_experts({}) is None and routes_no_experts({"model_type": "llama"}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert routes_no_experts({"model": str(tmp_path)}) is True
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    assert routes_no_experts({"model": str(tmp_path)}) is False

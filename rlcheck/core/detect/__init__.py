@@ -20,7 +20,7 @@ from rlcheck.core.detect.robust import (
 from rlcheck.core.detect.signature import SignatureConfig, SignatureDetector
 from rlcheck.core.detect.threshold import DEFAULT_RULES, ThresholdConfig, ThresholdDetector, ThresholdRule
 from rlcheck.core.detect.turns import TURN_Z
-from rlcheck.core.model_types import dense_state_model
+from rlcheck.core.model_types import dense_state_model, routes_no_experts
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ def build_detectors(cfg: DetectorsConfig, context: Mapping[str, Any] | None = No
     """The enabled detectors, keyed by their field of `DetectorsConfig` (the kind, but for
     control_drift, control_trend and residual_trend: drift detectors; turns: a robust z). `context`: the
     Monitor's; its `model_type` and `experts` tell the signature detector whether the model has recurrent
-    state and no experts (`rlcheck.core.model_types.dense_state_model`)."""
+    state and no experts (`rlcheck.core.model_types.dense_state_model`), and the threshold detector whether
+    it routes none (`routes_no_experts`)."""
     makers = {
         "threshold": (cfg.threshold, ThresholdDetector),
         "robust_z": (cfg.robust_z, RobustZDetector),
@@ -63,6 +64,8 @@ def build_detectors(cfg: DetectorsConfig, context: Mapping[str, Any] | None = No
     detectors = {name: cls(c) for name, (c, cls) in makers.items() if c is not None}
     if "signature" in detectors:  # a group off together is a stale state's shape on a dense model with state
         detectors["signature"].state_model = dense_state_model(context or {})
+    if "threshold" in detectors:  # the trainer's measure bounds a dense model's noise, not a router's
+        detectors["threshold"].dense = routes_no_experts(context or {})
     return detectors
 
 

@@ -27,6 +27,8 @@ class ThresholdRule:
     note: str = ""
     scaled: bool = False
     """`limit` is set at the bf16 floor and scales with the run's (`Detector.scale`): 1e-3 x on fp32/fp32."""
+    dense_only: bool = False
+    """Checked only where the Monitor's context names a model that routes no experts (`ThresholdDetector.dense`)."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -44,9 +46,16 @@ DEFAULT_RULES = (
     ThresholdRule(K.turn_metric("later", "abs_diff_clipped_mean"), 0.05, "warn", "turns >= 1 far above bf16 noise"),
     ThresholdRule(K.TURN_LATER_RATIO, 4.0, "warn", "turns >= 1 far off where turn 0 is not"),
     ThresholdRule(K.TURN_HEAD_BODY_RATIO, 8.0, "warn", "the turns' first tokens far off where the rest is not"),
+    ThresholdRule(K.FLOOR_EXCESS, 2.5, "warn", "mean |d| (clipped) 2.5x the trainer's measure of the model's own "
+                  "noise at the engine's precision", dense_only=True),
 )
 """The first two set at the bf16 floor and scaled: on a fp32/fp32 run (floor scale 1e-3) they stand at 1e-5 and
-5e-5. The multi-turn rules are not scaled (two ratios, and a level set at bf16 by their own calibration)."""
+5e-5. The multi-turn rules are not scaled (two ratios, and a level set at bf16 by their own calibration). The
+last reads a step the trainer measured (`rlcheck.core.floors`: `floor/excess`, the clipped mean over the larger
+of the measure and the precision's level) on a dense model: healthy bf16 runs stood at most 1.24x (the tiny
+Llamas, hybrids and Mamba2, 44 runs of BENCHMARKS.md's rounds 6-7), a stale prefix cache on the random Llama
+climbed past 2.5x within 2-10 steps under the clipped-mean gate's 5x; an MoE's healthy router noise sat 1.5-6x over
+an autocast measure, so not there."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class ThresholdDetector(Detector):
 
     def __init__(self, cfg: ThresholdConfig | None = None):
         self.cfg = cfg or ThresholdConfig()
+        self.dense: bool | None = None
+        """The model routes no experts (`rlcheck.core.model_types.routes_no_experts` of the Monitor's context;
+        None: unknown), set by `build_detectors`: the `dense_only` rules are checked only when True."""
         self.quiet = [0] * len(self.cfg.rules)
         """Per rule: observations below the limit still owed before it re-arms (0: armed)."""
 
@@ -74,7 +86,7 @@ class ThresholdDetector(Detector):
         alarms = []
         for i, rule in enumerate(self.cfg.rules):
             value = metrics.get(rule.metric)
-            if value is None:
+            if value is None or (rule.dense_only and self.dense is not True):
                 continue
             limit = rule.limit * (self.scale if rule.scaled else 1.0)
             if value <= limit:

@@ -56,6 +56,9 @@ def precision_clean_level(ev: Any) -> float:
     return max(CLEAN, CLEAN_RATIO * precision_level(ev))
 
 
+EXCESS = next(rule.limit for rule in DEFAULT_RULES if rule.metric == K.FLOOR_EXCESS)
+"""The threshold detector's gate on the engine's clipped mean over the trainer's measured floor (`floor/excess`,
+a dense model's): a step past it stands out of the model's own noise."""
 ELEVATED = 5.0
 """A step is past its precision's noise at this many times the floor's level: the clipped-mean gate of the
 threshold detector at the run's floor (0.05 on a bf16 engine, 5e-5 on fp32/fp32)."""

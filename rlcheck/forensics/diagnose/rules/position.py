@@ -22,7 +22,13 @@ import numpy as np
 from rlcheck.core import metrics as K
 from rlcheck.forensics.diagnose.evidence import Evidence
 from rlcheck.forensics.diagnose.findings import Finding
-from rlcheck.forensics.diagnose.floors import ELEVATED, clean_level, floor_level, precision_clean_level
+from rlcheck.forensics.diagnose.floors import (
+    ELEVATED,
+    EXCESS,
+    clean_level,
+    floor_level,
+    precision_clean_level,
+)
 from rlcheck.forensics.diagnose.queries import MAX_IDS, alarm_steps, alarms_of, metric_series, spearman
 from rlcheck.forensics.diagnose.rows import (
     CONTRAST,
@@ -157,14 +163,18 @@ def _onset_after_clean(ev: Evidence, step: int) -> bool:
     """The run's first step was clean next to `step`: its mean |d| below `clean_level` and below 1/CONTRAST of
     `step`'s, or (at a floor above fp32's, where the precision's own noise is most of a clean step's level: a bf16
     engine's 0.018 under a stale prefix cache's 0.05-0.06) the first step under the threshold gate at the run's
-    floor (`ELEVATED` x its level) and `step` past it (records by step; False when either is missing or `step`
-    is the first)."""
+    floor (`ELEVATED` x its level) and `step` past it, or the first step under the gate on the engine's excess over
+    the trainer's measure (`EXCESS`, `floor/excess`) and `step` past it (the random Llama's stale prefix at 3.3x
+    its measure of 0.020 from its second step, seed 2) (records by step; False when either is missing or `step` is
+    the first)."""
     steps, values = metric_series(ev, K.ABS_DIFF_MEAN)
     if steps.size < 2 or step not in steps or step == steps[0]:
         return False
     first, at = float(values[0]), float(values[steps == step][0])
     gate = ELEVATED * floor_level(ev)
-    return first < clean_level(ev) and (first * CONTRAST < at or first < gate <= at)
+    over = dict(zip(*metric_series(ev, K.FLOOR_EXCESS), strict=True))
+    measured = over.get(steps[0], EXCESS) < EXCESS <= over.get(step, 0.0)
+    return first < clean_level(ev) and (first * CONTRAST < at or first < gate <= at or measured)
 
 
 def stale_prefix_cache(ev: Evidence) -> Finding | None:
