@@ -49,7 +49,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("docs/faults.md", "precision noise while diagnose's healthy verdict names the floor it judged at",
      (SFD + "test_left_padding_is_never_a_bare_healthy",)),
     ("docs/faults.md", "| `stale-prefix-cache@S` |", (INPUTS + "test_stale_prefix_cache",)),
-    ("docs/faults.md", "which warns past 2.5x, and diagnose names `stale_prefix_cache` from the prefix rows",
+    ("docs/faults.md", "which warns past 2x, and diagnose names `stale_prefix_cache` from the prefix rows",
      ("tests/unit/test_excess_runs.py::test_a_stale_prefix_over_the_measure_warns",
       "tests/unit/test_excess_runs.py::test_diagnose_names_the_stale_prefix_the_excess_caught")),
     ("docs/faults.md", "| `rope-mismatch=F` |", (SETTINGS + "test_rope_mismatch_is_position_dependent",

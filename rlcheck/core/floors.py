@@ -27,7 +27,7 @@ floor_sample=)`, the step is judged at max(level, sample) (logged beside the lev
 never under the table's level, and the twin bar keeps the table's (twins compare the engine with itself).
 The step's clipped mean over that level is `rlcheck/floor/excess`: a healthy dense model's engine stays within
 1.24x of it (the tiny Llamas and the Mamba models, every bf16 run of BENCHMARKS.md's rounds 6-7), which the
-threshold detector's `dense_only` rule reads (2.5x, on a model the context names as routing no experts; an
+threshold detector's `dense_only` rule reads (2x, on a model the context names as routing no experts; an
 MoE's router noise sat 1.5-6x over an autocast measure).
 """
 

@@ -15,12 +15,17 @@ id, a longer one is cut. The batch carries the trainer's prompt ids (`PROMPT_TOK
 ids it scored (`tokens_train`); the update trains on what the trainer scored.
 
 A step whose alarms do not halt the run leaves no dump; the first such step of a run gets one
-(reason "first alarm"), so that `rlcheck diagnose` has its sequences to read.
+(reason "first alarm"), so that `rlcheck diagnose` has its sequences to read, and so does a later step
+whose alarm names a rule (kind and metric) no earlier dump's did ("new alarm"), up to `ALARM_DUMPS` a run:
+an early, faint alarm's dump may hold too little of a fault that a later gate sees whole (the random
+Llama's stale prefix warned at 2x the trainer's measure with its prefix rows 2.9x the others, at the
+clipped-mean gate four steps later far past them; BENCHMARKS.md, "The engine over the trainer's measure").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +104,29 @@ def trainer_view(fault: Any, step: int, seqs: Sequences, rollouts: Sequence[Any]
     return TrainerView(scored, tuple(tuple(p) for p in given.prompts), touched, pad)
 
 
+ALARM_DUMPS = 4
+"""The most dumps a run's alarms that do not halt leave (its halt dumps besides)."""
+
+
 def keep_first_alarm(monitor: Any, report: Any, batch: Any) -> None:
-    """Dump the step when it raised an alarm, did not halt, and the run has no dump yet."""
-    if report.alarms and not report.halted and not any((Path(monitor.run_dir) / "dumps").glob("step_*")):
+    """Dump the step when it raised an alarm, did not halt, and either the run has no dump yet or an alarm names a
+    rule (kind, metric) that no earlier dump's alarms named, while the run has fewer than `ALARM_DUMPS`."""
+    if not report.alarms or report.halted:
+        return
+    dumps = sorted((Path(monitor.run_dir) / "dumps").glob("step_*/meta.json"))
+    if not dumps:
         monitor.dump(report.step, batch, report, reason="first alarm")
+        return
+    if len(dumps) >= ALARM_DUMPS:
+        return
+    seen = {(a.get("kind"), a.get("metric")) for meta in dumps for a in _alarms_of(meta)}
+    if any((a.kind, a.metric) not in seen for a in report.alarms):
+        monitor.dump(report.step, batch, report, reason="new alarm")
+
+
+def _alarms_of(meta: Path) -> list[dict[str, Any]]:
+    try:
+        alarms = json.loads(meta.read_text()).get("alarms") or []
+    except (OSError, ValueError):
+        return []
+    return [a for a in alarms if isinstance(a, dict)]

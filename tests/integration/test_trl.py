@@ -485,8 +485,8 @@ class TestAttachMonitor:
         assert [line["step"] for line in lines] == [0, 1] and hook.halt is None
         assert all(line["metrics"][K.FLOOR_LEVEL] == 0.01 for line in lines)
         assert all(s is not None and 0.25 * c <= s <= 4 * c for c, s in found), found
-        # the engine over the measure, logged and read on this dense model (experts 0 in the hook's context): under 2.5
-        assert all(line["metrics"][K.FLOOR_EXCESS] < 2.5 and not line.get("alarms") for line in lines), lines
+        # the engine over the measure, logged and read on this dense model (experts 0 in the hook's context): under 2
+        assert all(line["metrics"][K.FLOOR_EXCESS] < 2.0 and not line.get("alarms") for line in lines), lines
         assert hook.monitor.detectors["threshold"].dense is True
         assert hook.low.kept[0].is_floating_point and str(hook.low.kept[0]) == "torch.bfloat16"
 

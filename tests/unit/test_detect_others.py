@@ -56,7 +56,7 @@ class TestThresholdDetector:
         mean exp|d| (one tail token moves it by e^|d| / tokens)."""
         limits = {r.metric: r.limit for r in ThresholdConfig().rules if not r.metric.startswith(K.TURN_PREFIX)}
         # multi-turn steps add theirs; a dense model whose trainer measured its floor, the engine over that measure
-        assert limits == {K.PROB_ABS_DIFF_MEAN: 0.01, K.ABS_DIFF_CLIPPED_MEAN: 0.05, K.FLOOR_EXCESS: 2.5}
+        assert limits == {K.PROB_ABS_DIFF_MEAN: 0.01, K.ABS_DIFF_CLIPPED_MEAN: 0.05, K.FLOOR_EXCESS: 2.0}
         assert [r.metric for r in ThresholdConfig().rules if r.dense_only] == [K.FLOOR_EXCESS]
 
     def test_rearms_after_time_below(self):

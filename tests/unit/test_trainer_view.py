@@ -113,3 +113,28 @@ class TestFirstAlarmDump:
         assert [d.name for d in dumps] == ["step_000001"]
         rows, meta = read_dump(dumps[0])
         assert meta["reason"] == "first alarm" and [list(r[PROMPT_TOKENS_TRAIN]) for r in rows] == [[BOS, 5]] * 4
+
+    def test_a_later_alarm_on_another_rule_is_dumped_too(self, tmp_path, monkeypatch):
+        """A faint first alarm (one rule) is dumped; the same rule again is not; a later step whose alarm names
+        another rule is ("new alarm": its evidence may be the stronger), up to `ALARM_DUMPS` a run. Failed before:
+        one dump a run, the first alarm's."""
+        from rlcheck.core import metrics as K
+        from rlcheck.core.detect import ThresholdRule
+        from rlcheck.loop import trainer_view as tv
+
+        rules = (ThresholdRule(K.ABS_DIFF_MEAN, 0.1), ThresholdRule(K.ABS_DIFF_MAX, 0.5))
+        only = DetectorsConfig(threshold=ThresholdConfig(rules=rules, rearm=None), robust_z=None, drift=None,
+                               control_drift=None, control_trend=None, residual_trend=None, periodic=None,
+                               signature=None, turns=None)
+
+        def dumped(run_dir, offs):
+            with Monitor(MonitorConfig(run_dir=run_dir, sinks=(), detectors=only)) as mon:
+                for step, off in enumerate(offs):
+                    batch = self.batch(off)
+                    keep_first_alarm(mon, mon.observe(step, batch), batch)
+            return {d.name: read_dump(d)[1]["reason"] for d in sorted((run_dir / "dumps").iterdir())}
+
+        offs = (0.0, 0.2, 0.2, 0.6, 0.6)  # the mean's rule from step 1, the max's from step 3
+        assert dumped(tmp_path / "a", offs) == {"step_000001": "first alarm", "step_000003": "new alarm"}
+        monkeypatch.setattr(tv, "ALARM_DUMPS", 1)
+        assert dumped(tmp_path / "b", offs) == {"step_000001": "first alarm"}
