@@ -97,3 +97,24 @@ def test_diagnose_names_the_stale_prefix_the_excess_caught(name):
     v = diagnose(RECORDED / name).verdict
     assert (v.cause, v.affected_steps) == ("stale_prefix_cache", [step]), v.evidence
     assert "321-token prefix" in v.evidence[0] and "reset_prefix_cache" in v.evidence[1]
+
+
+def test_the_later_alarms_dump_names_what_the_first_could_not(tmp_path):
+    """`rlcheck demo --model runs/models/llama --trainer hf --world-size 1 --steps 12 --engine-dtype bfloat16 --inject
+    stale-prefix-cache --seed 1` (tests/data/loop_runs/llama-bf16-stale-prefix-demo-s1): warned at step 6 on the excess
+    (2.02x the measure: the prefix rows 2.9x the others, under the stale prefix rule's 3x) and at step 10 on the
+    clipped mean; the loop kept both steps' dumps (a later alarm on another rule). Diagnose names the stale prefix from
+    step 10's; from step 6's alone (what the loop kept before: one dump a run) it does not (it read the growth as a
+    weight sync, 0.8)."""
+    import shutil
+
+    from rlcheck.forensics.diagnose import diagnose
+
+    run = RECORDED / "llama-bf16-stale-prefix-demo-s1"
+    assert sorted(p.name for p in (run / "dumps").iterdir()) == ["step_000006", "step_000010"]
+    v = diagnose(run).verdict
+    assert (v.cause, v.affected_steps) == ("stale_prefix_cache", [10]), v.evidence
+    first_only = tmp_path / "first-only"
+    shutil.copytree(run, first_only)
+    shutil.rmtree(first_only / "dumps" / "step_000010")
+    assert diagnose(first_only).verdict.cause != "stale_prefix_cache"  # weights_out_of_sync (0.8) on this machine
