@@ -25,7 +25,6 @@ clipped-mean gate four steps later far past them; BENCHMARKS.md, "The engine ove
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,14 +118,7 @@ def keep_first_alarm(monitor: Any, report: Any, batch: Any) -> None:
         return
     if len(dumps) >= ALARM_DUMPS:
         return
-    seen = {(a.get("kind"), a.get("metric")) for meta in dumps for a in _alarms_of(meta)}
+    metas = [monitor.run.dump_meta(meta.parent) for meta in dumps]  # each read once a run (`Run.dump_meta`)
+    seen = {(a.get("kind"), a.get("metric")) for meta in metas for a in meta.get("alarms") or () if isinstance(a, dict)}
     if any((a.kind, a.metric) not in seen for a in report.alarms):
         monitor.dump(report.step, batch, report, reason="new alarm")
-
-
-def _alarms_of(meta: Path) -> list[dict[str, Any]]:
-    try:
-        alarms = json.loads(meta.read_text()).get("alarms") or []
-    except (OSError, ValueError):
-        return []
-    return [a for a in alarms if isinstance(a, dict)]

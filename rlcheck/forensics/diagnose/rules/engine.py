@@ -53,7 +53,7 @@ from rlcheck.forensics.diagnose.queries import (
     catastrophic_rows,
     metric_series,
 )
-from rlcheck.forensics.diagnose.rows import abs_diff, left_padding
+from rlcheck.forensics.diagnose.rows import left_padding
 
 TELLS = ("run it again with the engine guard (`rlcheck demo --guard`, `VLLMConfig(guard=GuardConfig())`) or "
          "reproduce it with `rlcheck stress`: both read the scheduler's state slots and tell stale state "
@@ -292,12 +292,13 @@ none of the others; a stale state starts after the first wave of requests, on cl
 
 def _padded_only(ev: Evidence, step: int) -> bool:
     """The step's dump has rows of the longest prompts and shorter ones, and its far-off sequences (catastrophic, or
-    diverged within their first `early_window` tokens) are all shorter ones'."""
+    diverged within their first `early_window` tokens: the dump's `first_divergence`) are all shorter ones'."""
     rows = ev.dump_rows.get(step)
     pad = left_padding(rows) if rows else None
     if pad is None or not (pad == 0).any():
         return False
     cfg = StatsConfig()
-    early = np.array([bool((abs_diff(row)[:cfg.early_window] >= cfg.divergence_tau).any()) for row in rows])
+    early = np.array([row.get("first_divergence") is not None and row["first_divergence"] < cfg.early_window
+                      for row in rows])
     far = catastrophic_rows(rows, cfg) | early
     return bool(far.any()) and not (far & (pad == 0)).any()
