@@ -14,10 +14,10 @@ from rlcheck.core.monitor import Monitor, MonitorConfig
 from rlcheck.errors import ConfigError
 
 
-def step_batch(level: float, seed: int = 0, n: int = 64, length: int = 32) -> StepBatch:
-    """n sequences whose |d| averages about `level` on tokens of probability 0.3 to 0.9 (kept under 1)."""
+def step_batch(level: float, seed: int = 0, n: int = 64, length: int = 32, probs=(0.3, 0.9)) -> StepBatch:
+    """n sequences whose |d| averages about `level` on tokens of probability `probs` (kept under 1)."""
     rng = np.random.default_rng(seed)
-    lr = [np.log(rng.uniform(0.3, 0.9, length)) for _ in range(n)]
+    lr = [np.log(rng.uniform(*probs, length)) for _ in range(n)]
     lt = [np.minimum(x + rng.choice([-1.0, 1.0], length) * rng.exponential(level, length), -1e-6) for x in lr]
     return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=[f"r{i}" for i in range(n)])
 
@@ -167,17 +167,11 @@ class TestMeasuredFloor:
         """A step 4x over its measured floor (0.08 against 0.02: under the clipped-mean gate's 5x, on unlikely
         tokens as a random model's, under the probability gate) warns where the context names a model that
         routes no experts, not on an MoE or where the context does not say."""
-        def unlikely(level: float, seed: int) -> StepBatch:
-            rng = np.random.default_rng(seed)
-            lr = [np.log(rng.uniform(0.01, 0.05, 32)) for _ in range(64)]
-            lt = [x + rng.choice([-1.0, 1.0], 32) * rng.exponential(level, 32) for x in lr]
-            return StepBatch.from_ragged(logp_rollout=lr, logp_train=lt, request_ids=[f"r{i}" for i in range(64)])
-
         def alarms(context):
             with Monitor(MonitorConfig(run_dir=tmp_path / str(len(list(tmp_path.iterdir()))), sinks=(),
                                        precision=Precision("bfloat16", "float32"), context=context)) as mon:
-                quiet = mon.observe(0, unlikely(0.02, 0), floor_sample=0.02).alarms
-                return quiet, mon.observe(1, unlikely(0.08, 1), floor_sample=0.02).alarms
+                quiet = mon.observe(0, step_batch(0.02, seed=0, probs=(0.01, 0.05)), floor_sample=0.02).alarms
+                return quiet, mon.observe(1, step_batch(0.08, seed=1, probs=(0.01, 0.05)), floor_sample=0.02).alarms
 
         quiet, dense = alarms({"model_type": "llama", "experts": 0})
         assert quiet == [] and [a.metric for a in dense] == [K.FLOOR_EXCESS]
