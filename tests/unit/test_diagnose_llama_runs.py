@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rlcheck.forensics.diagnose import diagnose
@@ -111,10 +112,39 @@ def test_noise_with_one_far_off_sequence_on_an_attention_model():
 
 
 def test_the_lone_far_off_sequence_still_counts_on_a_recurrent_model(tmp_path):
-    """The same records from a model with recurrent state: the signature is a state shape there, not noise."""
-    run_dir = tmp_path / NOISE
-    shutil.copytree(RECORDED / NOISE, run_dir)
-    state = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in state.read_text().splitlines()]
-    assert diagnose(run_dir, context={"model_type": "mamba2"}).verdict.cause != "numeric_noise" if False else True
-    del records
+    """The same records from a model with recurrent state (the dump's context names Mamba2): the signature is a
+    state shape there, not noise."""
+    run = edited(tmp_path, NOISE, edit_context=lambda c: c.update(model_type="mamba2"))
+    assert diagnose(run).verdict.cause == "stale_state"
+
+
+RETOKENIZED, OFF_BY_ONE = "llama-calculator-bf16-retokenize-s4", "llama-calculator-bf16-off-by-one-s4"
+"""The trained calculator Llama with a bf16 engine, seed 4 (`bench_confusion.py --seed 4 --models llama-calculator
+--precisions bf16 --trainers hf --only retokenize off-by-one`), halted at step 0. Every response starts with the
+special token 4 that the decoded text leaves out, so re-tokenizing drops it: on 62 of 64 rows the trainer's ids are
+the engine's moved by one token as an off-by-one's are, but its logprobs were computed without that token (mean |d|
+7.6 aligned, 8.0 read one token over); the off-by-one's ids move the same way and its logprobs fit the move (1.2
+aligned, 0.011 read over). Was `token_misalignment` for both."""
+
+
+def test_retokenization_that_moves_the_ids_by_one():
+    """Ids moved by one with logprobs that follow no shift: re-tokenization, the lost token named; the off-by-one
+    beside it stays token_misalignment."""
+    v = diagnose(RECORDED / RETOKENIZED).verdict
+    assert v.cause == "retokenization", v.evidence
+    assert "without the engine's id 4" in v.evidence[0] and "62 of 64" in v.evidence[0] and "follow no shift" in v.evidence[1]
+    assert diagnose(RECORDED / OFF_BY_ONE).verdict.cause == "token_misalignment"
+
+
+def test_retokenization_needs_logprobs_that_follow_no_shift(tmp_path):
+    """The retokenized run's ids with the trainer's logprobs replaced by the engine's read one token late (as an
+    off-by-one reads them): token_misalignment, as before."""
+    import pandas as pd
+
+    run = tmp_path / RETOKENIZED
+    shutil.copytree(RECORDED / RETOKENIZED, run)
+    seqs = run / "dumps" / "step_000000" / "sequences.parquet"
+    rows = pd.read_parquet(seqs)
+    rows["logp_train"] = [np.append(lr[1:], lr[-1]) for lr in rows["logp_rollout"]]
+    rows.to_parquet(seqs)
+    assert diagnose(run).verdict.cause == "token_misalignment"

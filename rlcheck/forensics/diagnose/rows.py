@@ -5,6 +5,7 @@ positions, the prompt prefix it shares with other prompts. Pure numpy over the r
     rows = ev.dump_rows[step]
     row_abs(rows)               # (N,) mean |d| over each row's compared tokens
     token_pattern(row)          # None (same ids), "last", "shift" (late or early) or "from" (see the function)
+    values_fit_shift(row)       # a "shift" row's logprobs read one token over (True) or another sequence (False)
     left_padding(rows)          # (N,) the step's longest prompt minus each row's prompt length
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from rlcheck.core.detect.signature import SignatureConfig
 from rlcheck.core.prompt_ids import PROMPT_TOKENS_TRAIN
 
 CLEAN = 1e-4
@@ -84,6 +86,28 @@ def shift_direction(engine: np.ndarray, trainer: np.ndarray, first: int) -> str 
         if fit.size >= 2 and fit.mean() >= SHIFT_FIT:
             return name
     return None
+
+
+def values_fit_shift(row: dict[str, Any]) -> bool | None:
+    """Whether the trainer's logprobs follow its ids' shift (`shift_direction`): logp_train[t] fits the
+    engine's logprob one token over `SignatureConfig.shift_min_gain` times better than logp_rollout[t], as
+    a read one token late or early does; False where they fit no better (the trainer scored other ids in
+    another context: the engine's text re-tokenized); None where the ids show no shift or the straight
+    |d| is under `shift_min_abs_diff` (too little to tell)."""
+    engine, trainer = ids(row, "response_tokens"), ids(row, "tokens_train")
+    if engine is None or trainer is None or engine.shape != trainer.shape or engine.size < 3:
+        return None
+    direction = shift_direction(engine, trainer, first_difference(row))
+    if direction is None:
+        return None
+    cfg = SignatureConfig()
+    lr, lt = np.asarray(row["logp_rollout"], np.float64), np.asarray(row["logp_train"], np.float64)
+    straight = abs_diff(row)
+    moved = np.abs(lt[:-1] - lr[1:]) if direction == "late" else np.abs(lt[1:] - lr[:-1])
+    moved = moved[np.isfinite(moved)]
+    if straight.mean() < cfg.shift_min_abs_diff or not moved.size:
+        return None
+    return bool(straight.mean() >= cfg.shift_min_gain * moved.mean())
 
 
 def first_difference(row: dict[str, Any]) -> int:
