@@ -89,25 +89,35 @@ def shift_direction(engine: np.ndarray, trainer: np.ndarray, first: int) -> str 
 
 
 def values_fit_shift(row: dict[str, Any]) -> bool | None:
-    """Whether the trainer's logprobs follow its ids' shift (`shift_direction`): logp_train[t] fits the
-    engine's logprob one token over `SignatureConfig.shift_min_gain` times better than logp_rollout[t], as
-    a read one token late or early does; False where they fit no better (the trainer scored other ids in
-    another context: the engine's text re-tokenized); None where the ids show no shift or the straight
-    |d| is under `shift_min_abs_diff` (too little to tell)."""
+    """Whether the trainer's logprobs follow its ids' shift (`shift_direction`): the row read one token over
+    (`read_over`) fits `SignatureConfig.shift_min_gain` times better than read straight, as a read one token
+    late or early does; False where it fits no better (the trainer scored other ids in another context: the
+    engine's text re-tokenized); None where the ids show no shift or the straight |d| is under
+    `shift_min_abs_diff` (too little to tell)."""
+    moved = read_over(row)
+    if moved is None or not moved.size:
+        return None
+    cfg, straight = SignatureConfig(), float(abs_diff(row).mean())
+    if straight < cfg.shift_min_abs_diff:
+        return None
+    return bool(straight >= cfg.shift_min_gain * float(moved.mean()))
+
+
+def read_over(row: dict[str, Any]) -> np.ndarray | None:
+    """|d| of a row whose ids moved by one (`shift_direction`) read one token over in that direction:
+    logp_train[t] against logp_rollout[t + 1] for a read late, [t - 1] for one early, over the pairs compared
+    on both tokens (mask, finite); None where the ids show no shift."""
     engine, trainer = ids(row, "response_tokens"), ids(row, "tokens_train")
     if engine is None or trainer is None or engine.shape != trainer.shape or engine.size < 3:
         return None
     direction = shift_direction(engine, trainer, first_difference(row))
     if direction is None:
         return None
-    cfg = SignatureConfig()
     lr, lt = np.asarray(row["logp_rollout"], np.float64), np.asarray(row["logp_train"], np.float64)
-    straight = abs_diff(row)
-    moved = np.abs(lt[:-1] - lr[1:]) if direction == "late" else np.abs(lt[1:] - lr[:-1])
-    moved = moved[np.isfinite(moved)]
-    if straight.mean() < cfg.shift_min_abs_diff or not moved.size:
-        return None
-    return bool(straight.mean() >= cfg.shift_min_gain * moved.mean())
+    keep = np.ones(lr.size, dtype=bool) if row.get("mask") is None else np.asarray(row["mask"], dtype=bool)
+    d = lt[:-1] - lr[1:] if direction == "late" else lt[1:] - lr[:-1]
+    both = keep[:-1] & keep[1:] & np.isfinite(d)
+    return np.abs(d[both])
 
 
 def first_difference(row: dict[str, Any]) -> int:

@@ -32,6 +32,7 @@ from rlcheck.forensics.diagnose.rows import (
     dumped_rows,
     first_difference,
     ids,
+    read_over,
     shift_direction,
     token_pattern,
     trainer_prompts,
@@ -143,14 +144,14 @@ def _moved_but_not_misread(step: int, rows, shifted: list[int], parted: list[int
     where = Counter(int(ids(rows[j], "response_tokens")[first_difference(rows[j])]) for j in moved)
     token, count = where.most_common(1)[0]
     straight = float(np.mean([abs_diff(rows[j]).mean() for j in moved]))
-    over = float(np.mean([_read_over(rows[j]) for j in moved]))
+    over = float(np.mean([read_over(rows[j]).mean() for j in moved]))
     how = (f"without the engine's id {token} where they part ({count} of them)" if late
            else f"with an id in front where they part (the engine's {token} there in {count} of them)")
     evidence = [f"step {step}: {len(moved)} of {len(rows)} sequences: the trainer's response ids are the engine's moved "
                 f"by one token, {how}; e.g. {rows[i]['request_id']}: engine {engine[:5].tolist()}, trainer "
                 f"{trainer[:5].tolist()}" + (f"; {len(parted)} more part later" if parted else ""),
                 f"but the trainer's logprobs follow no shift: mean |d| {straight:.3g} as aligned, {over:.3g} read one "
-                "token over (a read one token late fits there, near the noise): the trainer scored another sequence, "
+                "token over (where a read one token late fits near the noise): the trainer scored another sequence, "
                 "not the engine's read one token late: the decoded text re-tokenized drops or adds a token the "
                 "sampler emitted (a special token the text leaves out, a merge); use the engine's token ids"]
     return Finding("retokenization", RETOKENIZED_SHIFT, evidence, [step], [rows[j]["request_id"] for j in moved + parted][:MAX_IDS])
@@ -159,14 +160,6 @@ def _moved_but_not_misread(step: int, rows, shifted: list[int], parted: list[int
 RETOKENIZED_SHIFT = 0.9
 """Confidence of a retokenization read from ids moved by one whose logprobs follow no shift: above the
 token-id signature alone (`token_misalignment` 0.85), under it with the shift signature too (0.95)."""
-
-
-def _read_over(row) -> float:
-    """Mean |d| of the row read one token over, in the direction its ids moved."""
-    engine, trainer = ids(row, "response_tokens"), ids(row, "tokens_train")
-    lr, lt = np.asarray(row["logp_rollout"], np.float64), np.asarray(row["logp_train"], np.float64)
-    late = shift_direction(engine, trainer, first_difference(row)) == "late"
-    return float(np.nanmean(np.abs(lt[:-1] - lr[1:]) if late else np.abs(lt[1:] - lr[:-1])))
 
 
 def stop_token(ev: Evidence) -> Finding | None:
